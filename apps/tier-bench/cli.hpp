@@ -1,0 +1,109 @@
+// Command-line plumbing shared by tier-bench's subcommands: options, the subcommand registry,
+// a progress line, result tables and the summary probes.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tier/status.hpp"
+
+namespace tier::bench {
+
+// `--name value`, `--name=value` and bare `--flag`. Every option a command reads is marked used;
+// finish() reports the rest as errors, with a suggestion for likely typos.
+class Args {
+ public:
+  Args(std::vector<std::string> argv);  // argv without the program and subcommand names
+
+  bool flag(const std::string& name);
+  std::string get(const std::string& name, const std::string& fallback);
+  Result<std::uint64_t> size(const std::string& name, std::uint64_t fallback);   // "4G", "1M", 4096
+  Result<std::uint64_t> count(const std::string& name, std::uint64_t fallback);  // "100M" params = 100e6
+  Result<long long> integer(const std::string& name, long long fallback);
+  Result<double> number(const std::string& name, double fallback);
+  // One of `choices`; an error names the option, the value and the choices.
+  Result<std::string> choice(const std::string& name, const std::vector<std::string>& choices,
+                             const std::string& fallback);
+  bool has(const std::string& name) const;
+  // Errors for options nobody read and for positional arguments.
+  Status finish() const;
+
+ private:
+  std::map<std::string, std::optional<std::string>> opts_;
+  std::vector<std::string> positional_;
+  std::map<std::string, bool> used_;
+  std::vector<std::string> known_;
+};
+
+struct Command {
+  std::string name;
+  std::string summary;  // one line
+  std::string usage;    // options, one per line
+  std::function<int(Args&)> run;
+};
+
+std::vector<Command>& commands();
+struct CommandRegistrar {
+  explicit CommandRegistrar(Command c) { commands().push_back(std::move(c)); }
+};
+
+// A row of `tier-bench summary`: one link or kernel, its figure and, where there is one, the
+// reference it is compared with in the same run.
+struct SummaryRow {
+  std::string what;       // "host memory (in-place r/w)"
+  std::string figure;     // "12.3 GB/s"
+  std::string reference;  // "memcpy 10.1 GB/s" or ""
+  double ratio = 0;       // figure / reference, 0 when there is none
+  std::string note;
+};
+struct SummaryProbe {
+  int order;
+  std::string name;
+  // Runs a short measurement; `quick` asks for the smallest sizes that still mean something.
+  std::function<Result<std::vector<SummaryRow>>(bool quick)> run;
+};
+std::vector<SummaryProbe>& summary_probes();
+struct SummaryRegistrar {
+  explicit SummaryRegistrar(SummaryProbe p) { summary_probes().push_back(std::move(p)); }
+};
+
+// A single progress line on stderr: redrawn in place on a terminal, a line every few seconds
+// otherwise. Silent when `enabled` is false (e.g. --quiet).
+class Progress {
+ public:
+  Progress(std::string label, std::uint64_t total, bool bytes = true, bool enabled = true);
+  ~Progress();
+  void update(std::uint64_t done);
+  void finish();
+
+ private:
+  void draw(bool final);
+  std::string label_;
+  std::uint64_t total_;
+  std::uint64_t done_ = 0;
+  bool bytes_;
+  bool enabled_;
+  bool tty_;
+  bool finished_ = false;
+  std::chrono::steady_clock::time_point start_, last_;
+};
+
+// Fixed-width text table on stdout.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header);
+  void add(std::vector<std::string> row);
+  void print() const;
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+std::string fmt(double v, int precision = 2);
+
+}  // namespace tier::bench

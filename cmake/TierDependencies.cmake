@@ -1,0 +1,61 @@
+# Finds every third-party dependency the standard way. scripts/install-deps.sh installs them.
+find_package(PkgConfig REQUIRED)
+find_package(Threads REQUIRED)
+find_package(TBB CONFIG REQUIRED)
+find_package(hwy CONFIG REQUIRED)
+find_package(nlohmann_json 3.10 CONFIG REQUIRED)
+
+pkg_check_modules(URING REQUIRED IMPORTED_TARGET GLOBAL liburing>=2.0)
+
+# libaio ships no pkg-config file on Debian; try pkg-config first, then the plain library.
+if(TIER_WITH_AIO)
+  pkg_check_modules(AIO QUIET IMPORTED_TARGET GLOBAL libaio)
+  if(NOT AIO_FOUND)
+    find_path(TIER_AIO_INCLUDE_DIR libaio.h)
+    find_library(TIER_AIO_LIBRARY aio)
+    if(TIER_AIO_INCLUDE_DIR AND TIER_AIO_LIBRARY)
+      add_library(tier_aio_lib UNKNOWN IMPORTED GLOBAL)
+      set_target_properties(tier_aio_lib PROPERTIES IMPORTED_LOCATION ${TIER_AIO_LIBRARY}
+                                                    INTERFACE_INCLUDE_DIRECTORIES ${TIER_AIO_INCLUDE_DIR})
+      add_library(PkgConfig::AIO ALIAS tier_aio_lib)
+    else()
+      message(WARNING "tier: libaio not found; building without the aio engine (install libaio-dev)")
+      set(TIER_WITH_AIO OFF CACHE BOOL "" FORCE)
+    endif()
+  endif()
+endif()
+
+if(TIER_WITH_CUDA)
+  enable_language(CUDA)
+  find_package(CUDAToolkit REQUIRED)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
+    # PTX for sm_75 runs (JIT) on every GPU nvcc 13 supports; native code for Hopper.
+    set(CMAKE_CUDA_ARCHITECTURES "75-virtual;90-real")
+  endif()
+  # CMake 3.25 knows no C++20 flag for nvcc: .cu files are C++17, so the public headers they
+  # include stay C++17-clean.
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+else()
+  set(TIER_WITH_NCCL OFF CACHE BOOL "" FORCE)
+endif()
+
+if(TIER_WITH_NCCL)
+  find_path(TIER_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+  find_library(TIER_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+  if(TIER_NCCL_INCLUDE_DIR AND TIER_NCCL_LIBRARY)
+    add_library(tier_nccl_lib UNKNOWN IMPORTED GLOBAL)
+    set_target_properties(tier_nccl_lib PROPERTIES IMPORTED_LOCATION ${TIER_NCCL_LIBRARY}
+                                                    INTERFACE_INCLUDE_DIRECTORIES ${TIER_NCCL_INCLUDE_DIR})
+  else()
+    message(STATUS "tier: NCCL not found; building without the NCCL communicator")
+    set(TIER_WITH_NCCL OFF CACHE BOOL "" FORCE)
+  endif()
+endif()
+
+if(TIER_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+if(TIER_BUILD_BENCH)
+  find_package(benchmark REQUIRED)
+endif()

@@ -1,0 +1,186 @@
+// tier/config.hpp — EngineConfig: everything an engine is told, loaded from JSON.
+//
+// The JSON is DeepSpeed's configuration format, so existing ZeRO-Offload/ZeRO-Infinity configs
+// carry over (`zero_optimization.stage`, `offload_param`, `offload_optimizer`, `aio`, `optimizer`,
+// `fp16`/`bf16`, `gradient_clipping`, `gradient_accumulation_steps`, ...), plus tier's own `tier`
+// section (budgets per tier, backends, swap paths, prefetch and emulation settings). The full key
+// reference with defaults is docs/configuration.md.
+//
+//  - "auto" (as in the configs Hugging Face users keep) is accepted where DeepSpeed's
+//    integrations accept it and resolves to a documented default; the key is listed in
+//    `auto_keys` so that an adapter can fill it from the model instead.
+//  - DeepSpeed keys tier does not act on are accepted; each adds one line to `notes` saying how
+//    tier treats it.
+//  - A key neither tier nor DeepSpeed knows is reported in `notes` with a "did you mean"
+//    suggestion, or is an error when strict (ConfigOptions::strict or "tier": {"strict": true}).
+//    Unknown keys inside the `tier` section are always errors.
+//  - An invalid value is an error naming the key, the value and what is allowed.
+//  - Environment variables override tier's own keys: tier.io_engine <- TIER_IO_ENGINE,
+//    tier.budgets.device <- TIER_BUDGETS_DEVICE, and so on (dots become underscores).
+//
+// Thread safety: EngineConfig is a plain value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tier/log.hpp"
+#include "tier/status.hpp"
+
+namespace tier {
+
+enum class OffloadDevice : std::uint8_t { kNone = 0, kCpu, kNvme };
+const char* offload_device_name(OffloadDevice d) noexcept;  // "none", "cpu", "nvme"
+
+enum class IoEngineKind : std::uint8_t { kAuto = 0, kUring, kAio, kPosix };
+const char* io_engine_kind_name(IoEngineKind k) noexcept;  // "auto", "uring", "aio", "posix"
+
+enum class DeviceKind : std::uint8_t { kAuto = 0, kCuda, kEmulated };
+const char* device_kind_name(DeviceKind k) noexcept;  // "auto", "cuda", "emulated"
+
+enum class HugePageMode : std::uint8_t { kAuto = 0, kThp, kHugetlbfs, kOff };
+const char* huge_page_mode_name(HugePageMode m) noexcept;  // "auto", "thp", "hugetlbfs", "off"
+
+enum class OptimizerType : std::uint8_t { kAdam = 0, kAdamW };
+
+// zero_optimization.offload_param. Sizes are in elements, as in DeepSpeed.
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  int buffer_count = 5;
+  std::uint64_t buffer_size = 100'000'000;
+  std::uint64_t max_in_cpu = 1'000'000'000;
+  bool pin_memory = false;
+};
+
+// zero_optimization.offload_optimizer.
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  int buffer_count = 4;
+  bool pin_memory = false;
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  double ratio = 1.0;  // fraction of the optimizer state updated on the CPU
+};
+
+// aio: the NVMe engine's request shape.
+struct AioConfig {
+  std::uint64_t block_size = 1 << 20;  // bytes per request; a multiple of 4096
+  int queue_depth = 8;                 // requests in flight per engine
+  int intra_op_parallelism = 1;        // engines (rings / contexts) that split one transfer
+  bool single_submit = false;          // submit requests one at a time instead of batched
+  bool overlap_events = true;
+  bool use_gds = false;
+};
+
+// optimizer: {"type": ..., "params": {...}}.
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdamW;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  bool bias_correction = true;
+  // Decoupled (AdamW) weight decay. True for AdamW; for Adam it follows params.adam_w_mode,
+  // which defaults to true as in DeepSpeed.
+  bool decoupled_weight_decay = true;
+};
+
+// fp16: mixed precision with dynamic (loss_scale == 0) or static loss scaling.
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0;
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1;
+};
+
+// tier.prefetch.
+struct PrefetchConfig {
+  bool enabled = true;
+  int lookahead = 0;                     // upcoming acquires kept in flight; 0: auto
+  std::uint64_t max_inflight_bytes = 0;  // 0: auto
+};
+
+// tier.emulated: the emulated device used when there is no GPU (or when asked for).
+struct EmulatedDeviceConfig {
+  std::uint64_t h2d_bytes_per_second = 0;  // 0: unlimited
+  std::uint64_t d2h_bytes_per_second = 0;  // 0: unlimited
+  double latency_us = 0;                   // added to every copy
+};
+
+// tier.io: NVMe engine choices beyond DeepSpeed's aio section.
+struct IoOptions {
+  IoEngineKind engine = IoEngineKind::kAuto;
+  bool use_direct = true;     // O_DIRECT; refused file systems fall back to posix with a log line
+  bool sqpoll = false;        // io_uring kernel submission thread
+  bool fixed_buffers = true;  // register the pinned arena with io_uring
+};
+
+// tier: tier's own section.
+struct TierConfig {
+  // Byte budgets per tier; 0 means auto (device: 90% of free device memory; host: half of
+  // physical memory; nvme: the free space on the swap paths).
+  std::uint64_t device_budget = 0;
+  std::uint64_t host_budget = 0;
+  std::uint64_t nvme_budget = 0;
+  DeviceKind device = DeviceKind::kAuto;
+  int device_id = 0;
+  std::vector<std::string> swap_paths;   // empty: the offload nvme_path(s)
+  std::uint64_t pinned_arena_bytes = 0;  // 0: auto, sized from the buffer counts and sizes
+  HugePageMode huge_pages = HugePageMode::kAuto;
+  IoOptions io;
+  PrefetchConfig prefetch;
+  EmulatedDeviceConfig emulated;
+  int optimizer_threads = 0;  // 0: all cores
+  LogLevel log_level = LogLevel::kInfo;
+  bool strict = false;
+};
+
+struct ConfigOptions {
+  bool apply_env = true;  // apply TIER_* environment overrides
+  bool strict = false;    // unknown keys are errors
+};
+
+struct EngineConfig {
+  int zero_stage = 0;
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+  AioConfig aio;
+  OptimizerConfig optimizer;
+  std::string scheduler_json;  // the "scheduler" object as given (applied by adapters), or ""
+  int gradient_accumulation_steps = 1;
+  double gradient_clipping = 0;                      // 0: off
+  std::uint64_t train_batch_size = 0;                // 0: not given
+  std::uint64_t train_micro_batch_size_per_gpu = 0;  // 0: not given
+  Fp16Config fp16;
+  bool bf16 = false;
+  std::uint64_t sub_group_size = 1'000'000'000;  // elements per optimizer chunk, at most
+  TierConfig tier;
+
+  // One line per key accepted but not acted on, per unknown key, per environment override.
+  std::vector<std::string> notes;
+  // Keys given as "auto", resolved to their documented defaults.
+  std::vector<std::string> auto_keys;
+
+  static Result<EngineConfig> from_json(std::string_view json_text, const ConfigOptions& options = {});
+  static Result<EngineConfig> from_file(const std::string& path, const ConfigOptions& options = {});
+
+  // Checks relations between keys (an nvme offload needs a path, fp16 and bf16 exclude each
+  // other, ...). from_json calls it; call it again after changing fields by hand.
+  Status validate() const;
+
+  // The resolved configuration in the same shape as the input (DeepSpeed keys plus "tier").
+  std::string to_json(int indent = 2) const;
+
+  // Directories that hold swap files: tier.swap_paths, else the offload nvme_paths (deduplicated).
+  std::vector<std::string> resolved_swap_paths() const;
+};
+
+}  // namespace tier

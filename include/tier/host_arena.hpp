@@ -1,0 +1,135 @@
+// tier/host_arena.hpp — the pinned host arena: one large allocation made at start and
+// sub-allocated in aligned blocks.
+//
+// The arena is the staging memory of every transfer: the NVMe tier registers it with io_uring as
+// fixed buffers and the device layer registers it with CUDA, so the same bytes are the DMA target
+// of the SSD and the DMA source of the GPU. It is mmap'd, backed by 2 MiB huge pages (transparent
+// huge pages through madvise, or a hugetlbfs pool when asked) because physically contiguous
+// buffers are what let an SSD reach its ceiling, and mlock'd. When mlock is refused
+// (RLIMIT_MEMLOCK), the arena says so once and continues unpinned.
+//
+// allocate() waits (backpressure) when the arena is momentarily full, up to a timeout; a request
+// larger than the arena can ever hold fails at once.
+//
+// Thread safety: allocate/try_allocate/stats and HostBlock destruction may run concurrently from
+// any thread. The arena must outlive every block and every registration of its memory.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "tier/config.hpp"
+#include "tier/status.hpp"
+
+namespace tier {
+
+class HostArena;
+class Counters;
+
+struct HostArenaOptions {
+  std::uint64_t bytes = 0;  // capacity; rounded up to 2 MiB
+  HugePageMode huge_pages = HugePageMode::kAuto;
+  bool lock = true;  // mlock the arena (pin it)
+};
+
+struct HostArenaStats {
+  std::uint64_t reserved_bytes = 0;  // capacity
+  std::uint64_t used_bytes = 0;      // in live blocks
+  std::uint64_t peak_used_bytes = 0;
+  std::uint64_t free_extents = 0;
+  std::uint64_t largest_free_bytes = 0;
+  double fragmentation = 0;  // 1 - largest free extent / free bytes (0: one free run)
+  std::uint64_t live_blocks = 0;
+  std::uint64_t waits = 0;            // allocations that had to wait
+  std::uint64_t huge_page_bytes = 0;  // bytes backed by huge pages (read from the kernel)
+  bool locked = false;
+  HugePageMode huge_pages = HugePageMode::kOff;  // what backs the arena
+};
+
+// A block of the arena, freed when destroyed. Move-only.
+class HostBlock {
+ public:
+  HostBlock() = default;
+  HostBlock(HostBlock&& o) noexcept { *this = std::move(o); }
+  HostBlock& operator=(HostBlock&& o) noexcept;
+  HostBlock(const HostBlock&) = delete;
+  HostBlock& operator=(const HostBlock&) = delete;
+  ~HostBlock() { reset(); }
+
+  // Start of the block; valid until the block is destroyed or reset.
+  std::byte* data() const noexcept { return data_; }
+  std::uint64_t size() const noexcept { return size_; }
+  // Offset of data() from the start of the arena (for fixed-buffer indexing).
+  std::uint64_t offset() const noexcept;
+  HostArena* arena() const noexcept { return arena_; }
+  bool empty() const noexcept { return data_ == nullptr; }
+  explicit operator bool() const noexcept { return data_ != nullptr; }
+  // Returns the block to the arena now.
+  void reset() noexcept;
+
+ private:
+  friend class HostArena;
+  HostBlock(HostArena* a, std::byte* d, std::uint64_t s) : arena_(a), data_(d), size_(s) {}
+  HostArena* arena_ = nullptr;
+  std::byte* data_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
+class HostArena {
+ public:
+  static constexpr std::uint64_t kMinAlignment = 4096;
+  static constexpr std::uint64_t kHugePage = 2u << 20;
+
+  // Maps, backs and pins the arena. Errors: kInvalidArgument for 0 bytes, kResourceExhausted when
+  // the memory cannot be mapped, kUnsupported when hugetlbfs is asked for and the pool is short
+  // (the message says how many pages are needed and how to reserve them).
+  static Result<std::unique_ptr<HostArena>> create(const HostArenaOptions& options);
+  ~HostArena();
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  // A block of at least `bytes` (rounded up to 4 KiB) aligned to `alignment` (a power of two,
+  // at least 4 KiB). Waits up to `timeout` for space; kTimedOut when it expires,
+  // kResourceExhausted at once when `bytes` exceeds the capacity.
+  Result<HostBlock> allocate(std::uint64_t bytes, std::chrono::milliseconds timeout = std::chrono::milliseconds(60'000),
+                             std::uint64_t alignment = kMinAlignment);
+  // Like allocate() with no wait: kResourceExhausted when no free extent fits now.
+  Result<HostBlock> try_allocate(std::uint64_t bytes, std::uint64_t alignment = kMinAlignment);
+
+  std::byte* base() const noexcept { return base_; }
+  std::uint64_t capacity() const noexcept { return capacity_; }
+  bool contains(const void* p, std::uint64_t n) const noexcept {
+    auto* b = static_cast<const std::byte*>(p);
+    return b >= base_ && n <= capacity_ && b + n <= base_ + capacity_;
+  }
+  bool locked() const noexcept { return locked_; }
+  HostArenaStats stats() const;
+
+ private:
+  friend class HostBlock;
+  HostArena() = default;
+  std::byte* carve_locked(std::uint64_t bytes, std::uint64_t alignment);
+  void free_block(std::byte* p, std::uint64_t bytes) noexcept;
+
+  std::byte* map_ = nullptr;  // the whole mapping (may start before base_ for alignment)
+  std::uint64_t map_bytes_ = 0;
+  std::byte* base_ = nullptr;
+  std::uint64_t capacity_ = 0;
+  bool locked_ = false;
+  HugePageMode backing_ = HugePageMode::kOff;
+
+  mutable std::mutex mu_;
+  std::condition_variable freed_;
+  std::map<std::uint64_t, std::uint64_t> free_;  // offset -> length, coalesced
+  std::uint64_t used_ = 0;
+  std::uint64_t peak_ = 0;
+  std::uint64_t live_ = 0;
+  std::uint64_t waits_ = 0;
+};
+
+}  // namespace tier

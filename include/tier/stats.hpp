@@ -1,0 +1,105 @@
+// tier/stats.hpp — counters every tier and link reports into, and the snapshot users read.
+//
+// A Counters object belongs to one engine (or one benchmark). Tiers report resident bytes as
+// copies come and go; each transfer on a link is bracketed by begin()/finish(), which counts
+// bytes and operations and accumulates the link's busy time: the wall time during which at least
+// one transfer was in flight, so overlapping transfers are not counted twice.
+//
+// Thread safety: every Counters member may be called from any thread concurrently. A snapshot is
+// a plain value.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "tier/types.hpp"
+
+namespace tier {
+
+struct TierUsage {
+  std::uint64_t resident_bytes = 0;
+  std::uint64_t peak_bytes = 0;
+  std::uint64_t budget_bytes = 0;  // 0: no budget set
+};
+
+struct LinkUsage {
+  std::uint64_t bytes = 0;
+  std::uint64_t ops = 0;
+  std::uint64_t errors = 0;
+  std::uint64_t in_flight = 0;
+  double busy_seconds = 0;  // wall time with at least one transfer in flight
+  // bytes / busy_seconds, or 0 before any transfer.
+  double bytes_per_second() const noexcept { return busy_seconds > 0 ? static_cast<double>(bytes) / busy_seconds : 0; }
+};
+
+struct StatsSnapshot {
+  std::array<TierUsage, kNumTiers> tiers{};
+  std::array<LinkUsage, kNumLinks> links{};
+  std::map<std::string, std::string> info;  // e.g. "io_engine" -> "uring", "device" -> "emulated"
+  std::map<std::string, double> metrics;    // module figures, e.g. "prefetch.stall_seconds"
+  double uptime_seconds = 0;
+
+  const TierUsage& tier(Tier t) const noexcept { return tiers[static_cast<int>(t)]; }
+  const LinkUsage& link(Link l) const noexcept { return links[static_cast<int>(l)]; }
+  // Link counters and metrics accumulated since `earlier` (tiers and info are taken from *this).
+  StatsSnapshot since(const StatsSnapshot& earlier) const;
+  // {"uptime_seconds":..,"tiers":{"device":{..},..},"links":{"nvme_to_host":{..},..},"info":{..},"metrics":{..}}
+  std::string to_json(int indent = 2) const;
+};
+
+class Counters {
+ public:
+  Counters();
+  ~Counters();
+  Counters(const Counters&) = delete;
+  Counters& operator=(const Counters&) = delete;
+
+  void set_budget(Tier t, std::uint64_t bytes) noexcept;
+  // Adds (or, negative, removes) resident bytes; the peak follows.
+  void add_resident(Tier t, std::int64_t delta) noexcept;
+
+  // A transfer in flight on one link. Finish it exactly once; one destroyed unfinished counts as
+  // a failed transfer of 0 bytes.
+  class Transfer {
+   public:
+    Transfer() = default;
+    Transfer(Transfer&& o) noexcept : owner_(o.owner_), link_(o.link_) { o.owner_ = nullptr; }
+    Transfer& operator=(Transfer&& o) noexcept;
+    ~Transfer();
+    void finish(std::uint64_t bytes, bool ok = true) noexcept;
+
+   private:
+    friend class Counters;
+    Transfer(Counters* owner, Link link) : owner_(owner), link_(link) {}
+    Counters* owner_ = nullptr;
+    Link link_ = Link::kNvmeToHost;
+  };
+  Transfer begin(Link link) noexcept;
+
+  void set_info(const std::string& key, const std::string& value);
+  void add_metric(const std::string& key, double delta);
+  void set_metric(const std::string& key, double value);
+
+  StatsSnapshot snapshot() const;
+
+ private:
+  void end_transfer(Link link, std::uint64_t bytes, bool ok) noexcept;
+
+  struct LinkState;
+  std::array<std::atomic<std::uint64_t>, kNumTiers> resident_{};
+  std::array<std::atomic<std::uint64_t>, kNumTiers> peak_{};
+  std::array<std::atomic<std::uint64_t>, kNumTiers> budget_{};
+  std::unique_ptr<LinkState[]> links_;
+  mutable std::mutex info_mu_;
+  std::map<std::string, std::string> info_;
+  std::map<std::string, double> metrics_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace tier

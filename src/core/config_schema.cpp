@@ -1,0 +1,542 @@
+// The table of configuration keys. Order matters only for docs and error suggestions.
+#include "core/config_schema.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include "core/text.hpp"
+
+namespace tier::detail {
+
+using json = nlohmann::json;
+
+namespace {
+
+// Fluent builder for one KeySpec.
+struct K {
+  KeySpec k;
+  K(std::string path, ValueKind kind) {
+    k.path = std::move(path);
+    k.kind = kind;
+  }
+  K& range(double lo, double hi) {
+    k.min = lo;
+    k.max = hi;
+    return *this;
+  }
+  K& multiple_of(std::uint64_t m) {
+    k.multiple_of = m;
+    return *this;
+  }
+  K& choices(std::vector<std::string> c) {
+    k.choices = std::move(c);
+    return *this;
+  }
+  K& auto_is(json v) {
+    k.auto_ok = true;
+    k.auto_value = std::move(v);
+    return *this;
+  }
+  K& noted(std::string note) {
+    k.treatment = Treatment::kNoted;
+    k.note = std::move(note);
+    return *this;
+  }
+  K& alias_of(std::string canonical) {
+    k.canonical = std::move(canonical);
+    return *this;
+  }
+  K& check(std::function<std::string(const json&)> f) {
+    k.check = std::move(f);
+    return *this;
+  }
+  K& set(std::function<void(EngineConfig&, const json&)> f) {
+    k.set = std::move(f);
+    return *this;
+  }
+  K& get(std::function<json(const EngineConfig&)> f) {
+    k.get = std::move(f);
+    return *this;
+  }
+  K& context(json ctx) {
+    k.sample_context = std::move(ctx);
+    return *this;
+  }
+  K& sample(json valid, json invalid, json expected = nullptr) {
+    k.sample_valid = std::move(valid);
+    k.sample_invalid = std::move(invalid);
+    k.sample_expected = std::move(expected);
+    return *this;
+  }
+};
+
+// set/get pair for a plain field.
+#define TIER_FIELD(member)                               \
+  set([](EngineConfig& c, const json& v) {               \
+    c.member = v.get<decltype(EngineConfig{}.member)>(); \
+  }).get([](const EngineConfig& c) { return json(c.member); })
+
+template <class E>
+int enum_index(const std::vector<std::string>& choices, const json& v) {
+  const std::string s = v.get<std::string>();
+  for (std::size_t i = 0; i < choices.size(); ++i) {
+    if (choices[i] == s) return static_cast<int>(i);
+  }
+  return 0;
+}
+
+#define TIER_ENUM_FIELD(member, EnumT, ...)                                                                            \
+  choices({__VA_ARGS__})                                                                                               \
+      .set([](EngineConfig& c, const json& v) { c.member = static_cast<EnumT>(enum_index<EnumT>({__VA_ARGS__}, v)); }) \
+      .get([](const EngineConfig& c) {                                                                                 \
+        static const std::vector<std::string> names = {__VA_ARGS__};                                                   \
+        return json(names[static_cast<std::size_t>(c.member)]);                                                        \
+      })
+
+constexpr double kBig = 9.0e18;
+
+std::vector<KeySpec> build_schema() {
+  using VK = ValueKind;
+  std::vector<KeySpec> s;
+  auto add = [&](const K& spec) { s.push_back(spec.k); };
+
+  const std::string kNotPartitioned =
+      "tier does not partition state across ranks yet (one process, whole tensors), so "
+      "communication bucketing and overlap do not apply";
+
+  // ---------------------------------------------------------------- top level (DeepSpeed)
+  add(K("", VK::kObject));
+  add(K("train_batch_size", VK::kInt)
+          .range(1, kBig)
+          .auto_is(0)
+          .noted("tier builds no data loader; the batch is whatever the training loop feeds")
+          .set([](EngineConfig& c, const json& v) { c.train_batch_size = v.get<std::uint64_t>(); })
+          .get([](const EngineConfig& c) { return c.train_batch_size ? json(c.train_batch_size) : json(nullptr); })
+          .sample(32, 0));
+  add(K("train_micro_batch_size_per_gpu", VK::kInt)
+          .range(1, kBig)
+          .auto_is(0)
+          .noted("tier builds no data loader; the batch is whatever the training loop feeds")
+          .set([](EngineConfig& c, const json& v) { c.train_micro_batch_size_per_gpu = v.get<std::uint64_t>(); })
+          .get([](const EngineConfig& c) {
+            return c.train_micro_batch_size_per_gpu ? json(c.train_micro_batch_size_per_gpu) : json(nullptr);
+          })
+          .sample(4, -1));
+  add(K("gradient_accumulation_steps", VK::kInt)
+          .range(1, 1e9)
+          .auto_is(1)
+          .TIER_FIELD(gradient_accumulation_steps)
+          .sample(8, 0));
+  add(K("gradient_clipping", VK::kNumber).range(0, 1e30).auto_is(1.0).TIER_FIELD(gradient_clipping).sample(1.0, -1.0));
+  add(K("steps_per_print", VK::kInt)
+          .range(0, kBig)
+          .noted("tier's adapters print progress every step and the stats snapshot on request")
+          .sample(10, "often"));
+  add(K("wall_clock_breakdown", VK::kBool).noted("timings are always in the stats snapshot").sample(true, "yes"));
+  add(K("memory_breakdown", VK::kBool).noted("memory per tier is always in the stats snapshot").sample(false, 3));
+  add(K("dump_state", VK::kBool).noted("use the stats snapshot (Engine::stats().to_json())").sample(false, "x"));
+  add(K("prescale_gradients", VK::kBool).noted(kNotPartitioned).sample(false, 1.5));
+  add(K("gradient_predivide_factor", VK::kNumber).range(0, 1e30).noted(kNotPartitioned).sample(1.0, "x"));
+  add(K("sparse_gradients", VK::kBool).noted("gradients are dense in tier").sample(false, "no"));
+  add(K("zero_allow_untested_optimizer", VK::kBool)
+          .noted("tier runs its own CPU Adam/AdamW; other optimizers are rejected by optimizer.type")
+          .sample(true, 2));
+  add(K("zero_force_ds_cpu_optimizer", VK::kBool)
+          .noted("tier always uses its own CPU optimizer for offloaded state")
+          .sample(true, 2));
+  add(K("communication_data_type", VK::kString).noted(kNotPartitioned).sample("fp16", 5));
+  add(K("seq_parallel_communication_data_type", VK::kString).noted(kNotPartitioned).sample("fp32", 5));
+  add(K("disable_allgather", VK::kBool).noted(kNotPartitioned).sample(false, "x"));
+  add(K("graph_harvesting", VK::kBool).noted("tier does not capture CUDA graphs").sample(false, "x"));
+  for (const char* section : {"amp",
+                              "activation_checkpointing",
+                              "flops_profiler",
+                              "tensorboard",
+                              "wandb",
+                              "csv_monitor",
+                              "comet",
+                              "comms_logger",
+                              "monitor_config",
+                              "elasticity",
+                              "autotuning",
+                              "checkpoint",
+                              "data_types",
+                              "data_efficiency",
+                              "curriculum_learning",
+                              "compression_training",
+                              "pipeline",
+                              "nebula",
+                              "hybrid_engine",
+                              "sparse_attention",
+                              "eigenvalue",
+                              "progressive_layer_drop",
+                              "quantize_training",
+                              "weight_quantization",
+                              "timers",
+                              "aio_config"}) {
+    add(K(section, VK::kOpaque)
+            .noted(std::string(section) == "checkpoint"
+                       ? "tier writes its own checkpoint format for offloaded state"
+                       : "accepted for compatibility; tier leaves this to the training framework")
+            .sample(json::object({{"enabled", false}}), 7));
+  }
+
+  // optimizer / scheduler
+  add(K("optimizer", VK::kObject));
+  add(K("optimizer.type", VK::kEnum)
+          .TIER_ENUM_FIELD(optimizer.type, OptimizerType, "adam", "adamw")
+          .sample("AdamW", "Lamb", "adamw"));
+  add(K("optimizer.params", VK::kObject));
+  add(K("optimizer.params.lr", VK::kNumber).range(0, 1e6).auto_is(5e-5).TIER_FIELD(optimizer.lr).sample(3e-4, -1));
+  add(K("optimizer.params.betas", VK::kPair)
+          .range(0, 0.999999999)
+          .auto_is(json::array({0.9, 0.999}))
+          .set([](EngineConfig& c, const json& v) {
+            c.optimizer.beta1 = v[0].get<double>();
+            c.optimizer.beta2 = v[1].get<double>();
+          })
+          .get([](const EngineConfig& c) {
+            return json::array({c.optimizer.beta1, c.optimizer.beta2});
+          })
+          .sample(json::array({0.8, 0.95}), json::array({0.9, 1.5})));
+  add(K("optimizer.params.eps", VK::kNumber).range(0, 1).auto_is(1e-8).TIER_FIELD(optimizer.eps).sample(1e-6, 0.0 - 1));
+  add(K("optimizer.params.weight_decay", VK::kNumber)
+          .range(0, 1e6)
+          .auto_is(0.0)
+          .TIER_FIELD(optimizer.weight_decay)
+          .sample(0.1, -0.5));
+  add(K("optimizer.params.bias_correction", VK::kBool).TIER_FIELD(optimizer.bias_correction).sample(false, "no"));
+  add(K("optimizer.params.adam_w_mode", VK::kBool)
+          .TIER_FIELD(optimizer.decoupled_weight_decay)
+          .sample(false, 0.5)
+          .context({{"optimizer", {{"type", "Adam"}}}}));
+  add(K("optimizer.params.amsgrad", VK::kBool)
+          .check([](const json& v) { return v.get<bool>() ? "false (tier's Adam has no AMSGrad variant)" : ""; })
+          .noted("only false is accepted; tier's Adam has no AMSGrad variant")
+          .sample(false, true));
+  add(K("optimizer.params.torch_adam", VK::kBool)
+          .noted("tier always runs its own SIMD CPU Adam for offloaded state")
+          .sample(true, "x"));
+  add(K("optimizer.params.fused", VK::kBool).noted("tier's CPU Adam is always fused").sample(true, "x"));
+  add(K("scheduler", VK::kOpaque)
+          .set([](EngineConfig& c, const json& v) { c.scheduler_json = v.dump(); })
+          .get([](const EngineConfig& c) {
+            return c.scheduler_json.empty() ? json(nullptr) : json::parse(c.scheduler_json);
+          })
+          .sample(json::object({{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 10}}}}), "WarmupLR"));
+
+  // fp16 / bf16
+  add(K("fp16", VK::kObject));
+  add(K("fp16.enabled", VK::kBool).auto_is(false).TIER_FIELD(fp16.enabled).sample(true, "yes"));
+  add(K("fp16.loss_scale", VK::kNumber).range(0, 1e30).TIER_FIELD(fp16.loss_scale).sample(128.0, -1));
+  add(K("fp16.initial_scale_power", VK::kInt).range(0, 64).TIER_FIELD(fp16.initial_scale_power).sample(12, 100));
+  add(K("fp16.loss_scale_window", VK::kInt).range(1, 1e9).TIER_FIELD(fp16.loss_scale_window).sample(500, 0));
+  add(K("fp16.hysteresis", VK::kInt).range(1, 1e9).TIER_FIELD(fp16.hysteresis).sample(4, 0));
+  add(K("fp16.consecutive_hysteresis", VK::kBool).TIER_FIELD(fp16.consecutive_hysteresis).sample(true, 1.5));
+  add(K("fp16.min_loss_scale", VK::kNumber).range(0, 1e30).TIER_FIELD(fp16.min_loss_scale).sample(0.5, -2));
+  add(K("fp16.auto_cast", VK::kBool).noted("tier leaves autocasting to the framework").sample(false, "x"));
+  add(K("fp16.fp16_master_weights_and_grads", VK::kBool)
+          .noted("tier always keeps fp32 master weights for offloaded optimizer state")
+          .sample(false, "x"));
+  add(K("bf16", VK::kObject));
+  add(K("bf16.enabled", VK::kBool).auto_is(false).TIER_FIELD(bf16).sample(true, "on"));
+  add(K("bf16.immediate_grad_update", VK::kBool)
+          .noted("tier moves each gradient off the device as soon as it is final")
+          .sample(true, 3));
+  add(K("bfloat16", VK::kObject).alias_of("bf16"));
+  add(K("bfloat16.enabled", VK::kBool)
+          .alias_of("bf16.enabled")
+          .auto_is(false)
+          .set([](EngineConfig& c, const json& v) { c.bf16 = v.get<bool>(); })
+          .sample(true, "on"));
+
+  // ---------------------------------------------------------------- zero_optimization
+  add(K("zero_optimization", VK::kObject));
+  add(K("zero_optimization.stage", VK::kInt).range(0, 3).TIER_FIELD(zero_stage).sample(3, 4));
+  add(K("zero_optimization.sub_group_size", VK::kInt)
+          .range(1, kBig)
+          .TIER_FIELD(sub_group_size)
+          .sample(1e8, 0, 100000000));
+  const std::string kZeroNote = "tier decides this from its budgets and recorded access trace";
+  for (const char* key : {"contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions",
+                          "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
+                          "load_from_fp32_weights", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                          "zero_quantized_gradients", "mics_hierarchical_params_gather", "memory_efficient_linear",
+                          "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+                          "use_multi_rank_bucket_allreduce", "stage3_use_all_reduce_for_fetch_params"}) {
+    add(K(std::string("zero_optimization.") + key, VK::kBool).noted(kNotPartitioned).sample(true, "yes"));
+  }
+  for (const char* key :
+       {"allgather_bucket_size", "zero_hpz_partition_size", "mics_shard_size", "stage3_module_granularity_threshold"}) {
+    add(K(std::string("zero_optimization.") + key, VK::kInt)
+            .range(-1, kBig)
+            .noted(kNotPartitioned)
+            .sample(500000000, "big"));
+  }
+  add(K("zero_optimization.reduce_bucket_size", VK::kInt)
+          .range(0, kBig)
+          .auto_is(500000000)
+          .noted(kNotPartitioned)
+          .sample(5e8, "huge"));
+  // stage3_* knobs and their newer names without the prefix.
+  struct Stage3 {
+    const char* name;
+    bool auto_ok;
+    double auto_value;
+    const char* note;
+  };
+  for (const Stage3& k3 : {
+           Stage3{"prefetch_bucket_size", true, 50000000,
+                  "tier's prefetch window is set by tier.prefetch.lookahead and max_inflight_bytes"},
+           Stage3{"param_persistence_threshold", true, 100000,
+                  "tier keeps a parameter on the device when its budget allows and the trace says it is reused"},
+           Stage3{"model_persistence_threshold", false, 0, "tier sizes persistence from tier.budgets.device"},
+           Stage3{"max_live_parameters", false, 0, "the device budget (tier.budgets.device) bounds live parameters"},
+           Stage3{"max_reuse_distance", false, 0,
+                  "tier evicts by next use in the recorded trace (Belady), which subsumes a reuse distance"},
+       }) {
+    for (const std::string& name : {std::string("stage3_") + k3.name, std::string(k3.name)}) {
+      K key("zero_optimization." + name, VK::kInt);
+      key.range(0, kBig).noted(k3.note).sample(1000000, "many");
+      if (k3.auto_ok) key.auto_is(k3.auto_value);
+      add(std::move(key));
+    }
+  }
+  for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                          "gather_16bit_weights_on_model_save"}) {
+    add(K(std::string("zero_optimization.") + key, VK::kBool)
+            .noted("tier's checkpoints always hold whole tensors; there is nothing to gather")
+            .sample(true, 1.0));
+  }
+  add(K("zero_optimization.cpu_offload", VK::kBool)
+          .set([](EngineConfig& c, const json& v) {
+            if (v.get<bool>()) c.offload_optimizer.device = OffloadDevice::kCpu;
+          })
+          .sample(true, "yes"));
+  add(K("zero_optimization.cpu_offload_params", VK::kBool)
+          .set([](EngineConfig& c, const json& v) {
+            if (v.get<bool>()) c.offload_param.device = OffloadDevice::kCpu;
+          })
+          .sample(true, "yes"));
+  add(K("zero_optimization.cpu_offload_use_pin_memory", VK::kBool)
+          .set([](EngineConfig& c, const json& v) {
+            c.offload_param.pin_memory = c.offload_optimizer.pin_memory = v.get<bool>();
+          })
+          .sample(true, "yes"));
+
+  add(K("zero_optimization.offload_param", VK::kObject));
+  add(K("zero_optimization.offload_param.device", VK::kEnum)
+          .TIER_ENUM_FIELD(offload_param.device, OffloadDevice, "none", "cpu", "nvme")
+          .sample("CPU", "gpu", "cpu"));
+  add(K("zero_optimization.offload_param.nvme_path", VK::kString)
+          .TIER_FIELD(offload_param.nvme_path)
+          .sample("/local_nvme", 42));
+  add(K("zero_optimization.offload_param.buffer_count", VK::kInt)
+          .range(1, 1e6)
+          .TIER_FIELD(offload_param.buffer_count)
+          .sample(6, 0));
+  add(K("zero_optimization.offload_param.buffer_size", VK::kInt)
+          .range(1, kBig)
+          .TIER_FIELD(offload_param.buffer_size)
+          .sample(1e8, -5, 100000000));
+  add(K("zero_optimization.offload_param.max_in_cpu", VK::kInt)
+          .range(0, kBig)
+          .TIER_FIELD(offload_param.max_in_cpu)
+          .sample(2e9, "lots", 2000000000));
+  add(K("zero_optimization.offload_param.pin_memory", VK::kBool)
+          .TIER_FIELD(offload_param.pin_memory)
+          .sample(true, "true"));
+
+  add(K("zero_optimization.offload_optimizer", VK::kObject));
+  add(K("zero_optimization.offload_optimizer.device", VK::kEnum)
+          .TIER_ENUM_FIELD(offload_optimizer.device, OffloadDevice, "none", "cpu", "nvme")
+          .sample("cpu", "tpu"));
+  add(K("zero_optimization.offload_optimizer.nvme_path", VK::kString)
+          .TIER_FIELD(offload_optimizer.nvme_path)
+          .sample("/local_nvme", json::array()));
+  add(K("zero_optimization.offload_optimizer.buffer_count", VK::kInt)
+          .range(1, 1e6)
+          .TIER_FIELD(offload_optimizer.buffer_count)
+          .sample(8, 0.5));
+  add(K("zero_optimization.offload_optimizer.pin_memory", VK::kBool)
+          .TIER_FIELD(offload_optimizer.pin_memory)
+          .sample(true, 1));
+  add(K("zero_optimization.offload_optimizer.pipeline_read", VK::kBool)
+          .TIER_FIELD(offload_optimizer.pipeline_read)
+          .sample(true, "yes"));
+  add(K("zero_optimization.offload_optimizer.pipeline_write", VK::kBool)
+          .TIER_FIELD(offload_optimizer.pipeline_write)
+          .sample(true, "yes"));
+  add(K("zero_optimization.offload_optimizer.pipeline", VK::kBool)
+          .noted("deprecated in DeepSpeed; tier always pipelines reads, updates and writes")
+          .sample(true, "yes"));
+  add(K("zero_optimization.offload_optimizer.fast_init", VK::kBool)
+          .noted("tier initializes swap files with fallocate, which is already fast")
+          .sample(true, "x"));
+  add(K("zero_optimization.offload_optimizer.ratio", VK::kNumber)
+          .range(0, 1)
+          .TIER_FIELD(offload_optimizer.ratio)
+          .sample(0.3, 1.5));
+
+  // ---------------------------------------------------------------- aio
+  add(K("aio", VK::kObject));
+  add(K("aio.block_size", VK::kInt)
+          .range(4096, 1 << 30)
+          .multiple_of(4096)
+          .TIER_FIELD(aio.block_size)
+          .sample(262144, 1000));
+  add(K("aio.queue_depth", VK::kInt).range(1, 4096).TIER_FIELD(aio.queue_depth).sample(32, 0));
+  add(K("aio.intra_op_parallelism", VK::kInt).range(1, 256).TIER_FIELD(aio.intra_op_parallelism).sample(4, 0));
+  add(K("aio.thread_count", VK::kInt)
+          .range(1, 256)
+          .alias_of("aio.intra_op_parallelism")
+          .set([](EngineConfig& c, const json& v) { c.aio.intra_op_parallelism = v.get<int>(); })
+          .sample(2, -1));
+  add(K("aio.single_submit", VK::kBool).TIER_FIELD(aio.single_submit).sample(true, "no"));
+  add(K("aio.overlap_events", VK::kBool)
+          .TIER_FIELD(aio.overlap_events)
+          .noted("tier always reaps completions while keeping the queue full; the value is kept for "
+                 "the record")
+          .sample(false, "no"));
+  add(K("aio.use_gds", VK::kBool)
+          .TIER_FIELD(aio.use_gds)
+          .noted("tier does not use GPUDirect Storage; NVMe data moves through the pinned host arena")
+          .sample(false, "no"));
+
+  // ---------------------------------------------------------------- tier (tier's own)
+  add(K("tier", VK::kObject));
+  add(K("tier.budgets", VK::kObject));
+  add(K("tier.budgets.device", VK::kSize)
+          .auto_is(0)
+          .TIER_FIELD(tier.device_budget)
+          .sample("8G", "8 apples", 8589934592ull));
+  add(K("tier.budgets.host", VK::kSize).auto_is(0).TIER_FIELD(tier.host_budget).sample("16GiB", -3, 17179869184ull));
+  add(K("tier.budgets.nvme", VK::kSize).auto_is(0).TIER_FIELD(tier.nvme_budget).sample("1TB", "1.5", 1000000000000ull));
+  add(K("tier.device", VK::kEnum)
+          .auto_is("auto")
+          .TIER_ENUM_FIELD(tier.device, DeviceKind, "auto", "cuda", "emulated")
+          .sample("emulated", "rocm"));
+  add(K("tier.device_id", VK::kInt).range(0, 1024).TIER_FIELD(tier.device_id).sample(1, -1));
+  add(K("tier.swap_paths", VK::kStringList)
+          .check([](const json& v) {
+            for (const auto& p : v) {
+              if (p.get<std::string>().empty()) return "non-empty directory paths";
+            }
+            return "";
+          })
+          .TIER_FIELD(tier.swap_paths)
+          .sample(json::array({"/nvme0/tier", "/nvme1/tier"}), json::array({"/a", 3})));
+  add(K("tier.pinned_arena_bytes", VK::kSize)
+          .auto_is(0)
+          .TIER_FIELD(tier.pinned_arena_bytes)
+          .sample("1G", "big", 1073741824));
+  add(K("tier.huge_pages", VK::kEnum)
+          .auto_is("auto")
+          .TIER_ENUM_FIELD(tier.huge_pages, HugePageMode, "auto", "thp", "hugetlbfs", "off")
+          .sample("thp", "1G"));
+  add(K("tier.io_engine", VK::kEnum)
+          .auto_is("auto")
+          .TIER_ENUM_FIELD(tier.io.engine, IoEngineKind, "auto", "uring", "aio", "posix")
+          .sample("posix", "spdk"));
+  add(K("tier.io", VK::kObject));
+  add(K("tier.io.use_direct", VK::kBool).TIER_FIELD(tier.io.use_direct).sample(false, "sometimes"));
+  add(K("tier.io.sqpoll", VK::kBool).TIER_FIELD(tier.io.sqpoll).sample(true, 2));
+  add(K("tier.io.fixed_buffers", VK::kBool).TIER_FIELD(tier.io.fixed_buffers).sample(false, "x"));
+  add(K("tier.prefetch", VK::kObject));
+  add(K("tier.prefetch.enabled", VK::kBool).TIER_FIELD(tier.prefetch.enabled).sample(false, "x"));
+  add(K("tier.prefetch.lookahead", VK::kInt)
+          .range(0, 4096)
+          .auto_is(0)
+          .TIER_FIELD(tier.prefetch.lookahead)
+          .sample(6, -2));
+  add(K("tier.prefetch.max_inflight_bytes", VK::kSize)
+          .auto_is(0)
+          .TIER_FIELD(tier.prefetch.max_inflight_bytes)
+          .sample("512M", "half", 536870912));
+  add(K("tier.emulated", VK::kObject));
+  add(K("tier.emulated.h2d_bytes_per_second", VK::kSize)
+          .TIER_FIELD(tier.emulated.h2d_bytes_per_second)
+          .sample("4GB", "fast", 4000000000ull));
+  add(K("tier.emulated.d2h_bytes_per_second", VK::kSize)
+          .TIER_FIELD(tier.emulated.d2h_bytes_per_second)
+          .sample(1000000, "slow"));
+  add(K("tier.emulated.latency_us", VK::kNumber).range(0, 1e9).TIER_FIELD(tier.emulated.latency_us).sample(5.0, -1.0));
+  add(K("tier.optimizer_threads", VK::kInt).range(0, 4096).auto_is(0).TIER_FIELD(tier.optimizer_threads).sample(2, -1));
+  add(K("tier.log_level", VK::kEnum)
+          .TIER_ENUM_FIELD(tier.log_level, LogLevel, "trace", "debug", "info", "warn", "error", "off")
+          .sample("debug", "loud"));
+  add(K("tier.strict", VK::kBool).TIER_FIELD(tier.strict).sample(true, "x"));
+  return s;
+}
+
+std::string fmt_number(double v) {
+  char buf[64];
+  if (v >= kBig) return "any size";
+  if (v == std::floor(v) && std::fabs(v) < 1e15) {
+    std::snprintf(buf, sizeof buf, "%.0f", v);
+  } else {
+    std::snprintf(buf, sizeof buf, "%g", v);
+  }
+  return buf;
+}
+
+}  // namespace
+
+std::string KeySpec::allowed() const {
+  std::string out;
+  auto bounds = [&](const char* what) {
+    out = what;
+    if (std::isfinite(min) && max < kBig) {
+      out += str(" from ", fmt_number(min), " to ", fmt_number(max));
+    } else if (std::isfinite(min)) {
+      out += str(" of at least ", fmt_number(min));
+    }
+    if (multiple_of) out += str(", a multiple of ", multiple_of);
+  };
+  switch (kind) {
+    case ValueKind::kObject:
+    case ValueKind::kOpaque: out = "a JSON object"; break;
+    case ValueKind::kBool: out = "true or false"; break;
+    case ValueKind::kInt: bounds("an integer"); break;
+    case ValueKind::kNumber: bounds("a number"); break;
+    case ValueKind::kSize:
+      out = "a byte count: an integer or a string with a unit such as \"512M\", \"4G\", \"2GiB\"";
+      break;
+    case ValueKind::kString: out = "a string"; break;
+    case ValueKind::kEnum: {
+      out = "one of: ";
+      for (std::size_t i = 0; i < choices.size(); ++i) out += (i ? ", " : "") + choices[i];
+      break;
+    }
+    case ValueKind::kStringList: out = "a list of strings (or one string)"; break;
+    case ValueKind::kPair: bounds("two numbers, each"); break;
+  }
+  if (auto_ok) out += ", or \"auto\"";
+  return out;
+}
+
+const std::vector<KeySpec>& config_schema() {
+  static const std::vector<KeySpec> schema = build_schema();
+  return schema;
+}
+
+const KeySpec* find_key_spec(std::string_view path) {
+  static const std::map<std::string, const KeySpec*, std::less<>> index = [] {
+    std::map<std::string, const KeySpec*, std::less<>> m;
+    for (const auto& k : config_schema()) m[k.path] = &k;
+    return m;
+  }();
+  auto it = index.find(path);
+  return it == index.end() ? nullptr : it->second;
+}
+
+std::string env_name_for(const KeySpec& spec) {
+  if (spec.path.rfind("tier.", 0) != 0) return {};
+  std::string name = "TIER_";
+  for (char c : spec.path.substr(5))
+    name.push_back(c == '.' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+  return name;
+}
+
+}  // namespace tier::detail

@@ -1,0 +1,10 @@
+# docs/configuration.md ends with the key table generated from the schema; it must be current.
+execute_process(COMMAND ${BENCH} config --reference OUTPUT_VARIABLE table RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "tier-bench config --reference failed")
+endif()
+file(READ ${DOC} doc)
+string(FIND "${doc}" "${table}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "docs/configuration.md is out of date; run scripts/gen-config-docs.sh")
+endif()

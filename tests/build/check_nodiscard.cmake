@@ -1,0 +1,17 @@
+# A dropped Status or Result must be a compile error; an explicit .ignore() must compile.
+# Run with -DCXX=<compiler> -DSRC=<repo root> -DWORK=<scratch dir>.
+set(flags -std=c++20 -Werror=unused-result -fsyntax-only -I${SRC}/include ${SRC}/tests/build/ignored_status.cpp)
+execute_process(COMMAND ${CXX} ${flags} RESULT_VARIABLE ok_rc ERROR_VARIABLE ok_err)
+if(NOT ok_rc EQUAL 0)
+  message(FATAL_ERROR "the checked form does not compile:\n${ok_err}")
+endif()
+foreach(variant TIER_DROP_STATUS TIER_DROP_RESULT)
+  execute_process(COMMAND ${CXX} -D${variant} ${flags} RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(rc EQUAL 0)
+    message(FATAL_ERROR "${variant}: dropping the value compiled; [[nodiscard]] is not enforced")
+  endif()
+  if(NOT err MATCHES "unused-result|ignoring return value|nodiscard")
+    message(FATAL_ERROR "${variant}: failed for another reason:\n${err}")
+  endif()
+endforeach()
+message(STATUS "dropped Status/Result values are compile errors")

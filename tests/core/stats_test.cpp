@@ -1,0 +1,100 @@
+#include "tier/stats.hpp"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <thread>
+
+namespace tier {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(Counters, ResidentAndPeakFollowAddsAndRemoves) {
+  Counters c;
+  c.set_budget(Tier::kDevice, 1000);
+  c.add_resident(Tier::kDevice, 600);
+  c.add_resident(Tier::kDevice, 300);
+  c.add_resident(Tier::kDevice, -800);
+  auto s = c.snapshot();
+  EXPECT_EQ(s.tier(Tier::kDevice).resident_bytes, 100u);
+  EXPECT_EQ(s.tier(Tier::kDevice).peak_bytes, 900u);
+  EXPECT_EQ(s.tier(Tier::kDevice).budget_bytes, 1000u);
+  EXPECT_EQ(s.tier(Tier::kHost).resident_bytes, 0u);
+}
+
+TEST(Counters, TransfersCountBytesOpsAndErrors) {
+  Counters c;
+  c.begin(Link::kNvmeToHost).finish(4096);
+  c.begin(Link::kNvmeToHost).finish(8192);
+  c.begin(Link::kNvmeToHost).finish(100, /*ok=*/false);
+  { auto abandoned = c.begin(Link::kHostToDevice); }
+  auto s = c.snapshot();
+  EXPECT_EQ(s.link(Link::kNvmeToHost).bytes, 12288u);
+  EXPECT_EQ(s.link(Link::kNvmeToHost).ops, 2u);
+  EXPECT_EQ(s.link(Link::kNvmeToHost).errors, 1u);
+  EXPECT_EQ(s.link(Link::kHostToDevice).errors, 1u);
+  EXPECT_EQ(s.link(Link::kHostToDevice).in_flight, 0u);
+}
+
+TEST(Counters, OverlappingTransfersCountBusyTimeOnce) {
+  Counters c;
+  auto a = c.begin(Link::kHostToNvme);
+  auto b = c.begin(Link::kHostToNvme);
+  EXPECT_EQ(c.snapshot().link(Link::kHostToNvme).in_flight, 2u);
+  std::this_thread::sleep_for(50ms);
+  a.finish(1);
+  b.finish(1);
+  const double busy = c.snapshot().link(Link::kHostToNvme).busy_seconds;
+  // Two overlapping 50 ms transfers: about 50 ms busy, never the 100 ms a plain sum would give.
+  EXPECT_GE(busy, 0.045);
+  EXPECT_LT(busy, 0.095);
+}
+
+TEST(Counters, ConcurrentTransfersFromManyThreads) {
+  Counters c;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 1000; ++i) c.begin(Link::kDeviceToHost).finish(10);
+    });
+  }
+  for (auto& t : threads) t.join();
+  auto s = c.snapshot();
+  EXPECT_EQ(s.link(Link::kDeviceToHost).bytes, 80000u);
+  EXPECT_EQ(s.link(Link::kDeviceToHost).ops, 8000u);
+  EXPECT_EQ(s.link(Link::kDeviceToHost).in_flight, 0u);
+}
+
+TEST(StatsSnapshot, SinceSubtractsLinkCounters) {
+  Counters c;
+  c.begin(Link::kNvmeToHost).finish(100);
+  c.add_metric("stalls", 2);
+  auto first = c.snapshot();
+  c.begin(Link::kNvmeToHost).finish(50);
+  c.add_metric("stalls", 3);
+  auto d = c.snapshot().since(first);
+  EXPECT_EQ(d.link(Link::kNvmeToHost).bytes, 50u);
+  EXPECT_EQ(d.link(Link::kNvmeToHost).ops, 1u);
+  EXPECT_DOUBLE_EQ(d.metrics["stalls"], 3.0);
+}
+
+TEST(StatsSnapshot, JsonHasEveryTierLinkInfoAndMetric) {
+  Counters c;
+  c.add_resident(Tier::kHost, 4096);
+  c.begin(Link::kHostToDevice).finish(1 << 20);
+  c.set_info("device", "emulated");
+  c.set_metric("prefetch.stall_seconds", 0.25);
+  auto j = nlohmann::json::parse(c.snapshot().to_json());
+  for (const char* t : {"device", "host", "nvme"}) EXPECT_TRUE(j["tiers"].contains(t)) << t;
+  for (const char* l : {"nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host"}) {
+    EXPECT_TRUE(j["links"].contains(l)) << l;
+  }
+  EXPECT_EQ(j["tiers"]["host"]["resident_bytes"], 4096);
+  EXPECT_EQ(j["links"]["host_to_device"]["bytes"], 1 << 20);
+  EXPECT_EQ(j["info"]["device"], "emulated");
+  EXPECT_DOUBLE_EQ(j["metrics"]["prefetch.stall_seconds"].get<double>(), 0.25);
+}
+
+}  // namespace
+}  // namespace tier
