@@ -418,6 +418,10 @@ std::vector<KeySpec> build_schema() {
           .TIER_ENUM_FIELD(tier.device, DeviceKind, "auto", "cuda", "emulated")
           .sample("emulated", "rocm"));
   add(K("tier.device_id", VK::kInt).range(0, 1024).TIER_FIELD(tier.device_id).sample(1, -1));
+  add(K("tier.device_alloc_timeout_ms", VK::kInt)
+          .range(0, 3'600'000)
+          .TIER_FIELD(tier.device_alloc_timeout_ms)
+          .sample(2000, -5));
   add(K("tier.swap_paths", VK::kStringList)
           .check([](const json& v) {
             for (const auto& p : v) {

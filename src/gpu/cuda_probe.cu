@@ -3,6 +3,7 @@
 
 #include <mutex>
 
+#include "gpu/cuda_error.hpp"
 #include "tier/cuda_probe.hpp"
 
 namespace tier {
@@ -10,7 +11,7 @@ namespace tier {
 namespace {
 
 Status cuda_status(cudaError_t err, const char* what) {
-  return Status(StatusCode::kDeviceError, str(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+  return detail::cuda_error_status(err, what);
 }
 
 CudaProbe run_probe() {

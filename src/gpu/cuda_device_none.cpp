@@ -1,0 +1,12 @@
+// create_cuda_device() for builds without CUDA (TIER_WITH_CUDA=OFF).
+#include "tier/cuda_probe.hpp"
+#include "tier/device.hpp"
+
+namespace tier {
+
+Result<std::unique_ptr<Device>> create_cuda_device(const DeviceOptions&) {
+  return unsupported(str("no CUDA device: ", probe_cuda().status.message(),
+                         "; use the emulated device (tier.device=emulated or auto)"));
+}
+
+}  // namespace tier

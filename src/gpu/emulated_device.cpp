@@ -1,0 +1,119 @@
+// EmulatedDevice: the device of machines without a GPU. Device memory is host memory under the
+// same budget and caching allocator as on CUDA; copies run on one worker thread per direction, in
+// submission order, optionally paced (see emulated_stream.hpp); events complete like CUDA events.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <new>
+
+#include "gpu/caching_allocator.hpp"
+#include "gpu/emulated_stream.hpp"
+#include "tier/device.hpp"
+#include "tier/units.hpp"
+
+namespace tier {
+
+namespace {
+
+constexpr std::size_t kEmulatedAlignment = 256;  // what cudaMalloc guarantees
+
+class HostRawMemory final : public detail::RawDeviceMemory {
+ public:
+  Result<void*> allocate(std::uint64_t bytes) override {
+    void* p = ::operator new(bytes, std::align_val_t(kEmulatedAlignment), std::nothrow);
+    if (p == nullptr) {
+      return resource_exhausted(str("emulated device: the host has no memory left for a ", format_bytes(bytes),
+                                    " block; lower tier.budgets.device"));
+    }
+    return p;
+  }
+  void free(void* p, std::uint64_t) noexcept override { ::operator delete(p, std::align_val_t(kEmulatedAlignment)); }
+};
+
+std::uint64_t physical_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+std::string rate_text(std::uint64_t bps) {
+  return bps ? format_rate(static_cast<double>(bps)) : std::string("unlimited");
+}
+
+class EmulatedDevice final : public Device {
+ public:
+  explicit EmulatedDevice(const DeviceOptions& o) {
+    counters_ = o.counters;
+    const std::uint64_t total = physical_memory();
+    const std::uint64_t budget = o.budget_bytes ? o.budget_bytes : std::max<std::uint64_t>(total / 4, 64ull << 20);
+    const bool paced = o.emulated.h2d_bytes_per_second || o.emulated.d2h_bytes_per_second || o.emulated.latency_us > 0;
+    info_.kind = DeviceKind::kEmulated;
+    info_.name = "emulated";
+    info_.device_id = 0;
+    info_.total_bytes = total;
+    info_.caps = static_cast<std::uint32_t>(DeviceCap::kAsyncCopy) | static_cast<std::uint32_t>(DeviceCap::kDuplexCopy) |
+                 static_cast<std::uint32_t>(DeviceCap::kHostAddressable) |
+                 (paced ? static_cast<std::uint32_t>(DeviceCap::kPacedCopies) : 0u);
+    info_.detail = str("host memory as device memory, budget ", format_bytes(budget), ", h2d ",
+                       rate_text(o.emulated.h2d_bytes_per_second), ", d2h ", rate_text(o.emulated.d2h_bytes_per_second),
+                       ", latency ", o.emulated.latency_us, " us");
+    init_allocator(std::make_unique<HostRawMemory>(), budget, o.alloc_timeout);
+    h2d_ = std::make_unique<detail::EmulatedStream>("emulated device h2d stream", Link::kHostToDevice,
+                                                    o.emulated.h2d_bytes_per_second, o.emulated.latency_us, counters_);
+    d2h_ = std::make_unique<detail::EmulatedStream>("emulated device d2h stream", Link::kDeviceToHost,
+                                                    o.emulated.d2h_bytes_per_second, o.emulated.latency_us, counters_);
+  }
+  ~EmulatedDevice() override { shutdown(); }
+
+ protected:
+  Result<DeviceEvent> submit_copy(CopyDirection dir, void* dst, const void* src, std::uint64_t bytes,
+                                  const std::vector<DeviceEvent>& after) override {
+    return (dir == CopyDirection::kHostToDevice ? h2d_ : d2h_)->submit(dst, src, bytes, after);
+  }
+  Status do_register_host(void*, std::uint64_t, bool* owned) override {
+    *owned = false;  // host memory is already what the emulated device copies from
+    return Status();
+  }
+  Status do_unregister_host(void*, std::uint64_t) override { return Status(); }
+  // The caller's thread is the compute stream.
+  Status do_stream_wait(DeviceStream, const DeviceEvent& event) override { return event.wait(); }
+  Result<DeviceEvent> do_record_event(DeviceStream) override { return DeviceEvent::completed(); }
+  Status do_synchronize() override {
+    const bool a = h2d_->drain();
+    const bool b = d2h_->drain();
+    if (!a || !b) {
+      return failed_precondition(
+          "emulated device: synchronize() (or read_device/write_device) called from a copy callback, which cannot "
+          "wait for its own stream; callbacks must not block");
+    }
+    return Status();
+  }
+  Status do_read(void* dst, const void* device_src, std::uint64_t bytes) override {
+    std::memcpy(dst, device_src, bytes);
+    return Status();
+  }
+  Status do_write(void* device_dst, const void* src, std::uint64_t bytes) override {
+    std::memcpy(device_dst, src, bytes);
+    return Status();
+  }
+
+ private:
+  std::unique_ptr<detail::EmulatedStream> h2d_;
+  std::unique_ptr<detail::EmulatedStream> d2h_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Device>> create_emulated_device(const DeviceOptions& options) {
+  const double lat = options.emulated.latency_us;
+  if (!std::isfinite(lat) || lat < 0 || lat > 1e9) {
+    return invalid_argument(str("tier.emulated.latency_us must be from 0 to 1e9 microseconds (got ", lat, ")"));
+  }
+  if (options.alloc_timeout.count() < 0) {
+    return invalid_argument(str("tier.device_alloc_timeout_ms must not be negative (got ", options.alloc_timeout.count(), ")"));
+  }
+  return std::unique_ptr<Device>(new EmulatedDevice(options));
+}
+
+}  // namespace tier

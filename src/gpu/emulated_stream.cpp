@@ -1,0 +1,121 @@
+#include "gpu/emulated_stream.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "gpu/event_state.hpp"
+#include "tier/units.hpp"
+
+namespace tier::detail {
+
+EmulatedStream::EmulatedStream(std::string name, Link link, std::uint64_t bytes_per_second, double latency_us,
+                               Counters* counters)
+    : name_(std::move(name)),
+      link_(link),
+      rate_(bytes_per_second),
+      latency_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::micro>(latency_us))),
+      counters_(counters),
+      worker_([this] { run(); }) {}
+
+EmulatedStream::~EmulatedStream() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();
+}
+
+DeviceEvent EmulatedStream::submit(void* dst, const void* src, std::uint64_t bytes,
+                                   const std::vector<DeviceEvent>& after) {
+  Task t;
+  t.dst = dst;
+  t.src = src;
+  t.bytes = bytes;
+  t.after = after;
+  t.state = EventState::pending(EventDomain::kHost);
+  DeviceEvent ev(t.state);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    t.submitted = Clock::now();
+    queue_.push_back(std::move(t));
+    ++submitted_;
+  }
+  work_cv_.notify_one();
+  return ev;
+}
+
+bool EmulatedStream::drain() {
+  if (std::this_thread::get_id() == worker_.get_id()) return false;
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::uint64_t target = submitted_;
+  idle_cv_.wait(lock, [&] { return completed_ >= target; });
+  return true;
+}
+
+void EmulatedStream::run() {
+  for (;;) {
+    Task t;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      t = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    execute(t);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++completed_;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void EmulatedStream::execute(Task& t) {
+  // Dependencies first, as a GPU stream waiting on events would; a failed one cancels the copy so
+  // that stale bytes are never passed on as if they were the data it was meant to carry.
+  Clock::time_point deps_done{};
+  for (const auto& e : t.after) {
+    const bool was_ready = e.ready();
+    Status s = e.wait();
+    if (!was_ready) deps_done = Clock::now();
+    if (!s.ok()) {
+      t.state->complete(cancelled(str(name_, ": copy of ", format_bytes(t.bytes),
+                                      " not performed: it was ordered after an event that failed: ", s.to_string())));
+      return;
+    }
+  }
+  Counters::Transfer transfer = counters_ ? counters_->begin(link_) : Counters::Transfer();
+  if (rate_ == 0 && latency_ == Clock::duration::zero()) {
+    std::memcpy(t.dst, t.src, t.bytes);
+  } else {
+    paced_copy(t, std::max({t.submitted, timeline_, deps_done}));
+  }
+  transfer.finish(t.bytes, true);
+  t.state->complete(Status());
+}
+
+void EmulatedStream::paced_copy(const Task& t, Clock::time_point start) {
+  auto* dst = static_cast<std::byte*>(t.dst);
+  const auto* src = static_cast<const std::byte*>(t.src);
+  const Clock::time_point data_start = start + latency_;
+  auto at = [&](std::uint64_t done) {
+    if (rate_ == 0) return data_start;
+    return data_start + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(static_cast<double>(done) / static_cast<double>(rate_)));
+  };
+  // About a millisecond of link time per chunk: fine enough pacing, few wake-ups.
+  const std::uint64_t chunk =
+      rate_ == 0 ? t.bytes : std::clamp<std::uint64_t>(rate_ / 1000, std::uint64_t{64} << 10, std::uint64_t{16} << 20);
+  std::uint64_t done = 0;
+  while (done < t.bytes) {
+    const std::uint64_t n = std::min(chunk, t.bytes - done);
+    std::memcpy(dst + done, src + done, n);
+    done += n;
+    std::this_thread::sleep_until(at(done));
+  }
+  timeline_ = at(t.bytes);
+}
+
+}  // namespace tier::detail

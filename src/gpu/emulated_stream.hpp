@@ -1,0 +1,81 @@
+// One copy stream of the emulated device: a worker thread that runs copies in submission order,
+// optionally paced to a bandwidth and a per-copy latency.
+//
+// Pacing follows a model of a serial link rather than sleeping a fixed time per copy, so that
+// back-to-back copies reach the configured rate however the worker is scheduled: a copy starts,
+// in theory, at the latest of its submission, the theoretical end of the copy before it and the
+// moment its dependencies completed; it ends latency + bytes / rate later. The worker copies in
+// chunks of about a millisecond of link time and sleeps until each chunk's theoretical end, and
+// completes the event at the copy's theoretical end. A worker that falls behind (descheduled)
+// catches up at memcpy speed, so the long-run rate stays the configured one. A limit above what
+// one core's memcpy moves cannot be reached.
+//
+// Thread safety: submit() and drain() may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tier/device_event.hpp"
+#include "tier/stats.hpp"
+#include "tier/types.hpp"
+
+namespace tier::detail {
+
+struct EventState;
+
+class EmulatedStream {
+ public:
+  // `bytes_per_second` 0: unlimited. `name` appears in messages ("emulated device h2d stream").
+  EmulatedStream(std::string name, Link link, std::uint64_t bytes_per_second, double latency_us, Counters* counters);
+  // Finishes the queued copies (and their callbacks), then stops the worker.
+  ~EmulatedStream();
+  EmulatedStream(const EmulatedStream&) = delete;
+  EmulatedStream& operator=(const EmulatedStream&) = delete;
+
+  // Queues a copy of `bytes` from `src` to `dst` after the events in `after`; returns its event.
+  DeviceEvent submit(void* dst, const void* src, std::uint64_t bytes, const std::vector<DeviceEvent>& after);
+  // Waits until every copy submitted before the call has completed and its callbacks have run.
+  // Returns false, without waiting, when called from this stream's own worker (a callback), which
+  // cannot wait for itself.
+  bool drain();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Task {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    std::uint64_t bytes = 0;
+    std::vector<DeviceEvent> after;
+    std::shared_ptr<EventState> state;
+    Clock::time_point submitted;
+  };
+  void run();
+  void execute(Task& t);
+  void paced_copy(const Task& t, Clock::time_point start);
+
+  const std::string name_;
+  const Link link_;
+  const std::uint64_t rate_;  // bytes per second, 0: unlimited
+  const Clock::duration latency_;
+  Counters* const counters_;
+
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable idle_cv_;
+  std::deque<Task> queue_;
+  std::uint64_t submitted_ = 0;
+  std::uint64_t completed_ = 0;
+  bool stop_ = false;
+  Clock::time_point timeline_{};  // theoretical end of the last paced copy (worker only)
+  std::thread worker_;
+};
+
+}  // namespace tier::detail
