@@ -132,7 +132,7 @@ struct TierConfig {
   std::uint64_t nvme_budget = 0;
   DeviceKind device = DeviceKind::kAuto;
   int device_id = 0;
-  int device_alloc_timeout_ms = 0;  // device allocation waits this long when the budget is full; 0: fail at once
+  int device_alloc_timeout_ms = 0;       // device allocation waits this long when the budget is full; 0: fail at once
   std::vector<std::string> swap_paths;   // empty: the offload nvme_path(s)
   std::uint64_t pinned_arena_bytes = 0;  // 0: auto, sized from the buffer counts and sizes
   HugePageMode huge_pages = HugePageMode::kAuto;

@@ -77,11 +77,11 @@ struct DeviceInfo {
 // Memory statistics of a device's caching allocator.
 struct DeviceMemoryStats {
   std::uint64_t budget_bytes = 0;
-  std::uint64_t reserved_bytes = 0;       // obtained from the device: live + cached + pending
-  std::uint64_t allocated_bytes = 0;      // in live buffers, counted by block (size class)
-  std::uint64_t requested_bytes = 0;      // asked for by live buffers
-  std::uint64_t cached_bytes = 0;         // free blocks kept for reuse
-  std::uint64_t pending_free_bytes = 0;   // freed buffers waiting for copies still in flight
+  std::uint64_t reserved_bytes = 0;      // obtained from the device: live + cached + pending
+  std::uint64_t allocated_bytes = 0;     // in live buffers, counted by block (size class)
+  std::uint64_t requested_bytes = 0;     // asked for by live buffers
+  std::uint64_t cached_bytes = 0;        // free blocks kept for reuse
+  std::uint64_t pending_free_bytes = 0;  // freed buffers waiting for copies still in flight
   std::uint64_t peak_allocated_bytes = 0;
   std::uint64_t peak_reserved_bytes = 0;
   std::uint64_t live_buffers = 0;

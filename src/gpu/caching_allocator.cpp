@@ -35,11 +35,10 @@ CachingAllocator::~CachingAllocator() {
   release_cached();
 }
 
-Status CachingAllocator::budget_error(StatusCode code, std::uint64_t bytes, std::uint64_t cls,
-                                      const char* why) const {
+Status CachingAllocator::budget_error(StatusCode code, std::uint64_t bytes, std::uint64_t cls, const char* why) const {
   return Status(code, str(name_, ": cannot allocate ", format_bytes(bytes), " (a ", format_bytes(cls), " block)", why,
-                          ": the device budget of ", format_bytes(budget_), " holds ", format_bytes(allocated_),
-                          " in ", live_, " live buffer(s), ", format_bytes(pending_), " waiting for copies to finish and ",
+                          ": the device budget of ", format_bytes(budget_), " holds ", format_bytes(allocated_), " in ",
+                          live_, " live buffer(s), ", format_bytes(pending_), " waiting for copies to finish and ",
                           format_bytes(cached_),
                           " cached; free buffers, raise tier.budgets.device, or set tier.device_alloc_timeout_ms to "
                           "wait for memory"));
@@ -117,8 +116,8 @@ Result<DeviceBuffer> CachingAllocator::allocate(std::uint64_t bytes, std::chrono
       if (!p.ok()) {
         ++failures_;
         return p.status().with_context(str(name_, ": allocating a ", format_bytes(cls), " block for ",
-                                           format_bytes(bytes), " (within the budget of ", format_bytes(budget_),
-                                           ", ", format_bytes(reserved_), " reserved)"));
+                                           format_bytes(bytes), " (within the budget of ", format_bytes(budget_), ", ",
+                                           format_bytes(reserved_), " reserved)"));
       }
       block = new DeviceBlock;
       block->ptr = *p;
@@ -243,8 +242,7 @@ DeviceMemoryStats CachingAllocator::stats() const {
   s.device_frees = device_frees_;
   s.waits = waits_;
   s.failures = failures_;
-  s.fragmentation =
-      reserved_ ? 1.0 - static_cast<double>(requested_) / static_cast<double>(reserved_) : 0.0;
+  s.fragmentation = reserved_ ? 1.0 - static_cast<double>(requested_) / static_cast<double>(reserved_) : 0.0;
   return s;
 }
 

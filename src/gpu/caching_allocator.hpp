@@ -62,8 +62,7 @@ struct DeviceBlock {
 class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
  public:
   // `name` appears in messages ("cuda device 0", "emulated device").
-  CachingAllocator(std::unique_ptr<RawDeviceMemory> raw, std::uint64_t budget, std::string name,
-                   Counters* counters);
+  CachingAllocator(std::unique_ptr<RawDeviceMemory> raw, std::uint64_t budget, std::string name, Counters* counters);
   ~CachingAllocator();
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;

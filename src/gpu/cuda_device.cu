@@ -222,8 +222,7 @@ class CudaDevice final : public Device {
     }
     Counters::Transfer transfer =
         counters_ ? counters_->begin(h2d ? Link::kHostToDevice : Link::kDeviceToHost) : Counters::Transfer();
-    cudaError_t err =
-        cudaMemcpyAsync(dst, src, bytes, h2d ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream);
+    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, h2d ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream);
     if (err == cudaSuccess) {
       err = cudaEventRecord(ev, stream);
       // Without an event nothing would say when the copy ends: let it end before returning.
@@ -232,8 +231,8 @@ class CudaDevice final : public Device {
     if (err != cudaSuccess) {
       cudaEventDestroy(ev);
       transfer.finish(0, false);
-      return cuda_status(err, str(info_.name, ": cudaMemcpyAsync ", copy_direction_name(dir), " of ",
-                                  format_bytes(bytes)));
+      return cuda_status(err,
+                         str(info_.name, ": cudaMemcpyAsync ", copy_direction_name(dir), " of ", format_bytes(bytes)));
     }
     auto state = detail::EventState::pending(detail::EventDomain::kCuda);
     state->native = ev;
@@ -277,7 +276,8 @@ class CudaDevice final : public Device {
     const auto& st = event.state();
     if (st->domain != detail::EventDomain::kCuda || st->native == nullptr) return event.wait();  // a host-side event
     DeviceGuard g(id_);
-    const cudaError_t err = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(st->native), 0);
+    const cudaError_t err =
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(st->native), 0);
     if (err != cudaSuccess) return cuda_status(err, str(info_.name, ": cudaStreamWaitEvent on the caller's stream"));
     return Status();
   }
@@ -350,16 +350,16 @@ class CudaDevice final : public Device {
     }
     info_.kind = DeviceKind::kCuda;
     info_.device_id = id_;
-    info_.name = str("cuda: ", gpu.name, " (", format_bytes(total_b), ", sm_", gpu.cc_major, gpu.cc_minor,
-                     "), device ", id_);
+    info_.name =
+        str("cuda: ", gpu.name, " (", format_bytes(total_b), ", sm_", gpu.cc_major, gpu.cc_minor, "), device ", id_);
     info_.total_bytes = total_b;
     info_.caps = static_cast<std::uint32_t>(DeviceCap::kAsyncCopy) |
                  static_cast<std::uint32_t>(DeviceCap::kGpuStreams) |
                  static_cast<std::uint32_t>(DeviceCap::kHostRegister) |
                  (engines >= 2 ? static_cast<std::uint32_t>(DeviceCap::kDuplexCopy) : 0u);
-    info_.detail = str("budget ", format_bytes(budget), " of ", format_bytes(free_b), " free, ", engines,
-                       " copy engine(s), runtime ", probe_cuda().runtime_version, ", driver ",
-                       probe_cuda().driver_version);
+    info_.detail =
+        str("budget ", format_bytes(budget), " of ", format_bytes(free_b), " free, ", engines,
+            " copy engine(s), runtime ", probe_cuda().runtime_version, ", driver ", probe_cuda().driver_version);
     for (cudaStream_t& s : streams_) {
       if (cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); err != cudaSuccess) {
         return cuda_status(err, str("cuda device ", id_, ": cudaStreamCreateWithFlags"));

@@ -105,7 +105,8 @@ std::uint64_t Device::release_cached() {
 }
 
 Status Device::check_buffer(const DeviceBuffer& b, std::uint64_t offset, std::uint64_t bytes, const char* what) const {
-  if (b.empty()) return invalid_argument(str(info_.name, ": ", what, ": the device buffer is empty (moved from or reset)"));
+  if (b.empty())
+    return invalid_argument(str(info_.name, ": ", what, ": the device buffer is empty (moved from or reset)"));
   if (b.allocator() != allocator_.get()) {
     return invalid_argument(str(info_.name, ": ", what, ": the buffer was allocated by another device"));
   }
@@ -126,11 +127,13 @@ Status Device::check_after(const std::vector<DeviceEvent>& after) const {
 Result<DeviceEvent> Device::copy_to_device(const DeviceBuffer& dst, std::uint64_t dst_offset, const void* src,
                                            std::uint64_t bytes, const std::vector<DeviceEvent>& after) {
   TIER_RETURN_IF_ERROR(check_buffer(dst, dst_offset, bytes, "copy to device"));
-  if (src == nullptr && bytes > 0) return invalid_argument(str(info_.name, ": copy to device from a null host pointer"));
+  if (src == nullptr && bytes > 0)
+    return invalid_argument(str(info_.name, ": copy to device from a null host pointer"));
   TIER_RETURN_IF_ERROR(check_after(after));
   if (bytes == 0) return DeviceEvent::completed();
-  TIER_ASSIGN_OR_RETURN(DeviceEvent ev, submit_copy(CopyDirection::kHostToDevice,
-                                                    static_cast<std::byte*>(dst.data()) + dst_offset, src, bytes, after));
+  TIER_ASSIGN_OR_RETURN(
+      DeviceEvent ev,
+      submit_copy(CopyDirection::kHostToDevice, static_cast<std::byte*>(dst.data()) + dst_offset, src, bytes, after));
   detail::CachingAllocator::note_use(dst.block(), ev);
   return ev;
 }
@@ -141,9 +144,9 @@ Result<DeviceEvent> Device::copy_to_host(void* dst, const DeviceBuffer& src, std
   if (dst == nullptr && bytes > 0) return invalid_argument(str(info_.name, ": copy to host into a null host pointer"));
   TIER_RETURN_IF_ERROR(check_after(after));
   if (bytes == 0) return DeviceEvent::completed();
-  TIER_ASSIGN_OR_RETURN(DeviceEvent ev, submit_copy(CopyDirection::kDeviceToHost, dst,
-                                                    static_cast<const std::byte*>(src.data()) + src_offset, bytes,
-                                                    after));
+  TIER_ASSIGN_OR_RETURN(DeviceEvent ev,
+                        submit_copy(CopyDirection::kDeviceToHost, dst,
+                                    static_cast<const std::byte*>(src.data()) + src_offset, bytes, after));
   detail::CachingAllocator::note_use(src.block(), ev);
   return ev;
 }
@@ -262,7 +265,8 @@ Result<std::unique_ptr<Device>> create_device(const DeviceOptions& options) {
   }
   if (!dev.ok()) return dev.status();
   const Device& d = **dev;
-  log_once(str("device.selection:", selection), LogLevel::kInfo, str("device: using ", d.info().name, " (", selection, ")"));
+  log_once(str("device.selection:", selection), LogLevel::kInfo,
+           str("device: using ", d.info().name, " (", selection, ")"));
   if (options.counters) {
     options.counters->set_info("device", d.info().name);
     options.counters->set_info("device.selection", selection);

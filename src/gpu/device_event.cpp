@@ -57,8 +57,9 @@ void run_event_callback(const DeviceEvent::Callback& fn, const Status& s) noexce
 
 namespace {
 Status empty_event_status() {
-  return failed_precondition("an empty DeviceEvent (default-constructed, never returned by a device) has no work to "
-                             "wait for; use DeviceEvent::completed() for that");
+  return failed_precondition(
+      "an empty DeviceEvent (default-constructed, never returned by a device) has no work to "
+      "wait for; use DeviceEvent::completed() for that");
 }
 }  // namespace
 

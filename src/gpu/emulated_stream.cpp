@@ -38,6 +38,10 @@ DeviceEvent EmulatedStream::submit(void* dst, const void* src, std::uint64_t byt
   {
     std::lock_guard<std::mutex> lock(mu_);
     t.submitted = Clock::now();
+    if (counters_ && after.empty() && completed_ == submitted_) {
+      t.transfer = counters_->begin(link_);
+      t.transfer_begun = true;
+    }
     queue_.push_back(std::move(t));
     ++submitted_;
   }
@@ -86,7 +90,8 @@ void EmulatedStream::execute(Task& t) {
       return;
     }
   }
-  Counters::Transfer transfer = counters_ ? counters_->begin(link_) : Counters::Transfer();
+  Counters::Transfer transfer = std::move(t.transfer);
+  if (counters_ && !t.transfer_begun) transfer = counters_->begin(link_);
   if (rate_ == 0 && latency_ == Clock::duration::zero()) {
     std::memcpy(t.dst, t.src, t.bytes);
   } else {

@@ -56,6 +56,11 @@ class EmulatedStream {
     std::vector<DeviceEvent> after;
     std::shared_ptr<EventState> state;
     Clock::time_point submitted;
+    // Begun at submission when the copy starts a busy period of the link (idle stream, no
+    // dependencies): the link's busy time then starts where the pacing model starts the copy,
+    // however late the worker wakes up.
+    Counters::Transfer transfer;
+    bool transfer_begun = false;
   };
   void run();
   void execute(Task& t);

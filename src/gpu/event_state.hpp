@@ -38,7 +38,7 @@ struct EventState {
   std::atomic<bool> ready{false};  // mirrors done for lock-free polling
 
   EventDomain domain = EventDomain::kHost;
-  void* native = nullptr;                         // e.g. cudaEvent_t; owned
+  void* native = nullptr;                            // e.g. cudaEvent_t; owned
   void (*destroy_native)(void*) noexcept = nullptr;  // frees `native` with the state
 };
 

@@ -507,11 +507,12 @@ TEST_P(DeviceConformance, DestroyingTheDeviceWaitsForCopiesAndCallbacks) {
   buf->reset();  // a buffer may outlive its device
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, DeviceConformance,
-                         ::testing::Values(Impl{"emulated", DeviceKind::kEmulated, {}},
-                                           Impl{"emulated_paced", DeviceKind::kEmulated, {2'000'000'000, 3'000'000'000, 20}},
-                                           Impl{"cuda", DeviceKind::kCuda, {}}),
-                         [](const ::testing::TestParamInfo<Impl>& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Devices, DeviceConformance,
+    ::testing::Values(Impl{"emulated", DeviceKind::kEmulated, {}},
+                      Impl{"emulated_paced", DeviceKind::kEmulated, {2'000'000'000, 3'000'000'000, 20}},
+                      Impl{"cuda", DeviceKind::kCuda, {}}),
+    [](const ::testing::TestParamInfo<Impl>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace tier

@@ -18,14 +18,14 @@ namespace tier::test {
 // Skips the current test when no CUDA GPU is usable, saying why. With TIER_REQUIRE_CUDA=1 in the
 // environment (bench/gpu_check.sh sets it on GPU machines) the test fails instead, so a GPU run
 // cannot pass by skipping everything.
-#define TIER_SKIP_WITHOUT_CUDA()                                                                            \
-  do {                                                                                                      \
-    if (!::tier::probe_cuda().usable()) {                                                                   \
-      if (std::getenv("TIER_REQUIRE_CUDA") != nullptr) {                                                    \
+#define TIER_SKIP_WITHOUT_CUDA()                                                                                   \
+  do {                                                                                                             \
+    if (!::tier::probe_cuda().usable()) {                                                                          \
+      if (std::getenv("TIER_REQUIRE_CUDA") != nullptr) {                                                           \
         GTEST_FAIL() << "TIER_REQUIRE_CUDA is set, but no CUDA device: " << ::tier::probe_cuda().status.message(); \
-      }                                                                                                     \
-      GTEST_SKIP() << "no CUDA device: " << ::tier::probe_cuda().status.message();                          \
-    }                                                                                                       \
+      }                                                                                                            \
+      GTEST_SKIP() << "no CUDA device: " << ::tier::probe_cuda().status.message();                                 \
+    }                                                                                                              \
   } while (0)
 
 // Bytes that differ from copy to copy (a fixed seed per call site keeps failures reproducible).

@@ -22,7 +22,8 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kMiB = 1ull << 20;
 
-std::unique_ptr<Device> emulated(EmulatedDeviceConfig e = {}, Counters* c = nullptr, std::uint64_t budget = 256 * kMiB) {
+std::unique_ptr<Device> emulated(EmulatedDeviceConfig e = {}, Counters* c = nullptr,
+                                 std::uint64_t budget = 256 * kMiB) {
   DeviceOptions o;
   o.kind = DeviceKind::kEmulated;
   o.budget_bytes = budget;
@@ -110,7 +111,7 @@ TEST(EmulatedDevice, DirectionsRunAtTheSameTime) {
   ASSERT_TRUE(buf.ok());
   std::vector<std::uint8_t> host(4 * kMiB);
   auto up = d->copy_to_device(*buf, 0, host.data(), 4 * kMiB);  // ~420 ms
-  auto down = d->copy_to_host(host.data(), *buf, 0, 100'000);    // ~10 ms
+  auto down = d->copy_to_host(host.data(), *buf, 0, 100'000);   // ~10 ms
   ASSERT_TRUE(up.ok() && down.ok());
   ASSERT_TRUE(down->wait().ok());
   EXPECT_FALSE(up->ready()) << "the device-to-host copy waited behind the host-to-device one";
