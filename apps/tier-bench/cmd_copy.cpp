@@ -69,8 +69,9 @@ Result<CopyFigures> measure(const CopyOptions& o) {
   dopt.budget_bytes = 0;  // auto: the device's own
   dopt.emulated = o.emulated;
   dopt.counters = &counters;
-  TIER_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, create_device(dopt));
+  // The arena first: it must outlive the device, which unregisters it when destroyed.
   TIER_ASSIGN_OR_RETURN(auto arena, HostArena::create({2 * o.bytes, HugePageMode::kAuto, true}));
+  TIER_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, create_device(dopt));
   TIER_RETURN_IF_ERROR(dev->register_host(arena->base(), arena->capacity()));
   TIER_ASSIGN_OR_RETURN(HostBlock in, arena->allocate(o.bytes));
   TIER_ASSIGN_OR_RETURN(HostBlock out, arena->allocate(o.bytes));

@@ -157,11 +157,15 @@ class Device {
   // ---- copies
   // Copies `bytes` from host memory `src` to `dst` at `dst_offset`, on the host-to-device stream,
   // after every event in `after` (from this device, or already complete). Returns at once with the
-  // event of the copy; `src` must stay valid and unchanged until it completes. Zero bytes give a
-  // completed event. Errors (kInvalidArgument, kOutOfRange) name the buffer, offsets and sizes.
+  // event of the copy; `src` must stay valid and unchanged until it completes (`dst` may be
+  // dropped earlier: its block is reused only after the copy). Zero bytes give a completed event.
+  // Errors (kInvalidArgument, kOutOfRange) name the buffer, offsets and sizes. On the emulated
+  // device a copy ordered after an event that failed is not performed: its event completes with
+  // kCancelled (on CUDA such failures are the context's, and every later copy reports them).
   Result<DeviceEvent> copy_to_device(const DeviceBuffer& dst, std::uint64_t dst_offset, const void* src,
                                      std::uint64_t bytes, const std::vector<DeviceEvent>& after = {});
-  // Copies `bytes` from `src` at `src_offset` to host memory `dst`, on the device-to-host stream.
+  // Copies `bytes` from `src` at `src_offset` to host memory `dst`, on the device-to-host stream;
+  // `dst` must stay valid, and unread, until the returned event completes.
   Result<DeviceEvent> copy_to_host(void* dst, const DeviceBuffer& src, std::uint64_t src_offset, std::uint64_t bytes,
                                    const std::vector<DeviceEvent>& after = {});
 

@@ -50,8 +50,9 @@ class CudaDeviceTest : public ::testing::Test {
     arena_ = test::make_arena(64 * kMiB);
     ASSERT_TRUE(arena_);
   }
-  std::unique_ptr<Device> dev_;
+  // The arena outlives the device, which unregisters it when destroyed.
   std::unique_ptr<HostArena> arena_;
+  std::unique_ptr<Device> dev_;
 };
 
 TEST_F(CudaDeviceTest, RegisterHostPinsTheArenaAndUnregisterReleasesIt) {

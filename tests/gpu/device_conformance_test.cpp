@@ -405,8 +405,14 @@ TEST_P(DeviceConformance, ReportsBytesOpsAndResidencyIntoCounters) {
   EXPECT_EQ(c.snapshot().tier(Tier::kDevice).resident_bytes, kMiB);
   EXPECT_EQ(c.snapshot().tier(Tier::kDevice).budget_bytes, 256 * kMiB);
   HostBlock h = host(kMiB);
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(d->copy_to_device(*buf, 0, h.data(), kMiB).ok());
-  for (int i = 0; i < 2; ++i) ASSERT_TRUE(d->copy_to_host(h.data(), *buf, 0, 1000).ok());
+  HostBlock back = host(1000);
+  DeviceEvent last_up;
+  for (int i = 0; i < 3; ++i) {
+    auto e = d->copy_to_device(*buf, 0, h.data(), kMiB);
+    ASSERT_TRUE(e.ok()) << e.status();
+    last_up = *e;
+  }
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(d->copy_to_host(back.data(), *buf, 0, 1000, {last_up}).ok());
   ASSERT_TRUE(d->synchronize().ok());
   const auto s = c.snapshot();
   EXPECT_EQ(s.link(Link::kHostToDevice).bytes, 3 * kMiB);
@@ -447,10 +453,10 @@ TEST_P(DeviceConformance, RejectsBadArgumentsWithClearErrors) {
 }
 
 TEST_P(DeviceConformance, RegistersHostRangesOnce) {
+  auto extra = make_arena(4 * kMiB);  // outlives the device, which unregisters what is left
+  ASSERT_TRUE(extra);
   auto d = make();
   ASSERT_TRUE(d);
-  auto extra = make_arena(4 * kMiB);
-  ASSERT_TRUE(extra);
   std::byte* base = extra->base();
   EXPECT_FALSE(d->is_registered(base, 4096));
   ASSERT_TRUE(d->register_host(base, extra->capacity()).ok());
