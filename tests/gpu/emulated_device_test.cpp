@@ -44,15 +44,19 @@ struct Gate {
 TEST(EmulatedDevice, PacedCopiesReachTheConfiguredBandwidthWithinFivePercent) {
   // Both directions at once, each at its own limit, for about a quarter of a second.
   const std::uint64_t h2d_rate = 200'000'000, d2h_rate = 120'000'000;
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer's memcpy is too slow to emulate " << h2d_rate / 1e6 << " MB/s";
+#endif
   {
-    // A worker cannot pace faster than it can memcpy (ThreadSanitizer's memcpy is that slow).
-    std::vector<std::uint8_t> a(8 * kMiB, 1), b(8 * kMiB);
+    // A worker cannot pace faster than it can memcpy; leave it headroom.
+    std::vector<std::uint8_t> a(8 * kMiB, 1), b(8 * kMiB, 2);
+    std::memcpy(b.data(), a.data(), a.size());  // warm
     const auto t = Clock::now();
     for (int i = 0; i < 4; ++i) std::memcpy(b.data(), a.data(), a.size());
     const double rate = 32.0 * kMiB / std::chrono::duration<double>(Clock::now() - t).count();
-    if (rate < 4.0 * static_cast<double>(h2d_rate)) {
+    if (rate < 3.0 * static_cast<double>(h2d_rate + d2h_rate)) {
       GTEST_SKIP() << "one thread's memcpy moves only " << rate / 1e6 << " MB/s here, too slow to emulate "
-                   << h2d_rate / 1e6 << " MB/s";
+                   << h2d_rate / 1e6 << " + " << d2h_rate / 1e6 << " MB/s";
     }
   }
   Counters c;
