@@ -118,8 +118,8 @@ class FaultInjectingEngine final : public IoEngine {
   std::vector<int> slot_fds_;  // slot -> descriptor, mirrored from register_file()
 
   // Driving-thread state.
-  std::deque<IoCompletion> ready_;   // injected completions not yet reaped
-  std::vector<ShortInfo> shorts_;    // requests passed down shortened
+  std::deque<IoCompletion> ready_;         // injected completions not yet reaped
+  std::vector<ShortInfo> shorts_;          // requests passed down shortened
   std::vector<std::uint64_t> write_tags_;  // writes in flight (for the byte budget)
 };
 

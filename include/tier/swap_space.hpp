@@ -51,7 +51,7 @@ namespace tier::nvme {
 class SwapSpace;
 
 struct SwapSpaceOptions {
-  std::vector<std::string> paths;  // directories, one per SSD; created (0700) when missing
+  std::vector<std::string> paths;    // directories, one per SSD; created (0700) when missing
   std::uint64_t bytes_per_path = 0;  // preallocated in each path's file; rounded up to 4 KiB
   IoEngineKind engine = IoEngineKind::kAuto;
   std::uint64_t block_size = 1u << 20;  // bytes per request; a multiple of 4 KiB, at most 1 GiB
@@ -132,9 +132,9 @@ struct SwapSpaceStats {
   double fragmentation = 0;           // 1 - largest free run / free bytes, over all paths
   std::uint64_t bytes_read = 0;
   std::uint64_t bytes_written = 0;
-  std::uint64_t reads = 0;   // read transfers finished
-  std::uint64_t writes = 0;  // write transfers finished
-  std::uint64_t failed = 0;  // transfers that finished with an error or were cancelled
+  std::uint64_t reads = 0;                  // read transfers finished
+  std::uint64_t writes = 0;                 // write transfers finished
+  std::uint64_t failed = 0;                 // transfers that finished with an error or were cancelled
   std::uint64_t requests = 0;               // requests sent to the engines
   std::uint64_t fixed_buffer_requests = 0;  // of which sent with io_uring fixed-buffer opcodes
   std::uint64_t submit_calls = 0;           // engine submissions (system calls) that carried them

@@ -176,7 +176,8 @@ class AioEngine final : public IoEngine {
     if (ret < 0) {
       ctx_ = nullptr;
       if (ret == -EAGAIN) {
-        return unsupported(str("libaio: io_setup(", qd_, ") exceeds fs.aio-max-nr; raise it with "
+        return unsupported(str("libaio: io_setup(", qd_,
+                               ") exceeds fs.aio-max-nr; raise it with "
                                "`sysctl fs.aio-max-nr=1048576` or lower aio.queue_depth"));
       }
       return unsupported(str("libaio: io_setup failed: ", std::strerror(-ret)));

@@ -90,7 +90,7 @@ FaultInjectingEngine::Decision FaultInjectingEngine::decide(const IoRequest& r) 
   int fd = r.fd;
   if (r.file_index >= 0) {
     fd = static_cast<std::size_t>(r.file_index) < slot_fds_.size() ? slot_fds_[static_cast<std::size_t>(r.file_index)]
-                                                                     : -1;
+                                                                   : -1;
   }
   Decision d;
   bool applied = false;

@@ -138,10 +138,11 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
   if (fstatvfs(f.dir_fd, &vfs) == 0 && vfs.f_blocks > 0) {
     const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (avail < bytes) {
-      return Status(StatusCode::kNoSpace,
-                    str("swap path ", dir, ": needs ", format_bytes(bytes), " (", bytes, " bytes) for its swap file but ",
-                        format_bytes(avail), " are free; free space, lower the swap size or add another path"),
-                    ENOSPC);
+      return Status(
+          StatusCode::kNoSpace,
+          str("swap path ", dir, ": needs ", format_bytes(bytes), " (", bytes, " bytes) for its swap file but ",
+              format_bytes(avail), " are free; free space, lower the swap size or add another path"),
+          ENOSPC);
     }
   }
 
@@ -172,8 +173,9 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
       return errno_status(errno, str("swap file ", f.path, ": ftruncate to ", format_bytes(bytes)));
     }
     log_once(str("nvme.no_fallocate.", dir), LogLevel::kWarn,
-             str("swap path ", dir, ": ", f.fs, " cannot preallocate; the swap file is sparse, so a full disk shows "
-                                               "only when a write fails"));
+             str("swap path ", dir, ": ", f.fs,
+                 " cannot preallocate; the swap file is sparse, so a full disk shows "
+                 "only when a write fails"));
   }
 
   if (want_direct) {

@@ -19,9 +19,9 @@ struct SwapFile {
   int fd = -1;
   std::uint64_t bytes = 0;
   bool direct = false;
-  std::string direct_refusal;     // why O_DIRECT was refused, when asked for and refused
-  std::uint32_t mem_align = 1;    // O_DIRECT buffer alignment (1 when buffered)
-  std::uint32_t size_align = 1;   // O_DIRECT offset/length granularity (1 when buffered)
+  std::string direct_refusal;    // why O_DIRECT was refused, when asked for and refused
+  std::uint32_t mem_align = 1;   // O_DIRECT buffer alignment (1 when buffered)
+  std::uint32_t size_align = 1;  // O_DIRECT offset/length granularity (1 when buffered)
   dev_t dev = 0;
   ino_t ino = 0;
 

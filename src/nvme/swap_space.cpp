@@ -128,8 +128,8 @@ struct SwapSpace::Impl {
   std::uint64_t peak = 0;
   std::uint64_t striped = 0;
 
-  std::atomic<std::uint64_t> bytes_read{0}, bytes_written{0}, reads{0}, writes{0}, failed{0}, requests{0},
-      retries{0}, shorts{0}, bounced{0};
+  std::atomic<std::uint64_t> bytes_read{0}, bytes_written{0}, reads{0}, writes{0}, failed{0}, requests{0}, retries{0},
+      shorts{0}, bounced{0};
 
   // ------------------------------------------------------------------ allocation (under mu)
 
@@ -332,8 +332,8 @@ struct SwapSpace::Impl {
       if (e == ECANCELED) {
         err = cancelled(str("swap ", io_op_name(s.op->kind), " cancelled"));
       } else {
-        err = errno_status(e, str("swap file ", path, ": ", io_op_name(s.op->kind), " of ", want, " bytes at offset ",
-                                  at, " failed"));
+        err = errno_status(
+            e, str("swap file ", path, ": ", io_op_name(s.op->kind), " of ", want, " bytes at offset ", at, " failed"));
       }
     }
     finish_chunk(w, tag, std::move(err), finished);
@@ -441,7 +441,17 @@ struct SwapSpace::Impl {
     IoFuture f(op->state);
     std::vector<IoEngine*> to_wake;
     {
-      std::lock_guard<std::mutex> lk(mu);
+      std::unique_lock<std::mutex> lk(mu);
+      if (stop) {
+        // Only a callback can get here, while the swap space is being destroyed.
+        auto it = extents.find(op->extent_id);
+        if (it != extents.end() && --it->second.ops == 0 && it->second.freed) release_locked(it);
+        lk.unlock();
+        ++failed;
+        op->xfer.finish(0, false);
+        op->state->complete(cancelled("swap space is closing"));
+        return f;
+      }
       pending.push_back(std::move(op));
       for (auto& w : workers) {
         if (w->waiting) {
@@ -533,7 +543,8 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
                                 " must be a multiple of 4096 from 4096 to 1 GiB (aio.block_size)"));
   }
   if (o.queue_depth < 1 || o.queue_depth > 4096) {
-    return invalid_argument(str("swap space: queue depth ", o.queue_depth, " must be from 1 to 4096 (aio.queue_depth)"));
+    return invalid_argument(
+        str("swap space: queue depth ", o.queue_depth, " must be from 1 to 4096 (aio.queue_depth)"));
   }
   if (o.intra_op_parallelism < 1 || o.intra_op_parallelism > 256) {
     return invalid_argument(str("swap space: intra_op_parallelism ", o.intra_op_parallelism,
@@ -574,8 +585,9 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
     kind = IoEngineKind::kPosix;
     if (!refusal.empty()) {
       log_once(str("nvme.no_direct.", refusal), LogLevel::kWarn,
-               str(refusal, "; using buffered I/O through the posix engine (tier.io.use_direct=false picks this "
-                            "without a warning)"));
+               str(refusal,
+                   "; using buffered I/O through the posix engine (tier.io.use_direct=false picks this "
+                   "without a warning)"));
     }
   } else if (!im.direct && !refusal.empty()) {
     log_once(str("nvme.no_direct.", refusal), LogLevel::kWarn,
@@ -700,21 +712,21 @@ IoFuture SwapSpace::transfer(IoOp kind, const SwapExtent& extent, void* buf, std
         invalid_argument(str("swap ", what, ": extent offset ", offset, " is not a multiple of 4096")));
   }
   if (offset > extent.bytes() || bytes > extent.bytes() - offset) {
-    return IoFuture::completed(out_of_range(str("swap ", what, " of ", bytes, " bytes at offset ", offset,
-                                                " runs past the end of extent #", extent.id(), " (",
-                                                extent.bytes(), " bytes)")));
+    return IoFuture::completed(
+        out_of_range(str("swap ", what, " of ", bytes, " bytes at offset ", offset, " runs past the end of extent #",
+                         extent.id(), " (", extent.bytes(), " bytes)")));
   }
   bool bounce_all = false;
   if (im.direct) {
     const bool misaligned = reinterpret_cast<std::uintptr_t>(buf) % im.mem_align != 0;
     const bool ragged = bytes % im.size_align != 0;
     if ((misaligned || ragged) && !options_.bounce_unaligned) {
-      return IoFuture::completed(invalid_argument(
-          str("swap ", what, " of ", bytes, " bytes: ",
-              misaligned ? str("the buffer at ", buf, " is not aligned to ", im.mem_align, " bytes")
-                         : str("the size is not a multiple of ", im.size_align, " bytes"),
-              ", which O_DIRECT needs; use a buffer from the host arena and pad the size, or set "
-              "tier.io.bounce_unaligned=true")));
+      return IoFuture::completed(
+          invalid_argument(str("swap ", what, " of ", bytes, " bytes: ",
+                               misaligned ? str("the buffer at ", buf, " is not aligned to ", im.mem_align, " bytes")
+                                          : str("the size is not a multiple of ", im.size_align, " bytes"),
+                               ", which O_DIRECT needs; use a buffer from the host arena and pad the size, or set "
+                               "tier.io.bounce_unaligned=true")));
     }
     bounce_all = misaligned;
   }

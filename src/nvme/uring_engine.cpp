@@ -97,9 +97,10 @@ class UringEngine final : public IoEngine {
     }
     const int ret = io_uring_register_buffers(&ring_, iovs.data(), static_cast<unsigned>(iovs.size()));
     if (ret < 0) {
-      return errno_status(ret, str("io_uring engine: registering ", format_bytes(bytes), " as fixed buffers (",
-                                   iovs.size(), " pieces); raise RLIMIT_MEMLOCK (ulimit -l) or set "
-                                   "tier.io.fixed_buffers=false"));
+      return errno_status(ret,
+                          str("io_uring engine: registering ", format_bytes(bytes), " as fixed buffers (", iovs.size(),
+                              " pieces); raise RLIMIT_MEMLOCK (ulimit -l) or set "
+                              "tier.io.fixed_buffers=false"));
     }
     fixed_base_ = static_cast<std::byte*>(base);
     fixed_bytes_ = bytes;
@@ -196,7 +197,8 @@ class UringEngine final : public IoEngine {
       }
       const int ret = io_uring_wait_cqe_timeout(&ring_, &cqe, tsp);
       if (ret == -ETIME) return got;
-      if (ret < 0 && ret != -EINTR && ret != -EAGAIN) return errno_status(ret, "io_uring engine: waiting for completions");
+      if (ret < 0 && ret != -EINTR && ret != -EAGAIN)
+        return errno_status(ret, "io_uring engine: waiting for completions");
     }
   }
 
@@ -223,8 +225,8 @@ class UringEngine final : public IoEngine {
   Status init(const IoEngineOptions& o) {
     qd_ = o.queue_depth;
     if (o.fixed_buffer_piece == 0 || o.fixed_buffer_piece % 4096 != 0 || o.fixed_buffer_piece > kMaxFixedBufferPiece) {
-      return invalid_argument(str("io_uring engine: fixed buffer piece ", o.fixed_buffer_piece,
-                                  " must be a multiple of 4096 up to 1 GiB"));
+      return invalid_argument(
+          str("io_uring engine: fixed buffer piece ", o.fixed_buffer_piece, " must be a multiple of 4096 up to 1 GiB"));
     }
     piece_ = o.fixed_buffer_piece;
     io_uring_params p{};

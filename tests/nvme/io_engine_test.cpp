@@ -252,7 +252,8 @@ TEST_P(EngineConformance, CancelCompletesEveryRequestOnce) {
   constexpr std::uint32_t kBlock = 256 << 10;
   AlignedBuffer buf(32ull * kBlock);
   std::vector<IoRequest> reqs;
-  for (int i = 0; i < 32; ++i) reqs.push_back(req(IoOp::kWrite, fd_, i * std::uint64_t{kBlock}, kBlock, buf.data + i * kBlock, i));
+  for (int i = 0; i < 32; ++i)
+    reqs.push_back(req(IoOp::kWrite, fd_, i * std::uint64_t{kBlock}, kBlock, buf.data + i * kBlock, i));
   auto taken = e->submit(reqs.data(), reqs.size());
   ASSERT_TRUE(taken.ok());
   ASSERT_EQ(*taken, 32u);

@@ -104,7 +104,7 @@ struct AlignedBuffer {
 // One backend configuration the conformance suites run.
 struct Backend {
   IoEngineKind kind;
-  bool direct;    // O_DIRECT files on the disk; otherwise buffered files on /dev/shm
+  bool direct;  // O_DIRECT files on the disk; otherwise buffered files on /dev/shm
   const char* name;
 };
 

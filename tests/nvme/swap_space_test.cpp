@@ -467,6 +467,38 @@ TEST_P(SwapConformance, CancelDropsRequestsNotYetSent) {
   EXPECT_LT(sp->stats().requests, 1u + (8 << 20) / (64 << 10)) << "the cancelled write's requests were dropped";
 }
 
+TEST_P(SwapConformance, ClosingCancelsQueuedTransfers) {
+  auto sp = make(options(1, 16 << 20));
+  ASSERT_TRUE(sp);
+  SwapSpace* raw = sp.get();
+  auto a = sp->allocate(4096);
+  auto big = sp->allocate(8 << 20);
+  ASSERT_TRUE(a.ok() && big.ok());
+  HostBlock buf = block(8 << 20);
+  Latch latch;
+  IoFuture late;
+  IoFuture fa = sp->write(*a, buf.data(), 4096);
+  fa.on_complete([&](const Status&) {
+    latch.wait();
+    late = raw->write(*a, buf.data(), 4096);  // issued while the swap space closes
+    a->reset();
+  });
+  latch.wait_entered();
+  IoFuture fb = sp->write(*big, buf.data(), 8 << 20);
+  big->reset();
+  std::atomic<bool> closing{false};
+  std::thread closer([&] {
+    closing = true;
+    sp.reset();  // waits for the I/O thread, which is held in fa's callback
+  });
+  while (!closing) std::this_thread::yield();
+  std::this_thread::sleep_for(100ms);
+  latch.open();
+  closer.join();
+  EXPECT_EQ(fb.wait().code(), StatusCode::kCancelled);
+  EXPECT_EQ(late.wait().code(), StatusCode::kCancelled);
+}
+
 TEST_P(SwapConformance, CountersSeeLinksAndTheEngine) {
   Counters counters;
   auto o = options();
