@@ -108,6 +108,11 @@ struct Backend {
   const char* name;
 };
 
+// What gtest and ctest show for a parameter.
+inline void PrintTo(const Backend& b, std::ostream* os) {
+  *os << b.name;
+}
+
 inline std::vector<Backend> all_backends() {
   return {{IoEngineKind::kUring, true, "uring_direct"},
           {IoEngineKind::kAio, true, "aio_direct"},

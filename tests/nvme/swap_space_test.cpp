@@ -29,9 +29,40 @@ namespace {
 using namespace std::chrono_literals;
 using test::Backend;
 
-// Blocks an I/O thread inside a completion callback until released, to freeze a moment.
+// Holds an I/O thread inside a completion callback until released, to freeze a moment.
 class Latch {
  public:
+  // Writes `bytes` to `e` and parks the I/O thread that completes it in the callback, then runs
+  // `inside` there once open() is called. A write that finishes before its callback is attached
+  // runs the callback here instead; such tries are repeated.
+  void hold(SwapSpace& sp, const SwapExtent& e, const void* buf, std::uint64_t bytes,
+            std::function<void()> inside = {}) {
+    const auto me = std::this_thread::get_id();
+    for (int attempt = 0; attempt < 1000; ++attempt) {
+      IoFuture f = sp.write(e, buf, bytes);
+      bool held = true;
+      f.on_complete([this, me, &held, inside](const Status&) {
+        if (std::this_thread::get_id() == me) {
+          held = false;  // already complete: runs inline on the test thread
+          return;
+        }
+        wait();
+        if (inside) inside();
+      });
+      if (held) {
+        wait_entered();
+        return;
+      }
+    }
+    ADD_FAILURE() << "could not park an I/O thread";
+  }
+  void open() {
+    std::lock_guard<std::mutex> lk(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
   void wait() {
     std::unique_lock<std::mutex> lk(mu_);
     entered_ = true;
@@ -42,13 +73,7 @@ class Latch {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return entered_; });
   }
-  void open() {
-    std::lock_guard<std::mutex> lk(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
 
- private:
   std::mutex mu_;
   std::condition_variable cv_;
   bool entered_ = false;
@@ -352,6 +377,7 @@ TEST_P(SwapConformance, UnalignedTransfersFailClearlyOrGoThroughBounceBuffers) {
     auto o = options();
     o.paths = {dir_->sub("bounce")};
     o.bounce_unaligned = true;
+    e = Status(StatusCode::kCancelled, "released before its swap space");
     sp = make(o);
     ASSERT_TRUE(sp);
     e = sp->allocate(n);
@@ -431,9 +457,7 @@ TEST_P(SwapConformance, FreeingDuringATransferDefersReuse) {
   HostBlock buf = block(2 << 20);
   Latch latch;
   // The I/O thread stops in a's callback, so b's write cannot finish yet.
-  IoFuture fa = sp->write(*a, buf.data(), 4096);
-  fa.on_complete([&](const Status&) { latch.wait(); });
-  latch.wait_entered();
+  latch.hold(*sp, *a, buf.data(), 4096);
   IoFuture fb = sp->write(*b, buf.data(), 2 << 20);
   b->reset();
   EXPECT_FALSE(fb.ready());
@@ -455,9 +479,7 @@ TEST_P(SwapConformance, CancelDropsRequestsNotYetSent) {
   ASSERT_TRUE(a.ok() && big.ok());
   HostBlock buf = block(8 << 20);
   Latch latch;
-  IoFuture fa = sp->write(*a, buf.data(), 4096);
-  fa.on_complete([&](const Status&) { latch.wait(); });
-  latch.wait_entered();
+  latch.hold(*sp, *a, buf.data(), 4096);
   IoFuture fb = sp->write(*big, buf.data(), 8 << 20);
   fb.cancel();
   latch.open();
@@ -477,19 +499,16 @@ TEST_P(SwapConformance, ClosingCancelsQueuedTransfers) {
   HostBlock buf = block(8 << 20);
   Latch latch;
   IoFuture late;
-  IoFuture fa = sp->write(*a, buf.data(), 4096);
-  fa.on_complete([&](const Status&) {
-    latch.wait();
+  latch.hold(*sp, *a, buf.data(), 4096, [&] {
     late = raw->write(*a, buf.data(), 4096);  // issued while the swap space closes
     a->reset();
   });
-  latch.wait_entered();
   IoFuture fb = sp->write(*big, buf.data(), 8 << 20);
   big->reset();
   std::atomic<bool> closing{false};
   std::thread closer([&] {
     closing = true;
-    sp.reset();  // waits for the I/O thread, which is held in fa's callback
+    sp.reset();  // waits for the I/O thread held in the latch's callback
   });
   while (!closing) std::this_thread::yield();
   std::this_thread::sleep_for(100ms);
