@@ -161,6 +161,31 @@ class Buffers {
   std::uint64_t bytes_ = 0;
 };
 
+// Incompressible bytes, as fio writes by default: a virtual disk may store runs of zeros as holes
+// (detect-zeroes, discard), which would make zero-filled buffers look faster than any real data.
+void fill_random(std::byte* p, std::uint64_t n, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  std::uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(p + i, &x, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<std::byte>(x >> (8 * (i % 8)));
+}
+
+// Makes every 512-byte sector of a block unique (like fio's scramble_buffers), so that a virtual
+// disk that deduplicates blocks sees new data on every write; the first 8 bytes are the block's
+// index, which reads check.
+void stamp(std::byte* p, std::uint64_t n, std::uint64_t index) {
+  std::memcpy(p, &index, sizeof index);
+  for (std::uint64_t off = 512; off + 16 <= n; off += 512) {
+    const std::uint64_t v[2] = {index, off};
+    std::memcpy(p + off, v, sizeof v);
+  }
+}
+
 // ------------------------------------------------------------------ the measurement
 
 // Moves [0, total) of `e` in block-size transfers with `window` of them outstanding, each buffer
@@ -205,7 +230,7 @@ class Stream : public std::enable_shared_from_this<Stream> {
       const std::uint64_t off = i * block_;
       const std::uint64_t n = std::min(block_, total_ - off);
       std::byte* p = buf_ + static_cast<std::uint64_t>(slot) * block_;
-      if (write_) std::memcpy(p, &i, sizeof i);  // each block carries its index
+      if (write_) stamp(p, n, i);
       IoFuture f = write_ ? sp_.write(e_, p, n, off) : sp_.read(e_, p, n, off);
       if (f.ready() && !f.status().ok()) {
         fail(f.status());
@@ -273,6 +298,7 @@ Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
   const std::uint64_t buffer_bytes =
       spec.tensors ? total : std::min<std::uint64_t>(total, std::uint64_t{window} * spec.block_size);
   TIER_ASSIGN_OR_RETURN(Buffers bufs, Buffers::make(buffer_bytes, spec.heap_buffers, spec.huge_pages));
+  fill_random(bufs.data(), buffer_bytes, spec.seed);
 
   Counters counters;
   SwapSpaceOptions o;
@@ -308,7 +334,7 @@ Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
     std::uint64_t off = 0;
     for (std::size_t i = 0; i < extents.size(); ++i) {
       std::byte* p = bufs.data() + off;
-      if (write) std::memcpy(p, &i, sizeof i);
+      if (write) stamp(p, sizes[i], i);
       fs.push_back(write ? sp->write(extents[i], p, sizes[i]) : sp->read(extents[i], p, sizes[i]));
       off += sizes[i];
     }

@@ -298,20 +298,26 @@ struct SwapSpace::Impl {
     const std::uint64_t want = s.length - s.done;
     const std::uint64_t at = s.file_offset + s.done;
     const std::string& path = files[s.path].path;
+    Status err;
     if (c.result > 0) {
+      const std::uint64_t before = s.done;
       s.done += std::min<std::uint64_t>(static_cast<std::uint64_t>(c.result), want);
-      if (s.done < s.length) {
-        // O_DIRECT resumes at an aligned position; the bytes in between are moved again.
-        s.done = s.done / resume_align * resume_align;
-        ++shorts;
+      if (s.done >= s.length) {
+        finish_chunk(w, tag, Status::Ok(), finished);
+        return;
+      }
+      // O_DIRECT resumes at an aligned position; the bytes in between are moved again.
+      s.done = s.done / resume_align * resume_align;
+      ++shorts;
+      if (s.done > before || ++s.retries <= kMaxRetries) {
         w.resubmit.push_back(tag);
         return;
       }
-      finish_chunk(w, tag, Status::Ok(), finished);
-      return;
-    }
-    Status err;
-    if (c.result == 0) {
+      err = Status(StatusCode::kIoError,
+                   str("swap file ", path, ": ", io_op_name(s.op->kind), " at offset ", at,
+                       " keeps coming back short of an aligned position (", c.result, " of ", want, " bytes)"),
+                   EIO);
+    } else if (c.result == 0) {
       err = s.op->kind == IoOp::kRead
                 ? Status(StatusCode::kDataLoss,
                          str("swap file ", path, ": read at offset ", at, " found the end of the file with ", want,
@@ -362,14 +368,15 @@ struct SwapSpace::Impl {
     op.state->complete(std::move(st));
   }
 
-  Status submit_batch(Worker& w, std::vector<IoRequest>& batch) {
-    std::size_t i = 0;
-    while (i < batch.size()) {
-      const std::size_t n = opt.single_submit ? 1 : batch.size() - i;
-      auto taken = w.engine->submit(batch.data() + i, n);
+  // Submits the batch; `sent` says how many requests the engine took, also on error.
+  Status submit_batch(Worker& w, std::vector<IoRequest>& batch, std::size_t& sent) {
+    sent = 0;
+    while (sent < batch.size()) {
+      const std::size_t n = opt.single_submit ? 1 : batch.size() - sent;
+      auto taken = w.engine->submit(batch.data() + sent, n);
       if (!taken.ok()) return taken.status();
       if (*taken == 0) return internal_error("swap space: the I/O engine took no request below its queue depth");
-      i += *taken;
+      sent += *taken;
     }
     return Status::Ok();
   }
@@ -411,12 +418,15 @@ struct SwapSpace::Impl {
         if (s.bounced) ++bounced;
         batch.push_back(request_for(w, tag));
       }
-      requests += batch.size();
-      if (Status s = submit_batch(w, batch); !s.ok()) {
-        // The engine itself failed: every request of this batch fails with its status.
+      std::size_t sent = 0;
+      if (Status s = submit_batch(w, batch, sent); !s.ok()) {
+        // The engine itself failed: the requests it did not take fail with its status.
         TIER_LOG(kError, "swap space: ", s.to_string());
-        for (const IoRequest& r : batch) finish_chunk(w, static_cast<unsigned>(r.tag), s, finished);
+        for (std::size_t i = sent; i < batch.size(); ++i) {
+          finish_chunk(w, static_cast<unsigned>(batch[i].tag), s, finished);
+        }
       }
+      requests += sent;
       if (w.busy == 0) continue;
       {
         std::lock_guard<std::mutex> lk(mu);

@@ -582,6 +582,44 @@ TEST(SwapSpaceOptions, BadOptionsAreRejectedWithTheKeyToFix) {
   EXPECT_NE(SwapSpace::create(o).status().message().find("aio.queue_depth"), std::string::npos);
 }
 
+// SQPOLL and single_submit are uring/DeepSpeed options; each must still move the bytes.
+TEST(SwapSpaceOptions, SqpollAndSingleSubmitMoveTheSameBytes) {
+  if (Status s = probe_io_engine(IoEngineKind::kUring); !s.ok()) GTEST_SKIP() << s;
+  test::ScratchDir dir(test::disk_base(), "sqpoll");
+  ASSERT_TRUE(dir.ok());
+  const bool direct = test::direct_refused(dir.path()).empty();
+  for (int variant = 0; variant < 2; ++variant) {
+    SwapSpaceOptions o;
+    o.paths = {dir.sub(variant ? "single" : "sqpoll")};
+    o.bytes_per_path = 8 << 20;
+    o.engine = IoEngineKind::kUring;
+    o.use_direct = direct;
+    o.block_size = 128 << 10;
+    o.sqpoll = variant == 0;
+    o.single_submit = variant == 1;
+    auto sp = SwapSpace::create(o);
+    if (!sp.ok() && variant == 0 && sp.status().sys_errno() == EPERM) {
+      std::printf("SQPOLL refused here (%s); checking single_submit only\n", sp.status().to_string().c_str());
+      continue;
+    }
+    ASSERT_TRUE(sp.ok()) << sp.status();
+    if (variant == 0) {
+      EXPECT_TRUE((*sp)->stats().engine_capabilities & kIoCapSqPoll);
+    }
+    auto e = (*sp)->allocate(2 << 20);
+    ASSERT_TRUE(e.ok());
+    test::AlignedBuffer src(2 << 20), dst(2 << 20);
+    test::fill_pattern(src.data, src.size, 60 + variant);
+    ASSERT_TRUE((*sp)->write(*e, src.data, src.size).wait().ok());
+    ASSERT_TRUE((*sp)->read(*e, dst.data, dst.size).wait().ok());
+    EXPECT_EQ(std::memcmp(src.data, dst.data, src.size), 0);
+    auto st = (*sp)->stats();
+    if (variant == 1) {
+      EXPECT_EQ(st.submit_calls, st.requests) << "single_submit: one system call per request";
+    }
+  }
+}
+
 // A directory whose file system refuses O_DIRECT: /dev/shm when tmpfs refuses it, otherwise a
 // ramfs mounted in a private mount namespace (root only). Empty when neither is possible.
 std::string no_direct_dir(std::string& why_not, std::string& mounted) {
