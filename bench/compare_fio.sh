@@ -9,8 +9,11 @@
 # It installs fio with apt-get when missing, raises vm.nr_hugepages only as far as fio's huge-page
 # buffers need and restores the old value on exit (also on error or Ctrl-C), and removes its files.
 #
+# Each figure is the median of --reps runs (fio's two kinds alternate; tier-bench makes --reps timed
+# passes over its file); the request size is averaged over all of them.
+#
 # usage: bench/compare_fio.sh [--dir DIR] [--size 4G] [--bs "1M 4M 16M"] [--qd "8 32 64"]
-#                             [--engines "uring aio"] [--rw "read write"] [--tensors 1000]
+#                             [--engines "uring aio"] [--rw "read write"] [--tensors 1000] [--reps 3]
 #                             [--bench build/bin/tier-bench] [--markdown FILE] [--quick]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +25,7 @@ qd_list="8 32 64"
 engines="uring aio"
 rws="read write"
 tensors=1000
+reps=3
 bench=build/bin/tier-bench
 markdown=""
 while [[ $# -gt 0 ]]; do
@@ -33,10 +37,11 @@ while [[ $# -gt 0 ]]; do
     --engines) engines="$2"; shift 2 ;;
     --rw) rws="$2"; shift 2 ;;
     --tensors) tensors="$2"; shift 2 ;;
+    --reps) reps="$2"; shift 2 ;;
     --bench) bench="$2"; shift 2 ;;
     --markdown) markdown="$2"; shift 2 ;;
-    --quick) size=1G; bs_list="1M 16M"; qd_list="8 64"; tensors=300; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --quick) size=1G; bs_list="1M 16M"; qd_list="8 64"; tensors=300; reps=1; shift ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare_fio.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -70,10 +75,7 @@ device="$(awk -v a="$maj" -v b="$min" '$1==a && $2==b {print $3}' /proc/diskstat
 [[ -n "$device" ]] || echo "compare_fio.sh: $dir is on no block device in /proc/diskstats; request sizes n/a" >&2
 # Prints "requests sectors" of the device for reads or writes.
 disk() { awk -v d="$device" -v rw="$1" '$3==d { if (rw=="read") print $4, $6; else print $8, $10 }' /proc/diskstats; }
-avg_req() {  # before after -> average request in KiB
-  awk -v b="$1" -v a="$2" 'BEGIN { split(b, x, " "); split(a, y, " "); n = y[1]-x[1];
-    if (n > 0) printf "%.0f KiB", (y[2]-x[2]) * 512 / n / 1024; else print "n/a" }'
-}
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 to_bytes() { numfmt --from=iec "$1"; }
 
 # fio's huge-page buffers: iodepth x bs, rounded up, for the largest combination.
@@ -92,30 +94,49 @@ echo "compare_fio.sh: laying out a $size file in $work (device $device)" >&2
 fio --name=layout --filename="$file" --size="$size" --bs=4M --rw=write --direct=1 --ioengine=libaio \
     --iodepth=16 --output=/dev/null
 
-# run_fio engine rw bs qd mem -> "GB/s|avg request"
+# run_fio engine rw bs qd mem -> prints "GB/s requests sectors" of one run
 run_fio() {
-  local eng=$1 rw=$2 bs=$3 qd=$4 mem=$5 fio_eng before after out bw
+  local eng=$1 rw=$2 bs=$3 qd=$4 mem=$5 fio_eng before after out
   fio_eng=$([[ $eng == uring ]] && echo io_uring || echo libaio)
   before="$(disk "$rw")"
   out="$(fio --name=cmp --filename="$file" --size="$size" --bs="$bs" --iodepth="$qd" --ioengine="$fio_eng" \
       --direct=1 --rw="$rw" --mem="$mem" --output-format=terse --terse-version=3)"
   after="$(disk "$rw")"
-  bw="$(echo "$out" | awk -F';' -v rw="$rw" '{ print (rw=="read" ? $7 : $48) * 1024 / 1e9 }')"
-  printf '%.2f|%s' "$bw" "$(avg_req "$before" "$after")"
+  echo "$out" | awk -F';' -v rw="$rw" -v b="$before" -v a="$after" '{
+    split(b, x, " "); split(a, y, " ");
+    print (rw == "read" ? $7 : $48) * 1024 / 1e9, y[1] - x[1], y[2] - x[2] }'
 }
+
+# fio_kinds engine rw bs qd -> "huge GB/s|huge req|plain GB/s|plain req", medians over $reps runs
+fio_kinds() {
+  local huge=() plain=() hn=0 hs=0 pn=0 ps=0 r line
+  for ((r = 0; r < reps; r++)); do
+    read -r bw n sec <<< "$(run_fio "$@" shmhuge)"; huge+=("$bw"); hn=$((hn + n)); hs=$((hs + sec))
+    if [[ $plain_too -eq 1 ]]; then
+      read -r bw n sec <<< "$(run_fio "$@" malloc)"; plain+=("$bw"); pn=$((pn + n)); ps=$((ps + sec))
+    fi
+  done
+  line="$(printf '%.2f|%s' "$(median "${huge[@]}")" "$(req_kib "$hn" "$hs")")"
+  if [[ $plain_too -eq 1 ]]; then
+    line+="$(printf '|%.2f|%s' "$(median "${plain[@]}")" "$(req_kib "$pn" "$ps")")"
+  fi
+  echo "$line"
+}
+req_kib() { awk -v n="$1" -v s="$2" 'BEGIN { if (n > 0) printf "%.0f KiB", s * 512 / n / 1024; else print "n/a" }'; }
 
 # run_tier engine rw bs qd [extra args] -> "GB/s|avg request"
 run_tier() {
   local eng=$1 rw=$2 bs=$3 qd=$4 out bw req
   shift 4
   out="$("$bench" io --path "$work" --size "$size" --block-size "$bs" --queue-depth "$qd" --engine "$eng" \
-      --rw "$rw" --json --quiet "$@")"
+      --rw "$rw" --passes "$reps" --json --quiet "$@")"
   bw="$(echo "$out" | sed -n 's/.*"bytes_per_second": \([0-9.e+]*\).*/\1/p')"
   req="$(echo "$out" | sed -n 's/.*"avg_request_bytes": \([0-9.e+]*\).*/\1/p')"
   awk -v b="$bw" -v r="$req" 'BEGIN { printf "%.2f|%s", b / 1e9, (r > 0 ? sprintf("%.0f KiB", r / 1024) : "n/a") }'
 }
 
 rows=()
+plain_too=1
 header="| engine | rw | block | depth | tier GB/s (avg req) | fio huge pages GB/s (avg req) | fio ordinary GB/s (avg req) | tier / fio huge |"
 rule="|---|---|---|---|---|---|---|---|"
 echo "$header"
@@ -124,20 +145,21 @@ for eng in $engines; do
   for rw in $rws; do
     for bs in $bs_list; do
       for qd in $qd_list; do
-        huge="$(run_fio "$eng" "$rw" "$bs" "$qd" shmhuge)"
-        plain="$(run_fio "$eng" "$rw" "$bs" "$qd" malloc)"
+        plain_too=1
+        IFS='|' read -r hbw hreq pbw preq <<< "$(fio_kinds "$eng" "$rw" "$bs" "$qd")"
         tier="$(run_tier "$eng" "$rw" "$bs" "$qd")"
-        ratio="$(awk -v t="${tier%%|*}" -v f="${huge%%|*}" 'BEGIN { printf "%.2f", (f > 0 ? t / f : 0) }')"
-        row="| $eng | $rw | $bs | $qd | ${tier%%|*} (${tier#*|}) | ${huge%%|*} (${huge#*|}) | ${plain%%|*} (${plain#*|}) | $ratio |"
+        ratio="$(awk -v t="${tier%%|*}" -v f="$hbw" 'BEGIN { printf "%.2f", (f > 0 ? t / f : 0) }')"
+        row="| $eng | $rw | $bs | $qd | ${tier%%|*} (${tier#*|}) | $hbw ($hreq) | $pbw ($preq) | $ratio |"
         echo "$row"
         rows+=("$row")
       done
     done
     if (( tensors > 0 )); then
-      huge="$(run_fio "$eng" "$rw" 1M 32 shmhuge)"
+      plain_too=0
+      IFS='|' read -r hbw hreq <<< "$(fio_kinds "$eng" "$rw" 1M 32)"
       tier="$(run_tier "$eng" "$rw" 1M 32 --tensors "$tensors")"
-      ratio="$(awk -v t="${tier%%|*}" -v f="${huge%%|*}" 'BEGIN { printf "%.2f", (f > 0 ? t / f : 0) }')"
-      row="| $eng | $rw, $tensors tensors 64K..4M | 1M | 32 | ${tier%%|*} (${tier#*|}) | ${huge%%|*} (${huge#*|}) | | $ratio |"
+      ratio="$(awk -v t="${tier%%|*}" -v f="$hbw" 'BEGIN { printf "%.2f", (f > 0 ? t / f : 0) }')"
+      row="| $eng | $rw, $tensors tensors 64K..4M | 1M | 32 | ${tier%%|*} (${tier#*|}) | $hbw ($hreq) | | $ratio |"
       echo "$row"
       rows+=("$row")
     fi

@@ -58,14 +58,16 @@ struct IoBenchSpec {
   std::uint64_t max_tensor = 4 << 20;
   std::uint64_t seed = 1;
   std::string device;  // /proc/diskstats name; empty: the device holding the first path
+  unsigned passes = 1;  // timed passes; the median is reported
   bool progress = true;
 };
 
 struct IoBenchResult {
   std::string engine;
-  std::uint64_t bytes = 0;
-  double seconds = 0;
-  double bytes_per_second = 0;
+  std::uint64_t bytes = 0;         // per pass
+  double seconds = 0;              // mean per pass
+  double bytes_per_second = 0;     // the median pass
+  std::vector<double> passes;      // bytes per second of each pass
   std::string device;
   double avg_request_bytes = 0;  // 0 when unknown
   std::uint64_t device_requests = 0;
@@ -369,20 +371,30 @@ Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
   const std::string device = spec.device.empty() ? device_of(spec.paths[0]) : spec.device;
   DiskCounters d0, d1;
   const bool have_disk = !device.empty() && read_disk(device, d0);
-  const std::string label = str(spec.write ? "write " : "read ", format_bytes(spec.block_size), " x ", spec.queue_depth,
-                                " (", sp->stats().engine, ")");
-  Progress progress(label, total, true, spec.progress);
-  const auto t0 = std::chrono::steady_clock::now();
-  TIER_RETURN_IF_ERROR(pass(spec.write, &progress));
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  progress.finish();
+  std::vector<double> rates;
+  double secs_total = 0;
+  for (unsigned k = 0; k < spec.passes; ++k) {
+    const std::string label = str(spec.write ? "write " : "read ", format_bytes(spec.block_size), " x ",
+                                  spec.queue_depth, " (", sp->stats().engine, ")",
+                                  spec.passes > 1 ? str(" pass ", k + 1, "/", spec.passes) : "");
+    Progress progress(label, total, true, spec.progress);
+    const auto t0 = std::chrono::steady_clock::now();
+    TIER_RETURN_IF_ERROR(pass(spec.write, &progress));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    progress.finish();
+    secs_total += secs;
+    rates.push_back(secs > 0 ? static_cast<double>(total) / secs : 0);
+  }
 
   IoBenchResult r;
   auto st = sp->stats();
   r.engine = st.engine;
   r.bytes = total;
-  r.seconds = secs;
-  r.bytes_per_second = secs > 0 ? static_cast<double>(total) / secs : 0;
+  r.passes = rates;
+  r.seconds = secs_total / spec.passes;
+  std::vector<double> sorted = rates;
+  std::sort(sorted.begin(), sorted.end());
+  r.bytes_per_second = sorted[sorted.size() / 2];  // the median pass
   r.device = device;
   if (have_disk && read_disk(device, d1)) {
     const std::uint64_t reqs = spec.write ? d1.writes - d0.writes : d1.reads - d0.reads;
@@ -450,6 +462,7 @@ int run_io(Args& args) {
   take(args.size("min-tensor", 64 << 10), spec.min_tensor);
   take(args.size("max-tensor", 4 << 20), spec.max_tensor);
   take(args.integer("seed", 1), spec.seed);
+  take(args.integer("passes", 1), spec.passes);
   spec.device = args.get("device", "");
   const bool json_out = args.flag("json");
   spec.progress = !args.flag("quiet") && !json_out;
@@ -469,6 +482,7 @@ int run_io(Args& args) {
                     : huge == "off"       ? HugePageMode::kOff
                                           : HugePageMode::kAuto;
   if (s.ok() && (spec.parallelism < 1 || spec.parallelism > 256)) s = invalid_argument("--parallelism: 1 to 256");
+  if (s.ok() && (spec.passes < 1 || spec.passes > 100)) s = invalid_argument("--passes: 1 to 100");
   if (!s.ok()) {
     std::fprintf(stderr, "tier-bench io: %s\n", s.message().c_str());
     return 2;
@@ -486,6 +500,7 @@ int run_io(Args& args) {
                                 {"rw", rw},
                                 {"bytes", r->bytes},
                                 {"seconds", r->seconds},
+                                {"passes", r->passes},
                                 {"paths", spec.paths},
                                 {"parallelism", spec.parallelism},
                                 {"direct", r->direct},
@@ -510,7 +525,14 @@ int run_io(Args& args) {
                                                        "% huge pages", r->fixed_buffers ? ", fixed" : "");
   t.add({r->engine + (r->direct ? "" : " (buffered)"), rw + (spec.tensors ? str(", ", spec.tensors, " tensors") : ""),
          format_bytes(spec.block_size), std::to_string(spec.queue_depth), format_bytes(r->bytes),
-         format_seconds(r->seconds), format_rate(r->bytes_per_second), req, buf_note});
+         format_seconds(r->seconds),
+         format_rate(r->bytes_per_second) +
+             (r->passes.size() > 1
+                  ? str(" (median of ", r->passes.size(), ", ",
+                        format_rate(*std::min_element(r->passes.begin(), r->passes.end())), "..",
+                        format_rate(*std::max_element(r->passes.begin(), r->passes.end())), ")")
+                  : ""),
+         req, buf_note});
   t.print();
   return 0;
 }
@@ -535,6 +557,7 @@ const CommandRegistrar kRegister(
      "  --no-fixed-buffers    do not register the arena with io_uring\n"
      "  --single-submit       one system call per request\n"
      "  --no-prefill          skip writing the file before the timed pass\n"
+     "  --passes N            timed passes over the same file; the median is reported (default 1)\n"
      "  --device NAME         /proc/diskstats device (default: the one holding --path)\n"
      "  --quiet               no progress line\n"
      "  --json                print one JSON object",

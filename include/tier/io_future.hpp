@@ -9,7 +9,8 @@
 // Thread safety: every member may be called from any thread, on copies of the same future too.
 // A callback runs exactly once: on the I/O thread that completed the transfer, or at once on the
 // caller's thread when the transfer is already complete. Keep callbacks short (they hold up the
-// I/O thread that runs them) and never wait() inside one on a transfer of the same swap space.
+// I/O thread that runs them), never wait() inside one on a transfer of the same swap space, and
+// never destroy the swap space from one (its destructor joins the thread the callback runs on).
 #pragma once
 
 #include <chrono>
