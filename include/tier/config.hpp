@@ -121,6 +121,9 @@ struct IoOptions {
   bool use_direct = true;     // O_DIRECT; refused file systems fall back to posix with a log line
   bool sqpoll = false;        // io_uring kernel submission thread
   bool fixed_buffers = true;  // register the pinned arena with io_uring
+  // Copy buffers or sizes that O_DIRECT cannot take (misaligned, not a multiple of the sector
+  // size) through bounce buffers instead of failing the transfer.
+  bool bounce_unaligned = false;
 };
 
 // tier: tier's own section.

@@ -1,0 +1,102 @@
+#include "tier/io_future.hpp"
+
+#include "nvme/io_op_state.hpp"
+
+namespace tier::nvme {
+
+namespace detail {
+
+Status IoOpState::wait() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_.load(std::memory_order_relaxed); });
+  return status_;
+}
+
+bool IoOpState::wait_for(std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  return cv_.wait_for(lk, timeout, [&] { return done_.load(std::memory_order_relaxed); });
+}
+
+Status IoOpState::status() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!done_.load(std::memory_order_relaxed)) return failed_precondition("transfer still in flight");
+  return status_;
+}
+
+void IoOpState::on_complete(std::function<void(const Status&)> fn) {
+  if (!fn) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!done_.load(std::memory_order_relaxed)) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn(status_);  // status_ no longer changes once done
+}
+
+void IoOpState::complete(Status status) {
+  std::vector<std::function<void(const Status&)>> callbacks;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_.load(std::memory_order_relaxed)) return;
+    status_ = std::move(status);
+    callbacks.swap(callbacks_);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+  for (auto& fn : callbacks) fn(status_);
+}
+
+}  // namespace detail
+
+IoFuture IoFuture::completed(Status status, std::uint64_t bytes) {
+  auto s = std::make_shared<detail::IoOpState>(bytes);
+  s->complete(std::move(status));
+  return IoFuture(std::move(s));
+}
+
+bool IoFuture::ready() const noexcept {
+  return !state_ || state_->ready();
+}
+
+Status IoFuture::wait() const {
+  if (!state_) return failed_precondition("wait() on an empty IoFuture");
+  return state_->wait();
+}
+
+bool IoFuture::wait_for(std::chrono::nanoseconds timeout) const {
+  return !state_ || state_->wait_for(timeout);
+}
+
+Status IoFuture::status() const {
+  if (!state_) return failed_precondition("status() of an empty IoFuture");
+  return state_->status();
+}
+
+void IoFuture::on_complete(std::function<void(const Status&)> fn) const {
+  if (!state_) {
+    if (fn) fn(failed_precondition("on_complete() on an empty IoFuture"));
+    return;
+  }
+  state_->on_complete(std::move(fn));
+}
+
+void IoFuture::cancel() const noexcept {
+  if (state_) state_->request_cancel();
+}
+
+std::uint64_t IoFuture::bytes() const noexcept {
+  return state_ ? state_->bytes() : 0;
+}
+
+Status wait_all(const IoFuture* futures, std::size_t n) {
+  Status first;
+  for (std::size_t i = 0; i < n; ++i) {
+    Status s = futures[i].wait();
+    if (first.ok() && !s.ok()) first = std::move(s);
+  }
+  return first;
+}
+
+}  // namespace tier::nvme
