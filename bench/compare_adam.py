@@ -135,10 +135,6 @@ def fmt_g(x):
     return "n/a" if x is None else f"{x / 1e9:.3f}"
 
 
-def ratio(a, b):
-    return "n/a" if a is None or b is None else f"{a / b:.2f}"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -151,7 +147,9 @@ def main():
     ap.add_argument("--simd", default="auto,AVX2", help="SIMD groups of rows to run (default auto,AVX2)")
     ap.add_argument("--skip", default="", help="comma-separated: deepspeed,torch,torch_fused")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per framework run (DeepSpeed JIT-builds)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every measurement; report medians (default 1)")
     ap.add_argument("--markdown", help="also write the table as Markdown to this file")
+    ap.add_argument("--json", help="also write every raw measurement as JSON to this file")
     args = ap.parse_args()
     args.params = parse_count(str(args.params))
     if args.worker:
@@ -159,36 +157,67 @@ def main():
         return
     simd_groups = set(args.simd.split(","))
     skip = set(filter(None, args.skip.split(",")))
-    rows = []
-    for threads in [int(t) for t in args.threads.split(",")]:
-        for name, pd, gd, od, fw_dtype, simd in CONFIGS:
-            if simd not in simd_groups:
-                continue
-            print(f"[{name}, {simd}, {threads} thread(s)] tier ...", file=sys.stderr)
-            t = run_tier(args, threads, pd, gd, od, simd)
-            res = {}
-            for kind in ("deepspeed", "torch", "torch_fused"):
-                if kind in skip:
-                    res[kind] = None
+    kinds = [k for k in ("deepspeed", "torch", "torch_fused") if k not in skip]
+    # rows[(config index, threads)] = list over rounds of {"tier": json, "deepspeed": pps, ...}
+    rows = {}
+    order = []
+    for rnd in range(args.rounds):
+        for threads in [int(t) for t in args.threads.split(",")]:
+            for ci, (name, pd, gd, od, fw_dtype, simd) in enumerate(CONFIGS):
+                if simd not in simd_groups:
                     continue
-                print(f"[{name}, {simd}, {threads} thread(s)] {kind} ...", file=sys.stderr)
-                r = run_worker(kind, args, threads, fw_dtype, od == "fp16", simd)
-                res[kind] = r["params_per_second"] if r else None
-            rows.append((name, threads, t, res))
-            print(f"  tier {fmt_g(t['params_per_second'])}, roofline {fmt_g(t['roofline_params_per_second'])}, "
-                  + ", ".join(f"{k} {fmt_g(v)}" for k, v in res.items()), file=sys.stderr)
+                key = (ci, threads)
+                if key not in rows:
+                    rows[key] = []
+                    order.append(key)
+                tag = f"[round {rnd + 1}/{args.rounds}, {name}, {simd}, {threads} thread(s)]"
+                print(f"{tag} tier ...", file=sys.stderr)
+                res = {"tier": run_tier(args, threads, pd, gd, od, simd)}
+                for kind in kinds:
+                    print(f"{tag} {kind} ...", file=sys.stderr)
+                    r = run_worker(kind, args, threads, fw_dtype, od == "fp16", simd)
+                    res[kind] = r["params_per_second"] if r else None
+                rows[key].append(res)
+                t = res["tier"]
+                print(f"  tier {fmt_g(t['params_per_second'])}, roofline {fmt_g(t['roofline_params_per_second'])}, "
+                      + ", ".join(f"{k} {fmt_g(res[k])}" for k in kinds), file=sys.stderr)
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def med_ratio(rounds, num, den):
+        # Median over rounds of the ratio measured within each round (both figures same machine state).
+        return med([num(r) / den(r) if num(r) is not None and den(r) is not None else None for r in rounds])
+
+    def r2(x):
+        return "n/a" if x is None else f"{x:.2f}"
 
     header = ["config", "threads", "SIMD", "roofline G/s", "tier G/s", "tier/roofline", "DeepSpeed G/s",
               "DS/roofline", "tier/DS", "torch AdamW G/s", "tier/torch", "torch fused G/s", "tier/torch fused"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, threads, t, res in rows:
-        tp, rf = t["params_per_second"], t["roofline_params_per_second"]
-        ds, th, tf = res["deepspeed"], res["torch"], res["torch_fused"]
-        cells = [name, str(threads), t["simd_target"], fmt_g(rf), fmt_g(tp), ratio(tp, rf), fmt_g(ds), ratio(ds, rf),
-                 ratio(tp, ds), fmt_g(th), ratio(tp, th), fmt_g(tf), ratio(tp, tf)]
+    results = []
+    for key in order:
+        ci, threads = key
+        rounds = rows[key]
+        name, _, _, od, _, simd = CONFIGS[ci]
+        tier = lambda r: r["tier"]["params_per_second"]  # noqa: E731
+        roof = lambda r: r["tier"]["roofline_params_per_second"]  # noqa: E731
+        get = lambda k: (lambda r: r.get(k))  # noqa: E731
+        cells = [name, str(threads), rounds[0]["tier"]["simd_target"], fmt_g(med([roof(r) for r in rounds])),
+                 fmt_g(med([tier(r) for r in rounds])), r2(med_ratio(rounds, tier, roof)),
+                 fmt_g(med([r.get("deepspeed") for r in rounds])), r2(med_ratio(rounds, get("deepspeed"), roof)),
+                 r2(med_ratio(rounds, tier, get("deepspeed"))), fmt_g(med([r.get("torch") for r in rounds])),
+                 r2(med_ratio(rounds, tier, get("torch"))), fmt_g(med([r.get("torch_fused") for r in rounds])),
+                 r2(med_ratio(rounds, tier, get("torch_fused")))]
         lines.append("| " + " | ".join(cells) + " |")
+        results.append({"config": name, "threads": threads, "simd": simd, "rounds": rounds})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     table = "\n".join(lines)
-    print(f"\nCPU Adam, {args.params / 1e6:.0f}M params, median of {args.reps} steps\n")
+    print(f"\nCPU Adam, {args.params / 1e6:.0f}M params; each figure the median of {args.reps} steps, "
+          f"then the median over {args.rounds} round(s); ratios are medians of per-round ratios\n")
     print(table)
     if args.markdown:
         with open(args.markdown, "w") as f:

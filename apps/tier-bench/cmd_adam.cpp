@@ -88,7 +88,8 @@ class AdamBuffers {
   // so that pages are touched by the threads that will stream them.
   Status init(int threads) {
     std::vector<float> pattern(4096);
-    for (std::size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f;
+    for (std::size_t i = 0; i < pattern.size(); ++i)
+      pattern[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f;
     const unsigned nt = static_cast<unsigned>(std::max(1, threads));
     std::vector<std::thread> pool;
     std::vector<Status> errors(nt);
@@ -203,11 +204,12 @@ int run_adam(Args& args) {
   const bool json_out = args.flag("json");
   o.progress = !args.flag("quiet") && !json_out;
   Status s = args.finish();
-  for (const Status& e : {params.status(), threads.status(), grad.status(), param.status(), out.status(),
-                          reps.status(), memory.status()}) {
+  for (const Status& e : {params.status(), threads.status(), grad.status(), param.status(), out.status(), reps.status(),
+                          memory.status()}) {
     if (s.ok() && !e.ok()) s = e;
   }
-  if (s.ok() && (*threads < 0 || *threads > 4096)) s = invalid_argument("--threads must be from 1 to 4096 (0: all cores)");
+  if (s.ok() && (*threads < 0 || *threads > 4096))
+    s = invalid_argument("--threads must be from 1 to 4096 (0: all cores)");
   if (s.ok() && (*reps < 1 || *reps > 1000)) s = invalid_argument("--reps must be from 1 to 1000");
   if (s.ok()) s = cpu::force_simd_target(simd);
   if (!s.ok()) {
@@ -277,20 +279,20 @@ const CommandRegistrar kRegister(
      "  --quiet               no progress line",
      run_adam});
 
-const SummaryRegistrar kSummaryAdam(
-    {30, "cpu adam", [](bool quick) -> Result<std::vector<SummaryRow>> {
-       AdamBenchOptions o;
-       o.params = quick ? 16'000'000 : 64'000'000;
-       o.reps = quick ? 3 : 5;
-       o.progress = false;
-       TIER_ASSIGN_OR_RETURN(const auto r, measure_adam(o));
-       return std::vector<SummaryRow>{{"cpu adam fp32, " + std::to_string(r.threads) + " threads, " + r.simd,
-                                       rate_params(r.params_per_second),
-                                       "roofline " + rate_params(r.roofline_params_per_second),
-                                       r.params_per_second / r.roofline_params_per_second,
-                                       fmt(static_cast<double>(o.params) / 1e6, 0) + "M params, " +
-                                           format_rate(r.params_per_second * r.bytes_per_param)}};
-     }});
+const SummaryRegistrar kSummaryAdam({30, "cpu adam", [](bool quick) -> Result<std::vector<SummaryRow>> {
+                                       AdamBenchOptions o;
+                                       o.params = quick ? 16'000'000 : 64'000'000;
+                                       o.reps = quick ? 3 : 5;
+                                       o.progress = false;
+                                       TIER_ASSIGN_OR_RETURN(const auto r, measure_adam(o));
+                                       return std::vector<SummaryRow>{
+                                           {"cpu adam fp32, " + std::to_string(r.threads) + " threads, " + r.simd,
+                                            rate_params(r.params_per_second),
+                                            "roofline " + rate_params(r.roofline_params_per_second),
+                                            r.params_per_second / r.roofline_params_per_second,
+                                            fmt(static_cast<double>(o.params) / 1e6, 0) + "M params, " +
+                                                format_rate(r.params_per_second * r.bytes_per_param)}};
+                                     }});
 
 }  // namespace
 }  // namespace tier::bench

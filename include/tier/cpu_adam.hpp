@@ -69,8 +69,8 @@ class AdamStep {
   // The fp32 constants the kernels use (public so that other kernels can share them).
   struct Constants {
     float beta1, one_minus_beta1, beta2, one_minus_beta2;
-    float step_size;        // lr / (1 - beta1^t)
-    float inv_sqrt_bc2;     // 1 / sqrt(1 - beta2^t)
+    float step_size;     // lr / (1 - beta1^t)
+    float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^t)
     float eps;
     float decay_factor;     // decoupled: 1 - lr * weight_decay; L2: 1
     float l2_weight_decay;  // L2: weight_decay; decoupled: 0

@@ -37,7 +37,8 @@ using detail::AdamPtrs;
 template <Kind P, Kind G, Kind O, bool kL2, class DF>
 HWY_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i) {
   void* pp = static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P);
-  auto g = hn::Mul(LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G)), hn::Set(df, c.grad_scale));
+  auto g =
+      hn::Mul(LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G)), hn::Set(df, c.grad_scale));
   auto p = LoadAsF32<P>(df, pp);
   auto m = hn::LoadU(df, a.m + i);
   auto v = hn::LoadU(df, a.v + i);
@@ -77,7 +78,11 @@ HWY_INLINE void RooflineVector(DF df, const AdamPtrs& a, std::size_t i) {
 }
 
 template <Kind P, Kind G, Kind O, bool kRoofline, bool kL2>
-void AdamT(const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
+void AdamT(const AdamStep::Constants& c_in, const AdamPtrs& a_in, std::size_t n) {
+  // Local copies: the stores through float* could alias the caller's structs, and the compiler
+  // would then reload every pointer and re-broadcast every constant on each vector.
+  const AdamStep::Constants c = c_in;
+  const AdamPtrs a = a_in;
   const hn::ScalableTag<float> df;
   const std::size_t N = hn::Lanes(df);
   std::size_t i = 0;
@@ -117,30 +122,19 @@ void AdamT(const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
 template <bool kRoofline, bool kL2>
 void AdamByKind(int pk, int gk, int ok, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
   // params fp32 or bf16; grads fp32, fp16 or bf16; out none, fp16, bf16 or fp32.
-#define TIER_ADAM_OUT(PK, GK)                                                       \
-  switch (static_cast<Kind>(ok)) {                                                  \
-    case Kind::kNone:                                                               \
-      return AdamT<Kind::PK, Kind::GK, Kind::kNone, kRoofline, kL2>(c, a, n);       \
-    case Kind::kF16:                                                                \
-      return AdamT<Kind::PK, Kind::GK, Kind::kF16, kRoofline, kL2>(c, a, n);        \
-    case Kind::kBF16:                                                               \
-      return AdamT<Kind::PK, Kind::GK, Kind::kBF16, kRoofline, kL2>(c, a, n);       \
-    case Kind::kF32:                                                                \
-      return AdamT<Kind::PK, Kind::GK, Kind::kF32, kRoofline, kL2>(c, a, n);        \
+#define TIER_ADAM_OUT(PK, GK)                                                                 \
+  switch (static_cast<Kind>(ok)) {                                                            \
+    case Kind::kNone: return AdamT<Kind::PK, Kind::GK, Kind::kNone, kRoofline, kL2>(c, a, n); \
+    case Kind::kF16: return AdamT<Kind::PK, Kind::GK, Kind::kF16, kRoofline, kL2>(c, a, n);   \
+    case Kind::kBF16: return AdamT<Kind::PK, Kind::GK, Kind::kBF16, kRoofline, kL2>(c, a, n); \
+    case Kind::kF32: return AdamT<Kind::PK, Kind::GK, Kind::kF32, kRoofline, kL2>(c, a, n);   \
   }
-#define TIER_ADAM_GRAD(PK)        \
-  switch (static_cast<Kind>(gk)) { \
-    case Kind::kF32:               \
-      TIER_ADAM_OUT(PK, kF32)      \
-      return;                      \
-    case Kind::kF16:               \
-      TIER_ADAM_OUT(PK, kF16)      \
-      return;                      \
-    case Kind::kBF16:              \
-      TIER_ADAM_OUT(PK, kBF16)     \
-      return;                      \
-    case Kind::kNone:              \
-      return;                      \
+#define TIER_ADAM_GRAD(PK)                             \
+  switch (static_cast<Kind>(gk)) {                     \
+    case Kind::kF32: TIER_ADAM_OUT(PK, kF32) return;   \
+    case Kind::kF16: TIER_ADAM_OUT(PK, kF16) return;   \
+    case Kind::kBF16: TIER_ADAM_OUT(PK, kBF16) return; \
+    case Kind::kNone: return;                          \
   }
   if (static_cast<Kind>(pk) == Kind::kBF16) {
     TIER_ADAM_GRAD(kBF16)
@@ -306,7 +300,8 @@ Status validate(const AdamTensors& t) {
   TIER_RETURN_IF_ERROR(detail::check_tensor(t.exp_avg_sq, "adam exp_avg_sq"));
   TIER_RETURN_IF_ERROR(detail::check_tensor(t.grads, "adam grads"));
   if (t.params.dtype != DType::kF32 && t.params.dtype != DType::kBF16) {
-    return invalid_argument(str("adam params: dtype ", dtype_name(t.params.dtype), " is not supported; use fp32 (or bf16)"));
+    return invalid_argument(
+        str("adam params: dtype ", dtype_name(t.params.dtype), " is not supported; use fp32 (or bf16)"));
   }
   if (t.exp_avg.dtype != DType::kF32 || t.exp_avg_sq.dtype != DType::kF32) {
     return invalid_argument("adam: exp_avg and exp_avg_sq must be fp32");

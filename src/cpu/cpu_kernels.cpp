@@ -90,14 +90,10 @@ double SumSquaresT(const void* src, std::size_t n) {
 
 double SumSquares(int kind, const void* src, std::size_t n) {
   switch (static_cast<Kind>(kind)) {
-    case Kind::kF32:
-      return SumSquaresT<Kind::kF32>(src, n);
-    case Kind::kF16:
-      return SumSquaresT<Kind::kF16>(src, n);
-    case Kind::kBF16:
-      return SumSquaresT<Kind::kBF16>(src, n);
-    default:
-      return 0;
+    case Kind::kF32: return SumSquaresT<Kind::kF32>(src, n);
+    case Kind::kF16: return SumSquaresT<Kind::kF16>(src, n);
+    case Kind::kBF16: return SumSquaresT<Kind::kBF16>(src, n);
+    default: return 0;
   }
 }
 
@@ -131,14 +127,10 @@ bool AnyExponentAllOnes(DU du, const void* src, std::size_t n, hn::TFromD<DU> ex
 
 bool NonFinite(int kind, const void* src, std::size_t n) {
   switch (static_cast<Kind>(kind)) {
-    case Kind::kF32:
-      return AnyExponentAllOnes(hn::ScalableTag<std::uint32_t>(), src, n, 0x7F800000u);
-    case Kind::kF16:
-      return AnyExponentAllOnes(hn::ScalableTag<std::uint16_t>(), src, n, std::uint16_t{0x7C00});
-    case Kind::kBF16:
-      return AnyExponentAllOnes(hn::ScalableTag<std::uint16_t>(), src, n, std::uint16_t{0x7F80});
-    default:
-      return false;
+    case Kind::kF32: return AnyExponentAllOnes(hn::ScalableTag<std::uint32_t>(), src, n, 0x7F800000u);
+    case Kind::kF16: return AnyExponentAllOnes(hn::ScalableTag<std::uint16_t>(), src, n, std::uint16_t{0x7C00});
+    case Kind::kBF16: return AnyExponentAllOnes(hn::ScalableTag<std::uint16_t>(), src, n, std::uint16_t{0x7F80});
+    default: return false;
   }
 }
 
@@ -165,14 +157,10 @@ void ScaleT(void* data, std::size_t n, float factor) {
 
 void Scale(int kind, void* data, std::size_t n, float factor) {
   switch (static_cast<Kind>(kind)) {
-    case Kind::kF32:
-      return ScaleT<Kind::kF32>(data, n, factor);
-    case Kind::kF16:
-      return ScaleT<Kind::kF16>(data, n, factor);
-    case Kind::kBF16:
-      return ScaleT<Kind::kBF16>(data, n, factor);
-    default:
-      return;
+    case Kind::kF32: return ScaleT<Kind::kF32>(data, n, factor);
+    case Kind::kF16: return ScaleT<Kind::kF16>(data, n, factor);
+    case Kind::kBF16: return ScaleT<Kind::kBF16>(data, n, factor);
+    default: return;
   }
 }
 
@@ -244,8 +232,8 @@ Status force_locked(std::string_view name) {
   }
   std::string avail;
   for (const auto& n : simd_targets()) avail += (avail.empty() ? "" : ", ") + n;
-  return unsupported(str("SIMD target '", name, "' is not available in this build on this CPU; available: ", avail,
-                         " (or auto)"));
+  return unsupported(
+      str("SIMD target '", name, "' is not available in this build on this CPU; available: ", avail, " (or auto)"));
 }
 
 }  // namespace
@@ -333,8 +321,7 @@ Result<double> sum_of_squares(ConstTensorRef x, int threads) {
     for (std::uint64_t blk = b / kGranule; blk * kGranule < e; ++blk) {
       const std::uint64_t lo = blk * kGranule;
       const std::uint64_t hi = std::min(e, lo + kGranule);
-      partial[blk] =
-          HWY_DYNAMIC_DISPATCH(SumSquares)(k, static_cast<const std::uint8_t*>(x.data) + lo * es, hi - lo);
+      partial[blk] = HWY_DYNAMIC_DISPATCH(SumSquares)(k, static_cast<const std::uint8_t*>(x.data) + lo * es, hi - lo);
     }
   });
   double total = 0;
@@ -395,7 +382,8 @@ float clip_coefficient(double total_norm, double max_norm) noexcept {
 
 Result<double> clip_by_global_norm(const TensorRef* grads, std::size_t count, double max_norm, int threads) {
   if (count > 0 && grads == nullptr) return invalid_argument("clip_by_global_norm: null tensor list");
-  if (!std::isfinite(max_norm)) return invalid_argument(str("clip_by_global_norm: max_norm ", max_norm, " is not finite"));
+  if (!std::isfinite(max_norm))
+    return invalid_argument(str("clip_by_global_norm: max_norm ", max_norm, " is not finite"));
   GradNormAccumulator acc;
   for (std::size_t i = 0; i < count; ++i) {
     const Status s = acc.add(grads[i], threads);

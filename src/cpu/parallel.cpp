@@ -28,7 +28,8 @@ oneapi::tbb::task_arena& arena_for(int threads) {
 }  // namespace
 
 Result<int> resolve_threads(int threads) {
-  if (threads < 0) return invalid_argument(str("cpu kernel: thread count ", threads, " is negative; use 0 for all cores"));
+  if (threads < 0)
+    return invalid_argument(str("cpu kernel: thread count ", threads, " is negative; use 0 for all cores"));
   if (threads == 0) return std::max(1, oneapi::tbb::info::default_concurrency());
   return threads;
 }

@@ -73,7 +73,8 @@ HWY_INLINE hn::Vec<DF> F16BitsToF32(DF df, VU bits) {
   const auto normal = hn::Add(hn::ShiftLeft<13>(mag), hn::Set(du, (127u - 15u) << 23));
   // Subnormals (and zero): the mantissa counts units of 2^-24; int -> float and the scaling by a
   // power of two are both exact.
-  const auto sub = hn::BitCast(du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mag)), hn::Set(df, 5.9604644775390625e-8f)));
+  const auto sub =
+      hn::BitCast(du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mag)), hn::Set(df, 5.9604644775390625e-8f)));
   // Infinities and NaNs: all-ones exponent, the mantissa kept (a NaN stays a NaN).
   const auto special = hn::Or(hn::ShiftLeft<13>(mag), hn::Set(du, 0x7F800000u));
   const auto magi = hn::BitCast(di, mag);

@@ -81,9 +81,8 @@ struct Case {
   bool bias_correction = true;
 
   std::string name() const {
-    return str("params ", dtype_name(param), ", grads ", dtype_name(grad), ", out ",
-               has_out ? dtype_name(out) : "none", mode == WeightDecayMode::kL2 ? ", L2" : ", decoupled",
-               bias_correction ? "" : ", no bias correction");
+    return str("params ", dtype_name(param), ", grads ", dtype_name(grad), ", out ", has_out ? dtype_name(out) : "none",
+               mode == WeightDecayMode::kL2 ? ", L2" : ", decoupled", bias_correction ? "" : ", no bias correction");
   }
 };
 
@@ -191,9 +190,8 @@ void check_case(const Case& c, std::size_t n, int steps, const std::string& targ
     }
   }
   EXPECT_EQ(group->step(), steps);
-  ::testing::Test::RecordProperty(str(check == Check::kTrajectory ? "trajectory" : "per_step", "_worst_rel_error_",
-                                      target),
-                                  str(worst));
+  ::testing::Test::RecordProperty(
+      str(check == Check::kTrajectory ? "trajectory" : "per_step", "_worst_rel_error_", target), str(worst));
 }
 
 TEST(CpuAdam, MatchesFp64ReferenceForEveryDtypeModeAndTarget) {
@@ -261,9 +259,9 @@ struct State {
 TEST(CpuAdam, ChunkingAndThreadCountGiveBitIdenticalResults) {
   AdamHyperParams hp;
   hp.weight_decay = 0.1;
-  for (auto [pd, gd, od] : {std::tuple{DType::kF32, DType::kF32, DType::kF16},
-                            std::tuple{DType::kF32, DType::kBF16, DType::kBF16},
-                            std::tuple{DType::kBF16, DType::kF16, DType::kF16}}) {
+  for (auto [pd, gd, od] :
+       {std::tuple{DType::kF32, DType::kF32, DType::kF16}, std::tuple{DType::kF32, DType::kBF16, DType::kBF16},
+        std::tuple{DType::kBF16, DType::kF16, DType::kF16}}) {
     const std::size_t n = 1'000'003;
     State whole(pd, gd, od, n, 1);
     for (std::int64_t s = 1; s <= 3; ++s) {

@@ -11,8 +11,8 @@
 namespace tier::cpu {
 namespace {
 
-using testing::Buffer;
 using testing::bits_of;
+using testing::Buffer;
 using testing::float_of;
 using testing::for_each_simd_target;
 
@@ -30,23 +30,23 @@ std::vector<float> tricky_floats(std::size_t random_count, unsigned seed) {
                           65520.0f,
                           -65520.0f,
                           1e6f,
-                          5.9604645e-8f,   // smallest fp16 subnormal
-                          2.9802322e-8f,   // half of it: ties to zero
-                          8.940697e-8f,    // 1.5 fp16 subnormal units: ties to even (2 units)
-                          6.097555e-5f,    // largest fp16 subnormal region
-                          6.1035156e-5f,   // smallest fp16 normal
-                          1e-40f,          // fp32 subnormal
+                          5.9604645e-8f,  // smallest fp16 subnormal
+                          2.9802322e-8f,  // half of it: ties to zero
+                          8.940697e-8f,   // 1.5 fp16 subnormal units: ties to even (2 units)
+                          6.097555e-5f,   // largest fp16 subnormal region
+                          6.1035156e-5f,  // smallest fp16 normal
+                          1e-40f,         // fp32 subnormal
                           std::numeric_limits<float>::max(),
                           -std::numeric_limits<float>::max(),
                           std::numeric_limits<float>::infinity(),
                           -std::numeric_limits<float>::infinity(),
                           std::numeric_limits<float>::quiet_NaN(),
-                          float_of(0x3F808000u),  // bf16 tie, even below
-                          float_of(0x3F818000u),  // bf16 tie, odd below: rounds up
-                          float_of(0x3F808001u),  // just above a bf16 tie
-                          float_of(0x7F7F8000u),  // bf16 tie at the top: rounds to infinity
-                          float_of(0x3F801000u),  // fp16 tie (13 dropped bits = 0x1000), even below
-                          float_of(0x3F803000u)}; // fp16 tie, odd below
+                          float_of(0x3F808000u),   // bf16 tie, even below
+                          float_of(0x3F818000u),   // bf16 tie, odd below: rounds up
+                          float_of(0x3F808001u),   // just above a bf16 tie
+                          float_of(0x7F7F8000u),   // bf16 tie at the top: rounds to infinity
+                          float_of(0x3F801000u),   // fp16 tie (13 dropped bits = 0x1000), even below
+                          float_of(0x3F803000u)};  // fp16 tie, odd below
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> mant(-1.0f, 1.0f);
   std::uniform_int_distribution<int> expo(-30, 20);
