@@ -8,6 +8,12 @@
 // buffers are what let an SSD reach its ceiling, and mlock'd. When mlock is refused
 // (RLIMIT_MEMLOCK), the arena says so once and continues unpinned.
 //
+// Why not cudaHostAlloc: CUDA's pinned allocator gives no control over the page size, and the
+// NVMe path wants 2 MiB pages. The arena is therefore always mmap + mlock; the device layer
+// pins it for the GPU with cudaHostRegister(base(), capacity()) and the NVMe tier registers
+// [base(), base() + capacity()) with io_uring. Either registration must be undone before the
+// arena is destroyed.
+//
 // allocate() waits (backpressure) when the arena is momentarily full, up to a timeout; a request
 // larger than the arena can ever hold fails at once.
 //
@@ -95,7 +101,8 @@ class HostArena {
 
   // A block of at least `bytes` (rounded up to 4 KiB) aligned to `alignment` (a power of two,
   // at least 4 KiB). Waits up to `timeout` for space; kTimedOut when it expires,
-  // kResourceExhausted at once when `bytes` exceeds the capacity.
+  // kResourceExhausted at once when `bytes` (with its alignment) can never fit. The block owns
+  // its bytes until it is destroyed or reset; the memory stays valid as long as the arena.
   Result<HostBlock> allocate(std::uint64_t bytes, std::chrono::milliseconds timeout = std::chrono::milliseconds(60'000),
                              std::uint64_t alignment = kMinAlignment);
   // Like allocate() with no wait: kResourceExhausted when no free extent fits now.
@@ -108,6 +115,8 @@ class HostArena {
     return b >= base_ && n <= capacity_ && b + n <= base_ + capacity_;
   }
   bool locked() const noexcept { return locked_; }
+  // A snapshot of the counters. Reads /proc/self/smaps for the huge-page coverage, so it costs
+  // a few hundred microseconds: for reports, not for every allocation.
   HostArenaStats stats() const;
 
  private:

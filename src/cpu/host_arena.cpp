@@ -2,10 +2,15 @@
 
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -65,6 +70,16 @@ std::uint64_t huge_bytes_in(const std::byte* begin, std::uint64_t len, bool huge
     }
   }
   return total;
+}
+
+// mlock/munlock through the system call itself: sanitizer runtimes intercept the libc wrappers
+// and turn them into no-ops that return 0, which would make the arena report memory as pinned
+// that is not.
+int sys_mlock(const void* p, std::size_t n) {
+  return static_cast<int>(syscall(SYS_mlock, p, n));
+}
+int sys_munlock(const void* p, std::size_t n) {
+  return static_cast<int>(syscall(SYS_munlock, p, n));
 }
 
 }  // namespace
@@ -127,7 +142,10 @@ Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& opt
     a->map_ = static_cast<std::byte*>(p);
     a->base_ = reinterpret_cast<std::byte*>(round_up(reinterpret_cast<std::uintptr_t>(a->map_), kHugePage));
     a->backing_ = HugePageMode::kOff;
-    if (mode == HugePageMode::kAuto || mode == HugePageMode::kThp) {
+    if (mode == HugePageMode::kOff) {
+      // Asked for small pages: keep THP off even where the system enables it for everything.
+      madvise(a->base_, a->capacity_, MADV_NOHUGEPAGE);
+    } else if (mode == HugePageMode::kAuto || mode == HugePageMode::kThp) {
       if (thp_available() && madvise(a->base_, a->capacity_, MADV_HUGEPAGE) == 0) {
         a->backing_ = HugePageMode::kThp;
       } else {
@@ -139,7 +157,7 @@ Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& opt
   }
 
   if (options.lock) {
-    if (mlock(a->base_, a->capacity_) == 0) {
+    if (sys_mlock(a->base_, a->capacity_) == 0) {
       a->locked_ = true;
     } else {
       const int err = errno;
@@ -153,7 +171,7 @@ Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& opt
                    "/etc/security/limits.conf) to pin it"));
     }
   }
-  // Fault every page in now (mlock normally has; sanitizers turn mlock into a no-op) so that the
+  // Fault every page in now (mlock has when it succeeded, not when it was refused) so that the
   // first transfers do not pay for it and THP gets its chance to back each 2 MiB run.
   for (std::uint64_t off = 0; off < a->capacity_; off += 4096) a->base_[off] = std::byte{0};
   a->free_[0] = a->capacity_;
@@ -168,7 +186,7 @@ HostArena::~HostArena() {
                "); their memory is unmapped now");
     }
   }
-  if (locked_) munlock(base_, capacity_);
+  if (locked_) sys_munlock(base_, capacity_);
   if (map_) munmap(map_, map_bytes_);
 }
 
@@ -212,6 +230,15 @@ Result<HostBlock> HostArena::allocate(std::uint64_t bytes, std::chrono::millisec
   if (size > capacity_) {
     return resource_exhausted(str("host arena: ", format_bytes(size), " requested but the arena holds only ",
                                   format_bytes(capacity_), "; raise tier.pinned_arena_bytes or use smaller buffers"));
+  }
+  // Where the alignment exceeds the arena's own (2 MiB), the padding before the first aligned
+  // address counts too: a request that can never fit must not wait for a free that cannot help.
+  const std::uint64_t lead =
+      round_up(reinterpret_cast<std::uintptr_t>(base_), alignment) - reinterpret_cast<std::uintptr_t>(base_);
+  if (lead + size > capacity_) {
+    return resource_exhausted(str("host arena: ", format_bytes(size), " aligned to ", format_bytes(alignment),
+                                  " can never fit in the ", format_bytes(capacity_),
+                                  " arena; raise tier.pinned_arena_bytes or ask for a smaller alignment"));
   }
   std::unique_lock<std::mutex> lock(mu_);
   std::byte* p = carve_locked(size, alignment);

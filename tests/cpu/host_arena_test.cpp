@@ -5,12 +5,19 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <string>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include <linux/capability.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include "tier/log.hpp"
 
 namespace tier {
 namespace {
@@ -181,6 +188,89 @@ TEST(HostArena, IsLockedWhenMlockIsAllowed) {
   }
   EXPECT_TRUE(a->locked());
   EXPECT_TRUE(a->stats().locked);
+}
+
+// Drops CAP_IPC_LOCK from this process's effective and permitted sets (raw capset: no libcap).
+bool drop_ipc_lock_capability() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2]{};
+  if (syscall(SYS_capget, &header, data) != 0) return false;
+  const unsigned word = CAP_IPC_LOCK / 32, bit = 1u << (CAP_IPC_LOCK % 32);
+  data[word].effective &= ~bit;
+  data[word].permitted &= ~bit;
+  data[word].inheritable &= ~bit;
+  return syscall(SYS_capset, &header, data) == 0;
+}
+
+// In a child process that may not pin (RLIMIT_MEMLOCK of 64 KiB, no CAP_IPC_LOCK), the arena
+// is created unpinned, says so once naming the limit, and works.
+TEST(HostArena, RefusedMlockIsLoggedOnceAndTheArenaWorksUnpinned) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Child: exit codes say which expectation failed (gtest assertions do not cross fork).
+    struct rlimit rl {
+      64 << 10, 64 << 10
+    };
+    if (setrlimit(RLIMIT_MEMLOCK, &rl) != 0) _exit(10);
+    if (!drop_ipc_lock_capability()) _exit(11);
+    std::vector<std::string> lines;
+    std::mutex mu;
+    set_log_sink([&](LogLevel, std::string_view m) {
+      std::lock_guard<std::mutex> lock(mu);
+      lines.emplace_back(m);
+    });
+    auto a = HostArena::create({4 << 20, HugePageMode::kAuto, true});
+    if (!a.ok()) _exit(12);
+    if ((*a)->locked() || (*a)->stats().locked) _exit(13);
+    auto b = (*a)->allocate(1 << 20);
+    if (!b.ok()) _exit(14);
+    std::memset(b->data(), 0x5A, b->size());
+    if (static_cast<unsigned char>(b->data()[12345]) != 0x5A) _exit(15);
+    auto second = HostArena::create({2 << 20, HugePageMode::kAuto, true});
+    if (!second.ok() || (*second)->locked()) _exit(16);
+    int mlock_lines = 0;
+    for (const auto& l : lines) {
+      if (l.find("mlock") != std::string::npos) {
+        ++mlock_lines;
+        if (l.find("RLIMIT_MEMLOCK is 64.00 KiB") == std::string::npos) _exit(17);
+        if (l.find("continuing with unpinned memory") == std::string::npos) _exit(18);
+      }
+    }
+    if (mlock_lines != 1) _exit(19);
+    set_log_sink({});
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "child died with signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the _exit codes in the child: 10/11 could not drop the privilege, "
+                                       "13 the arena claims to be pinned, 17/18 the log line lacks the limit or "
+                                       "the fallback, 19 the refusal was not logged exactly once";
+}
+
+TEST(HostArena, AlignmentThatCanNeverFitFailsAtOnce) {
+  auto a = make_arena(2 << 20);
+  ASSERT_TRUE(a);
+  // A 2 MiB block aligned to 64 MiB fits only if the arena happens to start on a 64 MiB boundary.
+  const auto base = reinterpret_cast<std::uintptr_t>(a->base());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto b = a->allocate(2 << 20, 5s, 64 << 20);
+  if (base % (64 << 20) == 0) {
+    EXPECT_TRUE(b.ok());
+  } else {
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  }
+}
+
+TEST(HostArena, OffModeKeepsSmallPages) {
+  auto a = make_arena(8 << 20, HugePageMode::kOff);
+  ASSERT_TRUE(a);
+  const auto s = a->stats();
+  EXPECT_EQ(s.huge_pages, HugePageMode::kOff);
+  EXPECT_EQ(s.huge_page_bytes, 0u);
 }
 
 TEST(HostArena, ThpBacksTheArenaWhereTheKernelAllowsIt) {
