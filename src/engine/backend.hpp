@@ -41,6 +41,9 @@ class TierStore {
   // Bytes this store can hold at most (the engine's budget cannot exceed it).
   virtual std::uint64_t capacity() const = 0;
   virtual std::string describe() const = 0;
+  // Whether the store counts its own resident bytes into the engine's Counters (the device does);
+  // the engine counts the others.
+  virtual bool reports_resident() const { return false; }
 };
 
 class Mover {

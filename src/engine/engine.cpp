@@ -229,6 +229,8 @@ void Engine::Impl::fail_everything(const Status& why) {
 }
 
 void Engine::Impl::note_resident(Tier tier, std::int64_t delta) {
+  const auto& store = be.stores[static_cast<int>(tier)];
+  if (store && store->reports_resident()) return;
   counters->add_resident(tier, delta);
 }
 
