@@ -145,6 +145,10 @@ struct TierConfig {
   int optimizer_threads = 0;  // 0: all cores
   LogLevel log_level = LogLevel::kInfo;
   bool strict = false;
+  // Engine: how long an acquire may wait for room on a tier whose copies are all pinned.
+  std::uint64_t acquire_timeout_ms = 60'000;
+  // Engine: check every invariant after every state change (slow; for tests and debugging).
+  bool debug_checks = false;
 };
 
 struct ConfigOptions {

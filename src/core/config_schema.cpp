@@ -472,6 +472,8 @@ std::vector<KeySpec> build_schema() {
           .TIER_ENUM_FIELD(tier.log_level, LogLevel, "trace", "debug", "info", "warn", "error", "off")
           .sample("debug", "loud"));
   add(K("tier.strict", VK::kBool).TIER_FIELD(tier.strict).sample(true, "x"));
+  add(K("tier.acquire_timeout_ms", VK::kInt).range(1, 1e12).TIER_FIELD(tier.acquire_timeout_ms).sample(5000, 0));
+  add(K("tier.debug_checks", VK::kBool).TIER_FIELD(tier.debug_checks).sample(true, "always"));
   return s;
 }
 

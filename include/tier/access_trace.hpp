@@ -1,0 +1,76 @@
+// tier/access_trace.hpp — the order in which a training step touches its tensors, learnt from the
+// first step and replayed by the prefetch scheduler in later ones.
+//
+// A step is bracketed by begin_step()/end_step(). While no trace is known the acquires of a step
+// are recorded; at end_step the recording becomes the trace. In later steps each acquire is matched
+// against the trace position: a match advances it, a mismatch means the order changed (another
+// sequence-length path, a frozen layer...), and the trace is dropped and re-recorded in the next
+// step. The trace is cyclic: after its last entry comes its first (the next step's start).
+//
+// Thread safety: none; the engine calls it from its scheduler thread only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "tier/types.hpp"
+
+namespace tier {
+
+using TensorId = std::uint32_t;
+inline constexpr TensorId kInvalidTensor = std::numeric_limits<TensorId>::max();
+
+struct TraceEntry {
+  TensorId tensor = kInvalidTensor;
+  Tier tier = Tier::kDevice;
+  friend bool operator==(const TraceEntry& a, const TraceEntry& b) { return a.tensor == b.tensor && a.tier == b.tier; }
+};
+
+class AccessTrace {
+ public:
+  static constexpr std::size_t kNever = std::numeric_limits<std::size_t>::max();
+
+  enum class Mode { kIdle, kRecording, kReplaying };
+
+  void begin_step();
+  void end_step();
+  // Records or matches one acquire. Returns false when it did not match a replayed trace.
+  bool on_acquire(TensorId tensor, Tier tier);
+  // Forgets the trace (e.g. when tensors are unregistered).
+  void reset();
+
+  Mode mode() const noexcept { return mode_; }
+  bool has_trace() const noexcept { return !trace_.empty(); }
+  const std::vector<TraceEntry>& entries() const noexcept { return trace_; }
+  // Index of the next expected acquire while replaying (0 at the start of a step).
+  std::size_t position() const noexcept { return pos_; }
+
+  // Distance (in acquires, counting cyclically from the current position) to the next use of
+  // `tensor` on any tier; kNever when the trace does not contain it or there is no trace.
+  std::size_t next_use(TensorId tensor) const;
+  // The same, restricted to uses on `tier`.
+  std::size_t next_use(TensorId tensor, Tier tier) const;
+  // The entry `ahead` acquires after the current position (cyclic). Requires has_trace().
+  const TraceEntry& upcoming(std::size_t ahead) const { return trace_[(pos_ + ahead) % trace_.size()]; }
+
+  std::uint64_t steps_recorded() const noexcept { return steps_recorded_; }
+  std::uint64_t order_changes() const noexcept { return order_changes_; }
+
+ private:
+  void rebuild_index();
+
+  Mode mode_ = Mode::kIdle;
+  bool in_step_ = false;
+  std::vector<TraceEntry> trace_;
+  std::vector<TraceEntry> recording_;
+  std::size_t pos_ = 0;
+  bool diverged_ = false;
+  // For each tensor, the sorted trace positions that touch it (for next_use in O(log n)).
+  std::vector<std::vector<std::uint32_t>> uses_;
+  std::uint64_t steps_recorded_ = 0;
+  std::uint64_t order_changes_ = 0;
+};
+
+}  // namespace tier

@@ -1,0 +1,181 @@
+// tier/engine.hpp — the Engine: owns every registered tensor, keeps each tier within its budget and
+// moves copies between GPU memory, pinned host memory and NVMe just in time.
+//
+// Model of a tensor. A tensor is registered once with a descriptor and a home tier, where its
+// durable copy lives. It has at most one copy per tier; each copy is absent, loading, valid (clean
+// when the home copy holds the same bytes, dirty when it is newer than home) or writing back. The
+// invariant that protects user data: a tensor always has at least one complete, valid copy, and a
+// copy is dropped only after another one is complete.
+//
+// Leases. acquire(tensor, tier, access) returns a future of a Lease: a view of the tensor's copy
+// on that tier, pinned in place until the lease is released. Several readers may hold leases at
+// once; a writer is exclusive (its acquire waits for the readers to finish). A kWrite lease does
+// not load the old contents (the caller overwrites all of them); kReadWrite does. Releasing a
+// write lease makes that copy the only valid one (dirty until written home); flush() writes every
+// dirty tensor home and makes NVMe durable.
+//
+// Budgets and eviction. Each tier has a byte budget. When a copy must be placed on a full tier,
+// unpinned copies are evicted: a copy with another valid copy is dropped; the only valid copy is
+// first written one tier toward home. With a recorded access trace the victim is the copy used
+// furthest in the future (Belady); without one, the least recently used. A request larger than a
+// tier's budget fails at once; one that cannot be placed because everything is pinned waits (up to
+// the acquire timeout) for releases.
+//
+// Prefetch. Between begin_step() and end_step() the engine records the order of acquires; in later
+// steps it keeps a window of upcoming acquires in flight (NVMe -> host -> device), bounded by
+// tier.prefetch.lookahead, tier.prefetch.max_inflight_bytes and the budgets, so transfers overlap
+// compute. A change of order is detected and the trace is re-recorded.
+//
+// Thread safety. Every Engine member may be called from any thread. Leases and futures may be
+// used and destroyed on any thread, but each one by one thread at a time. State changes run on the
+// engine's scheduler thread; transfer completions arrive from I/O and copy threads.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tier/access_trace.hpp"
+#include "tier/config.hpp"
+#include "tier/stats.hpp"
+#include "tier/status.hpp"
+#include "tier/types.hpp"
+
+namespace tier {
+
+enum class Access : std::uint8_t { kRead = 0, kWrite, kReadWrite };
+const char* access_name(Access a) noexcept;  // "read", "write", "read_write"
+
+class Engine;
+class Device;
+class HostArena;
+
+namespace detail {
+struct LeaseState;
+struct AcquireState;
+}  // namespace detail
+
+// A tensor's copy on one tier, pinned in place until released. Move-only. On the device tier,
+// data() is a device pointer (host memory on the emulated device); on the host tier a pinned host
+// pointer. Leases on the NVMe tier give no pointer (data() is null): they pin the home copy only.
+class Lease {
+ public:
+  Lease() = default;
+  Lease(Lease&&) noexcept;
+  Lease& operator=(Lease&&) noexcept;
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+  ~Lease();
+
+  void* data() const noexcept;
+  std::uint64_t bytes() const noexcept;
+  Tier tier() const noexcept;
+  Access access() const noexcept;
+  TensorId tensor() const noexcept;
+  bool valid() const noexcept { return state_ != nullptr; }
+  explicit operator bool() const noexcept { return valid(); }
+
+  // Ends the lease. For a write lease the copy becomes the tensor's newest contents. The caller
+  // must have finished using data() (on a GPU: synchronized the stream that used it). Errors:
+  // kFailedPrecondition for an empty lease.
+  Status release();
+
+ private:
+  friend class Engine;
+  friend class AcquireFuture;
+  explicit Lease(std::shared_ptr<detail::LeaseState> s) : state_(std::move(s)) {}
+  std::shared_ptr<detail::LeaseState> state_;
+};
+
+// The future of an acquire. wait() hands the lease out once.
+class AcquireFuture {
+ public:
+  AcquireFuture() = default;
+  bool valid() const noexcept { return state_ != nullptr; }
+  bool ready() const;
+  // Blocks until the copy is in place (or the acquire failed); the time spent here is the
+  // acquire's stall, counted in the stats. A second call returns kFailedPrecondition.
+  Result<Lease> wait();
+  // As wait(), but gives up after `timeout` with kTimedOut (the acquire stays pending).
+  Result<Lease> wait_for(std::chrono::milliseconds timeout);
+
+ private:
+  friend class Engine;
+  explicit AcquireFuture(std::shared_ptr<detail::AcquireState> s) : state_(std::move(s)) {}
+  std::shared_ptr<detail::AcquireState> state_;
+};
+
+struct TensorInfo {
+  TensorDesc desc;
+  Tier home = Tier::kHost;
+  // Per tier: "absent", "loading", "valid_clean", "valid_dirty", "writing_back".
+  std::array<const char*, kNumTiers> copy_state{};
+  std::uint32_t readers = 0;
+  bool writer = false;
+};
+
+class Engine {
+ public:
+  // Builds the tiers from `config`: the device (tier.device), the pinned host arena
+  // (tier.budgets.host), the swap space on the swap paths (tier.budgets.nvme) when any tensor may
+  // live on NVMe, and the scheduler thread.
+  static Result<std::unique_ptr<Engine>> create(const EngineConfig& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers a tensor homed on `home`. `initial` (desc.bytes() bytes, host memory) is copied in;
+  // without it the tensor reads as zeros. Errors: kInvalidArgument (bad descriptor, home tier not
+  // configured), kAlreadyExists (name taken), kResourceExhausted (the home tier's budget cannot
+  // hold it).
+  Result<TensorId> register_tensor(const TensorDesc& desc, Tier home, const void* initial = nullptr);
+  // Drops every copy of an idle tensor. kFailedPrecondition while leases are held.
+  Status unregister_tensor(TensorId id);
+
+  AcquireFuture acquire(TensorId id, Tier tier, Access access);
+  // acquire(...).wait().
+  Result<Lease> acquire_now(TensorId id, Tier tier, Access access) { return acquire(id, tier, access).wait(); }
+
+  // Copies the tensor's current contents into `dst` (host memory, desc.bytes()), or replaces them
+  // from `src`. Convenience over a host-tier lease.
+  Status read(TensorId id, void* dst);
+  Status write(TensorId id, const void* src);
+
+  // Writes every dirty tensor to its home tier and makes NVMe durable (fdatasync).
+  Status flush();
+
+  // Bracket one training step: the access order of the first step is recorded and prefetched in
+  // the following ones.
+  void begin_step();
+  void end_step();
+
+  Result<TensorId> find(std::string_view name) const;
+  Result<TensorInfo> info(TensorId id) const;
+  std::size_t tensor_count() const;
+
+  // Resident/peak bytes per tier, bytes/ops/busy time per link, backend names and scheduler
+  // metrics (acquires, stalls, stall_seconds, late prefetches, evictions per tier, overlap).
+  StatsSnapshot stats() const;
+
+  // Checks every invariant (at least one valid copy per tensor, budgets respected, resident bytes
+  // equal to the sum of the copies, lease counts); kInternal naming the first violation. Also run
+  // after every state change when tier.debug_checks is set.
+  Status check_invariants() const;
+
+  Device& device();
+  HostArena& host_arena();
+  const EngineConfig& config() const;
+
+  // Internal: the state machine (src/engine/engine_impl.hpp).
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tier

@@ -1,0 +1,1046 @@
+#include "tier/engine.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+
+#include "engine/engine_impl.hpp"
+#include "tier/log.hpp"
+#include "tier/units.hpp"
+
+namespace tier {
+
+using detail::Buffer;
+using detail::Done;
+using CopyState = Engine::Impl::CopyState;
+
+const char* access_name(Access a) noexcept {
+  switch (a) {
+    case Access::kRead: return "read";
+    case Access::kWrite: return "write";
+    case Access::kReadWrite: return "read_write";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr std::size_t kNever = AccessTrace::kNever;
+
+const char* copy_state_name(const Engine::Impl::Copy& c, bool home_valid) {
+  switch (c.state) {
+    case CopyState::kAbsent: return "absent";
+    case CopyState::kReserved: return "reserved";
+    case CopyState::kLoading: return "loading";
+    case CopyState::kStale: return "stale";
+    case CopyState::kValid:
+      if (c.writing_back) return "writing_back";
+      return home_valid ? "valid_clean" : "valid_dirty";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// Lease, LeaseState, AcquireFuture
+
+void detail::LeaseState::end() noexcept {
+  if (released.exchange(true)) return;
+  if (engine == nullptr) return;
+  Engine::Impl* e = engine;
+  const TensorId id = tensor;
+  const Tier t = tier;
+  const Access a = access;
+  const std::uint64_t g = generation;
+  e->post([e, id, t, a, g] { e->on_release(id, t, a, g); });
+}
+
+Lease::Lease(Lease&& o) noexcept : state_(std::move(o.state_)) {}
+Lease& Lease::operator=(Lease&& o) noexcept {
+  if (this != &o) {
+    if (state_) state_->end();
+    state_ = std::move(o.state_);
+  }
+  return *this;
+}
+Lease::~Lease() {
+  if (state_) state_->end();
+}
+void* Lease::data() const noexcept {
+  return state_ ? state_->data : nullptr;
+}
+std::uint64_t Lease::bytes() const noexcept {
+  return state_ ? state_->bytes : 0;
+}
+Tier Lease::tier() const noexcept {
+  return state_ ? state_->tier : Tier::kHost;
+}
+Access Lease::access() const noexcept {
+  return state_ ? state_->access : Access::kRead;
+}
+TensorId Lease::tensor() const noexcept {
+  return state_ ? state_->tensor : kInvalidTensor;
+}
+
+Status Lease::release() {
+  if (!state_) return failed_precondition("release of an empty lease");
+  state_->end();
+  state_.reset();
+  return Status::Ok();
+}
+
+bool AcquireFuture::ready() const {
+  if (!state_) return false;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done;
+}
+
+Result<Lease> AcquireFuture::wait() {
+  return wait_for(std::chrono::milliseconds::max());
+}
+
+Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
+  if (!state_) return failed_precondition("wait on an empty acquire future");
+  std::unique_lock<std::mutex> lock(state_->mu);
+  if (state_->taken) return failed_precondition("the lease of this acquire was already taken");
+  if (!state_->done) {
+    const auto t0 = std::chrono::steady_clock::now();
+    bool done = true;
+    if (timeout == std::chrono::milliseconds::max()) {
+      state_->cv.wait(lock, [&] { return state_->done; });
+    } else {
+      done = state_->cv.wait_for(lock, timeout, [&] { return state_->done; });
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (state_->engine) {
+      std::lock_guard<std::mutex> g(state_->engine->stall_mu);
+      ++state_->engine->m_stalls;
+      state_->engine->m_stall_seconds += waited;
+    }
+    if (!done) return timed_out(str("acquire still pending after ", timeout.count(), " ms"));
+  }
+  state_->taken = true;
+  if (!state_->status.ok()) return state_->status;
+  return Lease(std::move(state_->lease));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Impl: construction and the scheduler thread
+
+Engine::Impl::Impl(const EngineConfig& c, detail::Backends backends, std::shared_ptr<Counters> ctr)
+    : cfg(c), be(std::move(backends)), counters(std::move(ctr)) {
+  const std::uint64_t configured[kNumTiers] = {cfg.tier.device_budget, cfg.tier.host_budget, cfg.tier.nvme_budget};
+  for (int i = 0; i < kNumTiers; ++i) {
+    if (!be.stores[i]) continue;
+    const std::uint64_t cap = be.stores[i]->capacity();
+    budget[i] = configured[i] ? std::min(configured[i], cap) : cap;
+    counters->set_budget(static_cast<Tier>(i), budget[i]);
+  }
+  lookahead = cfg.tier.prefetch.lookahead > 0 ? static_cast<std::uint64_t>(cfg.tier.prefetch.lookahead) : 8;
+  max_inflight = cfg.tier.prefetch.max_inflight_bytes
+                     ? cfg.tier.prefetch.max_inflight_bytes
+                     : std::max<std::uint64_t>(budget[static_cast<int>(Tier::kDevice)] / 2, 64ull << 20);
+  counters->set_info("prefetch", cfg.tier.prefetch.enabled
+                                     ? str("lookahead ", lookahead, ", max in flight ", format_bytes(max_inflight))
+                                     : "off");
+  worker = std::thread([this] { run(); });
+}
+
+Engine::Impl::~Impl() {
+  // Let every transfer in flight complete (their completions post here) before the backends go.
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (call([this] { return moves_in_flight; }) > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stopping = true;
+  }
+  cv.notify_all();
+  if (worker.joinable()) worker.join();
+}
+
+void Engine::Impl::post(std::function<void()> fn) {
+  // Notify under the lock: once the scheduler can see the item, the poster no longer touches the
+  // engine (completions may come from threads that outlive a finishing engine's last transfer).
+  std::lock_guard<std::mutex> lock(mu);
+  queue.push_back(std::move(fn));
+  cv.notify_one();
+}
+
+template <class F>
+auto Engine::Impl::call(F&& fn) -> decltype(fn()) {
+  using R = decltype(fn());
+  if (std::this_thread::get_id() == worker_id.load()) return fn();
+  std::promise<R> p;
+  auto f = p.get_future();
+  post([&] {
+    if constexpr (std::is_void_v<R>) {
+      fn();
+      p.set_value();
+    } else {
+      p.set_value(fn());
+    }
+  });
+  return f.get();
+}
+
+void Engine::Impl::run() {
+  worker_id.store(std::this_thread::get_id());
+  auto last_expiry = Clock::now();
+  while (true) {
+    std::deque<std::function<void()>> batch;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopping || !queue.empty(); });
+      if (stopping && queue.empty()) break;
+      batch.swap(queue);
+    }
+    for (auto& fn : batch) {
+      fn();
+      after_event();
+    }
+    if (Clock::now() - last_expiry > std::chrono::milliseconds(20)) {
+      last_expiry = Clock::now();
+      expire_waiters();
+      for (Tier x : kAllTiers) serve_room_waiters(x);  // retries of failed write-backs come due here
+    }
+  }
+  // Anything still waiting fails: the engine is going away.
+  fail_everything(cancelled("the engine is shutting down"));
+}
+
+void Engine::Impl::after_event() {
+  if (!cfg.tier.debug_checks || !first_violation.ok()) return;
+  Status s = check_invariants_locked();
+  if (!s.ok()) {
+    first_violation = s;
+    TIER_LOG(kError, "engine invariant violated: ", s.message());
+  }
+}
+
+void Engine::Impl::fail_everything(const Status& why) {
+  for (auto& waiters : room_waiters) {
+    auto list = std::move(waiters);
+    waiters.clear();
+    for (auto& w : list) w.done(why, Buffer{});
+  }
+}
+
+void Engine::Impl::note_resident(Tier tier, std::int64_t delta) {
+  const auto& store = be.stores[static_cast<int>(tier)];
+  if (store && store->reports_resident()) return;
+  counters->add_resident(tier, delta);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Acquire
+
+void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st,
+                                 bool count_trace) {
+  auto fail = [&](Status s) {
+    std::lock_guard<std::mutex> lock(st->mu);
+    st->status = std::move(s);
+    st->done = true;
+    st->cv.notify_all();
+  };
+  if (id >= tensors.size() || !tensors[id].live) return fail(not_found(str("acquire: no tensor with id ", id)));
+  TensorRec& t = tensors[id];
+  if (!be.stores[static_cast<int>(tier)]) {
+    return fail(invalid_argument(str("acquire '", t.desc.name, "' on ", tier_name(tier), ": the ", tier_name(tier),
+                                     " tier is not configured (give it a budget or a swap path)")));
+  }
+  if (t.desc.bytes() > budget[static_cast<int>(tier)]) {
+    return fail(resource_exhausted(str("acquire '", t.desc.name, "' (", format_bytes(t.desc.bytes()), ") on ",
+                                       tier_name(tier), ": larger than the ", tier_name(tier), " budget (",
+                                       format_bytes(budget[static_cast<int>(tier)]), "); raise tier.budgets.",
+                                       tier_name(tier))));
+  }
+  if (count_trace) {
+    ++m_acquires;
+    trace.on_acquire(id, tier);
+  }
+  const bool writes = access != Access::kRead;
+  if ((writes && (t.readers > 0 || t.writer)) || (!writes && t.writer)) {
+    t.blocked.push_back([this, id, tier, access, st] { start_acquire(id, tier, access, st, false); });
+    return;
+  }
+  if (writes) {
+    t.writer = true;
+  } else {
+    ++t.readers;
+  }
+  Copy& c = t.copies[static_cast<int>(tier)];
+  if (count_trace) {
+    if (c.state == CopyState::kValid) {
+      ++m_hits;
+      if (c.prefetched) ++m_prefetch_hits;
+    } else if (c.state == CopyState::kLoading && c.prefetched) {
+      ++m_late_prefetch;
+    }
+  }
+  c.prefetched = false;
+  const std::uint64_t gen = t.generation;
+  ensure_copy(id, tier, access != Access::kWrite, kNever, [this, id, tier, access, st, gen](Status s) {
+    TensorRec& t2 = tensors[id];
+    if (!t2.live || t2.generation != gen) {
+      s = cancelled("the tensor was unregistered while it was being acquired");
+    }
+    if (!s.ok()) {
+      if (t2.generation == gen) {
+        if (access != Access::kRead) {
+          t2.writer = false;
+        } else if (t2.readers > 0) {
+          --t2.readers;
+        }
+        wake_blocked(t2);
+      }
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->status = s.with_context(str("acquire '", t2.desc.name, "' on ", tier_name(tier)));
+      st->done = true;
+      st->cv.notify_all();
+      return;
+    }
+    grant(id, tier, access, st);
+  });
+  issue_prefetches();
+}
+
+void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st) {
+  TensorRec& t = tensors[id];
+  Copy& c = t.copies[static_cast<int>(tier)];
+  ++c.pins;
+  c.last_use = ++clock;
+  auto lease = std::make_shared<detail::LeaseState>();
+  lease->engine = this;
+  lease->tensor = id;
+  lease->tier = tier;
+  lease->access = access;
+  lease->data = c.buf.ptr;
+  lease->bytes = t.desc.bytes();
+  lease->generation = t.generation;
+  std::lock_guard<std::mutex> lock(st->mu);
+  st->lease = std::move(lease);
+  st->done = true;
+  st->cv.notify_all();
+}
+
+// Makes the copy of `id` on `tier` valid (need_data) or reserved for a writer (!need_data).
+void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, Done done) {
+  TensorRec& t = tensors[id];
+  Copy& c = t.copies[static_cast<int>(tier)];
+  switch (c.state) {
+    case CopyState::kValid:  // a writer overwrites it in place; its release makes it the newest
+      return done(Status::Ok());
+    case CopyState::kLoading: c.on_ready.push_back(std::move(done)); return;
+    case CopyState::kReserved:
+      return done(
+          internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(tier), " is reserved by a writer")));
+    case CopyState::kStale:
+    case CopyState::kAbsent: break;
+  }
+  if (!need_data) {
+    if (c.state == CopyState::kStale) {  // the home copy's storage is always there
+      c.state = CopyState::kReserved;
+      return done(Status::Ok());
+    }
+    const std::uint64_t gen = t.generation;
+    make_room(tier, t.desc.bytes(), id, horizon, [this, id, tier, gen, done](Status s, Buffer b) {
+      TensorRec& t2 = tensors[id];
+      if (!s.ok()) return done(s);
+      if (!t2.live || t2.generation != gen) return done(cancelled("tensor unregistered"));
+      Copy& c2 = t2.copies[static_cast<int>(tier)];
+      c2.buf = std::move(b);
+      c2.state = CopyState::kReserved;
+      done(Status::Ok());
+    });
+    return;
+  }
+  // Copies move between adjacent tiers only: device <-> host <-> nvme.
+  const auto valid = [&](Tier x) { return t.copies[static_cast<int>(x)].state == CopyState::kValid; };
+  if (tier == Tier::kHost) {
+    if (valid(Tier::kDevice)) return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done));
+    if (valid(Tier::kNvme)) return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done));
+    return done(internal_error(str("tensor '", t.desc.name, "' has no valid copy to load from")));
+  }
+  // Device or NVMe: through the host copy.
+  if (valid(Tier::kHost)) return load_from(id, tier, Tier::kHost, horizon, std::move(done));
+  const std::uint64_t gen = t.generation;
+  ensure_copy(id, Tier::kHost, true, horizon, [this, id, tier, horizon, gen, done](Status s) {
+    TensorRec& t2 = tensors[id];
+    if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
+    if (!s.ok()) return done(s);
+    if (t2.copies[static_cast<int>(Tier::kHost)].state != CopyState::kValid) {
+      // Evicted between the two hops (possible when the host tier is tight): start again.
+      return ensure_copy(id, tier, true, horizon, done);
+    }
+    load_from(id, tier, Tier::kHost, horizon, done);
+  });
+}
+
+void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizon, Done done) {
+  TensorRec& t = tensors[id];
+  Copy& dst = t.copies[static_cast<int>(to)];
+  if (dst.state == CopyState::kValid) return done(Status::Ok());
+  if (dst.state == CopyState::kLoading) {
+    dst.on_ready.push_back(std::move(done));
+    return;
+  }
+  const bool prefetch = horizon != kNever;
+  // Pin the source (and count the transfer as a reader, so writers wait) until the copy is done.
+  Copy& src = t.copies[static_cast<int>(from)];
+  ++src.pins;
+  ++t.readers;
+  const std::uint64_t gen = t.generation;
+  const std::uint64_t bytes = t.desc.bytes();
+  auto start = [this, id, to, from, prefetch, gen, bytes](Buffer b) {
+    TensorRec& t2 = tensors[id];
+    Copy& d = t2.copies[static_cast<int>(to)];
+    Copy& s2 = t2.copies[static_cast<int>(from)];
+    if (b) d.buf = std::move(b);
+    d.prefetched = prefetch;
+    if (prefetch) prefetch_inflight_bytes += bytes;
+    if (from == t2.home && t2.zero_home) {
+      Status z = be.mover->zero(to, d.buf, bytes);
+      ++moves_in_flight;
+      post([this, id, to, from, gen, prefetch, z] { complete_load(id, to, from, gen, prefetch, z); });
+      return;
+    }
+    ++moves_in_flight;
+    be.mover->move(from, s2.buf, to, d.buf, bytes, [this, id, to, from, gen, prefetch](Status st) {
+      post([this, id, to, from, gen, prefetch, st] { complete_load(id, to, from, gen, prefetch, st); });
+    });
+  };
+  const bool home_storage = dst.state == CopyState::kStale;  // write into the existing home storage
+  dst.state = CopyState::kLoading;                           // later ensure_copy calls queue on on_ready from now on
+  dst.on_ready.push_back(std::move(done));
+  if (home_storage) {
+    start(Buffer{});
+    return;
+  }
+  make_room(to, bytes, id, horizon, [this, id, to, from, gen, start](Status s, Buffer b) {
+    TensorRec& t2 = tensors[id];
+    if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
+    if (!s.ok()) {
+      if (t2.generation == gen) {
+        Copy& d = t2.copies[static_cast<int>(to)];
+        Copy& s2 = t2.copies[static_cast<int>(from)];
+        --s2.pins;
+        --t2.readers;
+        d.state = CopyState::kAbsent;
+        auto waiters = std::move(d.on_ready);
+        d.on_ready.clear();
+        for (auto& w : waiters) w(s);
+        wake_blocked(t2);
+      }
+      return;
+    }
+    start(std::move(b));
+  });
+}
+
+void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, bool prefetch, Status s) {
+  --moves_in_flight;
+  if (prefetch) prefetch_inflight_bytes -= std::min(prefetch_inflight_bytes, tensors[id].desc.bytes());
+  TensorRec& t = tensors[id];
+  if (t.generation != gen) return;
+  Copy& d = t.copies[static_cast<int>(to)];
+  Copy& src = t.copies[static_cast<int>(from)];
+  --src.pins;
+  --t.readers;
+  if (s.ok()) {
+    d.state = CopyState::kValid;
+    d.last_use = ++clock;
+    if (to == t.home) t.zero_home = false;
+  } else {
+    TIER_LOG(kError, "tensor '", t.desc.name, "': ", tier_name(from), " -> ", tier_name(to), " failed; the ",
+             tier_name(from), " copy stays the valid one: ", s.to_string());
+    if (to == t.home) {
+      d.state = CopyState::kStale;  // home storage stays allocated; the source copy is still valid
+    } else {
+      drop_copy(t, to);
+    }
+  }
+  auto waiters = std::move(d.on_ready);
+  d.on_ready.clear();
+  for (auto& w : waiters) w(s);
+  wake_blocked(tensors[id]);
+  for (Tier x : kAllTiers) serve_room_waiters(x);
+  issue_prefetches();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Room, eviction, write-back
+
+std::size_t Engine::Impl::victim_rank(TensorId id, Tier tier) const {
+  const TensorRec& t = tensors[id];
+  if (trace.has_trace() && trace.mode() == AccessTrace::Mode::kReplaying) {
+    std::size_t next = trace.next_use(id, tier);
+    if (tier == Tier::kHost && t.copies[static_cast<int>(Tier::kDevice)].state != CopyState::kValid) {
+      next = std::min(next, trace.next_use(id, Tier::kDevice));
+    }
+    return next;
+  }
+  // LRU: the older the last use, the higher the rank.
+  return static_cast<std::size_t>(clock - t.copies[static_cast<int>(tier)].last_use);
+}
+
+bool Engine::Impl::has_other_valid(const TensorRec& t, Tier except) const {
+  for (Tier x : kAllTiers) {
+    if (x != except && t.copies[static_cast<int>(x)].state == CopyState::kValid) return true;
+  }
+  return false;
+}
+
+Tier Engine::Impl::toward_home(Tier from, Tier home) const {
+  if (from == Tier::kDevice || from == Tier::kNvme) return Tier::kHost;
+  return home;  // from host: toward the device or NVMe home
+}
+
+void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
+  Copy& c = t.copies[static_cast<int>(tier)];
+  if (c.buf) {
+    const std::uint64_t bytes = c.buf.bytes;
+    c.buf = Buffer{};
+    used[static_cast<int>(tier)] -= bytes;
+    note_resident(tier, -static_cast<std::int64_t>(bytes));
+  }
+  c.state = CopyState::kAbsent;
+  c.prefetched = false;
+  c.writing_back = false;
+}
+
+bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, Buffer* out,
+                             Status* fatal) {
+  const int ti = static_cast<int>(tier);
+  const bool prefetch = horizon != kNever;
+  for (int round = 0;; ++round) {
+    if (used[ti] + bytes <= budget[ti]) {
+      auto r = be.stores[ti]->allocate(bytes);
+      if (r.ok()) {
+        *out = std::move(r).value();
+        out->bytes = bytes;
+        used[ti] += bytes;
+        note_resident(tier, static_cast<std::int64_t>(bytes));
+        return true;
+      }
+      if (r.status().code() != StatusCode::kResourceExhausted) {
+        *fatal = r.status();
+        return false;
+      }
+      // The store is fragmented or short although the budget allows: evict more below.
+    }
+    // Candidates: unpinned valid copies that are not home copies.
+    struct Cand {
+      TensorId id;
+      std::size_t rank;
+    };
+    std::vector<Cand> cands;
+    for (TensorId i = 0; i < tensors.size(); ++i) {
+      const TensorRec& t = tensors[i];
+      if (!t.live || i == for_tensor || t.home == tier) continue;
+      const Copy& c = t.copies[ti];
+      if (c.state != CopyState::kValid || c.pins > 0 || c.writing_back) continue;
+      const std::size_t rank = victim_rank(i, tier);
+      if (prefetch && rank != kNever && rank <= horizon) continue;  // needed before the prefetch target
+      cands.push_back({i, rank});
+    }
+    std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) { return a.rank > b.rank; });
+    bool dropped = false;
+    for (const Cand& v : cands) {
+      TensorRec& t = tensors[v.id];
+      if (has_other_valid(t, tier)) {
+        drop_copy(t, tier);
+        ++m_evictions[ti];
+        dropped = true;
+        break;
+      }
+      if (!prefetch && !t.writer && used[ti] - freeing[ti] + bytes > budget[ti] &&
+          Clock::now() >= t.copies[ti].retry_writeback_after) {
+        start_writeback(v.id, tier);
+      }
+    }
+    if (!dropped) return false;
+  }
+}
+
+void Engine::Impl::make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
+                             std::function<void(Status, Buffer)> done) {
+  const int ti = static_cast<int>(tier);
+  if (bytes > budget[ti]) {
+    return done(
+        resource_exhausted(str(format_bytes(bytes), " on ", tier_name(tier), " is larger than the ", tier_name(tier),
+                               " budget (", format_bytes(budget[ti]), "); raise tier.budgets.", tier_name(tier))),
+        Buffer{});
+  }
+  Buffer b;
+  Status fatal;
+  if (try_place(tier, bytes, for_tensor, horizon, &b, &fatal)) return done(Status::Ok(), std::move(b));
+  if (!fatal.ok()) return done(fatal, Buffer{});
+  if (horizon != kNever) {
+    prefetch_blocked = true;
+    return done(resource_exhausted("no room for a prefetch"), Buffer{});
+  }
+  ++m_room_waits;
+  room_waiters[ti].push_back(RoomRequest{
+      tier, bytes, for_tensor, Clock::now() + std::chrono::milliseconds(cfg.tier.acquire_timeout_ms), std::move(done)});
+}
+
+void Engine::Impl::serve_room_waiters(Tier tier) {
+  auto& list = room_waiters[static_cast<int>(tier)];
+  for (auto it = list.begin(); it != list.end();) {
+    Buffer b;
+    Status fatal;
+    if (try_place(tier, it->bytes, it->for_tensor, kNever, &b, &fatal)) {
+      auto done = std::move(it->done);
+      it = list.erase(it);
+      done(Status::Ok(), std::move(b));
+    } else if (!fatal.ok()) {
+      auto done = std::move(it->done);
+      it = list.erase(it);
+      done(fatal, Buffer{});
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::Impl::expire_waiters() {
+  const auto now = Clock::now();
+  for (Tier tier : kAllTiers) {
+    auto& list = room_waiters[static_cast<int>(tier)];
+    for (auto it = list.begin(); it != list.end();) {
+      if (it->deadline > now) {
+        ++it;
+        continue;
+      }
+      std::uint64_t pinned = 0;
+      for (const auto& t : tensors) {
+        const Copy& c = t.copies[static_cast<int>(tier)];
+        if (t.live && c.buf && (c.pins > 0 || c.state != CopyState::kValid || t.home == tier)) pinned += c.buf.bytes;
+      }
+      auto done = std::move(it->done);
+      const std::uint64_t bytes = it->bytes;
+      it = list.erase(it);
+      std::string why =
+          str("no room for ", format_bytes(bytes), " on ", tier_name(tier), " after ", cfg.tier.acquire_timeout_ms,
+              " ms: ", format_bytes(pinned), " of the ", format_bytes(budget[static_cast<int>(tier)]),
+              " budget is pinned by leases, home copies or transfers; release leases sooner or raise "
+              "tier.budgets.",
+              tier_name(tier));
+      if (!last_writeback_error.ok()) why += str(" (last write-back error: ", last_writeback_error.to_string(), ")");
+      done(timed_out(why), Buffer{});
+    }
+  }
+}
+
+void Engine::Impl::start_writeback(TensorId id, Tier from) {
+  TensorRec& t = tensors[id];
+  Copy& c = t.copies[static_cast<int>(from)];
+  if (c.writing_back) return;
+  const Tier to = toward_home(from, t.home);
+  c.writing_back = true;
+  freeing[static_cast<int>(from)] += t.desc.bytes();
+  ++m_writebacks;
+  const std::uint64_t gen = t.generation;
+  load_from(id, to, from, kNever, [this, id, from, gen](Status s) {
+    TensorRec& t2 = tensors[id];
+    if (t2.generation != gen) return;
+    Copy& c2 = t2.copies[static_cast<int>(from)];
+    c2.writing_back = false;
+    freeing[static_cast<int>(from)] -= std::min(freeing[static_cast<int>(from)], t2.desc.bytes());
+    if (!s.ok()) {
+      last_writeback_error = s;
+      c2.retry_writeback_after = Clock::now() + kWritebackRetry;
+      return;
+    }
+    if (c2.state == CopyState::kValid && c2.pins == 0 && t2.home != from && has_other_valid(t2, from)) {
+      drop_copy(t2, from);
+      ++m_evictions[static_cast<int>(from)];
+    }
+    serve_room_waiters(from);
+  });
+}
+
+// ----------------------------------------------------------------------------------------------
+// Release and waking
+
+void Engine::Impl::on_release(TensorId id, Tier tier, Access access, std::uint64_t gen) {
+  if (id >= tensors.size() || tensors[id].generation != gen) return;
+  TensorRec& t = tensors[id];
+  Copy& c = t.copies[static_cast<int>(tier)];
+  if (c.pins > 0) --c.pins;
+  c.last_use = ++clock;
+  if (access == Access::kRead) {
+    if (t.readers > 0) --t.readers;
+  } else {
+    t.writer = false;
+    c.state = CopyState::kValid;
+    for (Tier o : kAllTiers) {
+      if (o == tier) continue;
+      Copy& oc = t.copies[static_cast<int>(o)];
+      if (oc.state != CopyState::kValid) continue;
+      if (o == t.home) {
+        oc.state = CopyState::kStale;
+      } else {
+        drop_copy(t, o);
+      }
+    }
+    t.zero_home = false;
+  }
+  wake_blocked(t);
+  for (Tier x : kAllTiers) serve_room_waiters(x);
+  issue_prefetches();
+}
+
+void Engine::Impl::wake_blocked(TensorRec& t) {
+  if (t.blocked.empty()) return;
+  auto list = std::move(t.blocked);
+  t.blocked.clear();
+  for (auto& fn : list) fn();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Prefetch
+
+void Engine::Impl::issue_prefetches() {
+  if (!cfg.tier.prefetch.enabled || !trace.has_trace() || trace.mode() != AccessTrace::Mode::kReplaying) return;
+  const std::size_t n = std::min<std::size_t>(lookahead, trace.entries().size());
+  for (std::size_t k = 0; k < n; ++k) {
+    const TraceEntry& e = trace.upcoming(k);
+    if (e.tensor >= tensors.size()) continue;
+    TensorRec& t = tensors[e.tensor];
+    if (!t.live || t.writer) continue;
+    const Copy& c = t.copies[static_cast<int>(e.tier)];
+    if (c.state == CopyState::kValid || c.state == CopyState::kLoading || c.state == CopyState::kReserved) continue;
+    if (prefetch_inflight_bytes + t.desc.bytes() > max_inflight) break;
+    prefetch_blocked = false;
+    ++m_prefetches;
+    ensure_copy(e.tensor, e.tier, true, k, [](Status) {});
+    // No room without evicting something needed sooner: the later entries will not fit either.
+    if (prefetch_blocked) break;
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Invariants
+
+Status Engine::Impl::check_invariants_locked() const {
+  std::array<std::uint64_t, kNumTiers> sum{};
+  for (TensorId i = 0; i < tensors.size(); ++i) {
+    const TensorRec& t = tensors[i];
+    for (Tier x : kAllTiers) {
+      const Copy& c = t.copies[static_cast<int>(x)];
+      if (c.buf) sum[static_cast<int>(x)] += c.buf.bytes;
+      if (!t.live) continue;
+      if ((c.state == CopyState::kValid || c.state == CopyState::kReserved || c.state == CopyState::kStale) && !c.buf) {
+        return internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(x), " has a state but no storage"));
+      }
+    }
+    if (!t.live) continue;
+    int valid = 0;
+    for (Tier x : kAllTiers) valid += t.copies[static_cast<int>(x)].state == CopyState::kValid;
+    if (valid == 0) return internal_error(str("tensor '", t.desc.name, "' has no valid copy"));
+    if (!t.copies[static_cast<int>(t.home)].buf) {
+      return internal_error(str("tensor '", t.desc.name, "' lost its home storage"));
+    }
+    if (t.writer && t.readers > 0) {
+      // Internal transfers may read while a flush runs; leases may not.
+    }
+  }
+  for (Tier x : kAllTiers) {
+    const int i = static_cast<int>(x);
+    if (sum[i] != used[i]) {
+      return internal_error(str(tier_name(x), ": copies hold ", sum[i], " bytes but the engine counts ", used[i]));
+    }
+    if (used[i] > budget[i]) {
+      return internal_error(str(tier_name(x), ": ", used[i], " bytes resident over the budget of ", budget[i]));
+    }
+  }
+  return Status::Ok();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Engine: the public API
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() = default;
+
+Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, const void* initial) {
+  TIER_RETURN_IF_ERROR(desc.validate());
+  Impl& e = *impl_;
+  auto reserved = e.call([&]() -> Result<TensorId> {
+    if (!e.be.stores[static_cast<int>(home)]) {
+      return invalid_argument(str("register '", desc.name, "': home tier ", tier_name(home),
+                                  " is not configured (give it a budget or a swap path)"));
+    }
+    if (e.by_name.count(desc.name)) return already_exists(str("register '", desc.name, "': the name is taken"));
+    TensorId id;
+    if (!e.free_ids.empty()) {
+      id = e.free_ids.back();
+      e.free_ids.pop_back();
+    } else {
+      id = static_cast<TensorId>(e.tensors.size());
+      e.tensors.emplace_back();
+    }
+    Impl::TensorRec& t = e.tensors[id];
+    for (auto& c : t.copies) c = Impl::Copy{};
+    t.live = false;
+    t.zero_home = false;
+    t.readers = 0;
+    t.blocked.clear();
+    t.desc = desc;
+    t.home = home;
+    t.generation = ++e.generation;
+    t.writer = true;  // nobody may touch it until it is filled
+    e.by_name[desc.name] = id;
+    return id;
+  });
+  if (!reserved.ok()) return reserved.status();
+  const TensorId id = *reserved;
+
+  // Home storage (may have to evict cached copies, which is asynchronous).
+  std::promise<Status> placed;
+  e.post([&] {
+    e.make_room(home, desc.bytes(), id, kNever, [&](Status s, Buffer b) {
+      if (s.ok()) {
+        Impl::Copy& c = e.tensors[id].copies[static_cast<int>(home)];
+        c.buf = std::move(b);
+        c.state = CopyState::kValid;
+        c.last_use = ++e.clock;
+        if (home == Tier::kNvme) {
+          e.tensors[id].zero_home = true;
+        } else {
+          s = e.be.mover->zero(home, c.buf, desc.bytes());
+        }
+      }
+      placed.set_value(s);
+    });
+  });
+  Status s = placed.get_future().get();
+  if (s.ok()) {
+    e.call([&] {
+      e.tensors[id].writer = false;
+      e.tensors[id].live = true;
+    });
+  }
+  if (s.ok() && initial != nullptr) {
+    s = write(id, initial);
+    if (s.ok()) {
+      // Make the registered contents durable at home before returning.
+      std::promise<Status> homed;
+      e.post([&] {
+        Impl::TensorRec& t = e.tensors[id];
+        if (t.copies[static_cast<int>(home)].state == CopyState::kValid) return homed.set_value(Status::Ok());
+        ++t.readers;
+        e.ensure_copy(id, home, true, kNever, [&, id](Status st) {
+          --e.tensors[id].readers;
+          e.wake_blocked(e.tensors[id]);
+          homed.set_value(st);
+        });
+      });
+      s = homed.get_future().get();
+    }
+  }
+  if (!s.ok()) {
+    e.call([&] {
+      Impl::TensorRec& t = e.tensors[id];
+      for (Tier x : kAllTiers) e.drop_copy(t, x);
+      t.live = false;
+      t.writer = false;
+      e.by_name.erase(desc.name);
+      e.free_ids.push_back(id);
+    });
+    return s.with_context(str("register '", desc.name, "' on ", tier_name(home)));
+  }
+  return id;
+}
+
+Status Engine::unregister_tensor(TensorId id) {
+  Impl& e = *impl_;
+  return e.call([&]() -> Status {
+    if (id >= e.tensors.size() || !e.tensors[id].live) return not_found(str("unregister: no tensor with id ", id));
+    Impl::TensorRec& t = e.tensors[id];
+    bool busy = t.readers > 0 || t.writer || !t.blocked.empty();
+    for (const auto& c : t.copies) busy = busy || c.pins > 0 || c.state == CopyState::kLoading || c.writing_back;
+    if (busy) return failed_precondition(str("unregister '", t.desc.name, "': leases or transfers are in flight"));
+    for (Tier x : kAllTiers) e.drop_copy(t, x);
+    t.live = false;
+    ++t.generation;
+    e.by_name.erase(t.desc.name);
+    e.free_ids.push_back(id);
+    e.trace.reset();
+    return Status::Ok();
+  });
+}
+
+AcquireFuture Engine::acquire(TensorId id, Tier tier, Access access) {
+  auto st = std::make_shared<detail::AcquireState>();
+  st->engine = impl_.get();
+  Impl* e = impl_.get();
+  e->post([e, id, tier, access, st] { e->start_acquire(id, tier, access, st, true); });
+  return AcquireFuture(st);
+}
+
+Status Engine::read(TensorId id, void* dst) {
+  TIER_ASSIGN_OR_RETURN(Lease lease, acquire_now(id, Tier::kHost, Access::kRead));
+  std::memcpy(dst, lease.data(), lease.bytes());
+  return lease.release();
+}
+
+Status Engine::write(TensorId id, const void* src) {
+  TIER_ASSIGN_OR_RETURN(Lease lease, acquire_now(id, Tier::kHost, Access::kWrite));
+  std::memcpy(lease.data(), src, lease.bytes());
+  return lease.release();
+}
+
+Status Engine::flush() {
+  Impl& e = *impl_;
+  struct Join {
+    std::mutex mu;
+    std::condition_variable cv;
+    int pending = 0;
+    Status first;
+  };
+  auto join = std::make_shared<Join>();
+  e.call([&] {
+    for (TensorId id = 0; id < e.tensors.size(); ++id) {
+      Impl::TensorRec& t = e.tensors[id];
+      if (!t.live || t.copies[static_cast<int>(t.home)].state == CopyState::kValid) continue;
+      if (t.writer || !e.has_other_valid(t, t.home)) continue;  // a write lease is open: nothing to flush yet
+      {
+        std::lock_guard<std::mutex> lock(join->mu);
+        ++join->pending;
+      }
+      ++t.readers;
+      e.ensure_copy(id, t.home, true, kNever, [&e, join, id](Status s) {
+        --e.tensors[id].readers;
+        e.wake_blocked(e.tensors[id]);
+        std::lock_guard<std::mutex> lock(join->mu);
+        if (!s.ok() && join->first.ok()) join->first = s.with_context(str("flush '", e.tensors[id].desc.name, "'"));
+        --join->pending;
+        join->cv.notify_all();
+      });
+    }
+  });
+  {
+    std::unique_lock<std::mutex> lock(join->mu);
+    join->cv.wait(lock, [&] { return join->pending == 0; });
+    if (!join->first.ok()) return join->first;
+  }
+  return e.be.mover->sync();
+}
+
+void Engine::begin_step() {
+  Impl* e = impl_.get();
+  e->post([e] {
+    e->trace.begin_step();
+    e->issue_prefetches();
+  });
+}
+
+void Engine::end_step() {
+  Impl* e = impl_.get();
+  e->post([e] {
+    e->trace.end_step();
+    // Between steps the trace stands at its start: bring in the next step's first tensors now.
+    e->issue_prefetches();
+  });
+}
+
+Result<TensorId> Engine::find(std::string_view name) const {
+  Impl& e = *impl_;
+  return e.call([&]() -> Result<TensorId> {
+    auto it = e.by_name.find(std::string(name));
+    if (it == e.by_name.end()) return not_found(str("no tensor named '", name, "'"));
+    return it->second;
+  });
+}
+
+Result<TensorInfo> Engine::info(TensorId id) const {
+  Impl& e = *impl_;
+  return e.call([&]() -> Result<TensorInfo> {
+    if (id >= e.tensors.size() || !e.tensors[id].live) return not_found(str("no tensor with id ", id));
+    const Impl::TensorRec& t = e.tensors[id];
+    TensorInfo info;
+    info.desc = t.desc;
+    info.home = t.home;
+    const bool home_valid = t.copies[static_cast<int>(t.home)].state == CopyState::kValid;
+    for (Tier x : kAllTiers)
+      info.copy_state[static_cast<int>(x)] = copy_state_name(t.copies[static_cast<int>(x)], home_valid);
+    info.readers = t.readers;
+    info.writer = t.writer;
+    return info;
+  });
+}
+
+std::size_t Engine::tensor_count() const {
+  Impl& e = *impl_;
+  return e.call([&] { return e.by_name.size(); });
+}
+
+StatsSnapshot Engine::stats() const {
+  Impl& e = *impl_;
+  e.call([&] {
+    auto& c = *e.counters;
+    c.set_metric("engine.tensors", static_cast<double>(e.by_name.size()));
+    c.set_metric("engine.acquires", static_cast<double>(e.m_acquires));
+    c.set_metric("engine.acquire_hits", static_cast<double>(e.m_hits));
+    c.set_metric("engine.room_waits", static_cast<double>(e.m_room_waits));
+    c.set_metric("engine.writebacks", static_cast<double>(e.m_writebacks));
+    for (Tier x : kAllTiers) {
+      c.set_metric(str("engine.evictions.", tier_name(x)), static_cast<double>(e.m_evictions[static_cast<int>(x)]));
+    }
+    c.set_metric("prefetch.issued", static_cast<double>(e.m_prefetches));
+    c.set_metric("prefetch.hits", static_cast<double>(e.m_prefetch_hits));
+    c.set_metric("prefetch.late", static_cast<double>(e.m_late_prefetch));
+    c.set_metric("prefetch.trace_length", static_cast<double>(e.trace.entries().size()));
+    c.set_metric("prefetch.order_changes", static_cast<double>(e.trace.order_changes()));
+    c.set_metric("prefetch.inflight_bytes", static_cast<double>(e.prefetch_inflight_bytes));
+  });
+  {
+    std::lock_guard<std::mutex> lock(e.stall_mu);
+    e.counters->set_metric("engine.stalls", static_cast<double>(e.m_stalls));
+    e.counters->set_metric("engine.stall_seconds", e.m_stall_seconds);
+  }
+  StatsSnapshot s = e.counters->snapshot();
+  const double moved = s.link(Link::kNvmeToHost).busy_seconds + s.link(Link::kHostToDevice).busy_seconds;
+  s.metrics["prefetch.overlap"] =
+      moved > 0 ? std::clamp(1.0 - s.metrics["engine.stall_seconds"] / moved, 0.0, 1.0) : 1.0;
+  return s;
+}
+
+Status Engine::check_invariants() const {
+  Impl& e = *impl_;
+  return e.call([&] {
+    if (!e.first_violation.ok()) return e.first_violation;
+    return e.check_invariants_locked();
+  });
+}
+
+namespace detail {
+Result<std::unique_ptr<Engine>> make_engine(const EngineConfig& config, Backends backends,
+                                            std::shared_ptr<Counters> counters) {
+  TIER_RETURN_IF_ERROR(config.validate());
+  if (!backends.mover) return invalid_argument("engine: no mover");
+  if (!backends.stores[static_cast<int>(Tier::kHost)]) {
+    return invalid_argument("engine: the host tier is required (every copy between NVMe and the device stages there)");
+  }
+  if (!counters) counters = std::make_shared<Counters>();
+  return std::make_unique<Engine>(std::make_unique<Engine::Impl>(config, std::move(backends), std::move(counters)));
+}
+}  // namespace detail
+
+Device& Engine::device() {
+  return *impl_->be.device;
+}
+HostArena& Engine::host_arena() {
+  return *impl_->be.arena;
+}
+const EngineConfig& Engine::config() const {
+  return impl_->cfg;
+}
+
+}  // namespace tier

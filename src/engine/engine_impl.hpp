@@ -1,0 +1,169 @@
+// Internal: the engine's state machine. Everything here runs on the scheduler thread, except the
+// small shared states of futures and leases, which have their own locks.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/backend.hpp"
+#include "tier/engine.hpp"
+
+namespace tier::detail {
+
+using Clock = std::chrono::steady_clock;
+
+struct AcquireState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  bool taken = false;
+  Status status;
+  std::shared_ptr<LeaseState> lease;
+  tier::Engine::Impl* engine = nullptr;
+};
+
+struct LeaseState {
+  tier::Engine::Impl* engine = nullptr;
+  TensorId tensor = kInvalidTensor;
+  Tier tier = Tier::kHost;
+  Access access = Access::kRead;
+  void* data = nullptr;
+  std::uint64_t bytes = 0;
+  std::uint64_t generation = 0;  // the tensor registration it belongs to
+  std::atomic<bool> released{false};
+  // Ends the lease once (from Lease::release, the Lease's destructor, or an abandoned future).
+  void end() noexcept;
+  ~LeaseState() { end(); }
+};
+
+}  // namespace tier::detail
+
+namespace tier {
+
+struct Engine::Impl {
+  using Clock = detail::Clock;
+  static constexpr std::chrono::milliseconds kWritebackRetry{200};
+  enum class CopyState : std::uint8_t { kAbsent, kReserved, kLoading, kValid, kStale };
+
+  struct Copy {
+    CopyState state = CopyState::kAbsent;
+    detail::Buffer buf;
+    std::uint32_t pins = 0;                     // leases and transfers using this copy
+    bool writing_back = false;                  // being copied one tier toward home for an eviction
+    bool prefetched = false;                    // loaded by the prefetcher and not used yet
+    std::uint64_t last_use = 0;                 // LRU clock
+    Clock::time_point retry_writeback_after{};  // after a failed write-back, wait before the next
+    std::vector<detail::Done> on_ready;         // waiters for a load in flight
+  };
+
+  struct Pending;  // an acquire waiting for a reader/writer conflict to clear
+
+  struct TensorRec {
+    TensorDesc desc;
+    Tier home = Tier::kHost;
+    bool live = false;
+    bool zero_home = false;  // the home copy reads as zeros without I/O
+    std::uint64_t generation = 0;
+    std::array<Copy, kNumTiers> copies;
+    std::uint32_t readers = 0;  // read leases + internal transfers reading this tensor
+    bool writer = false;
+    std::deque<std::function<void()>> blocked;  // acquires waiting for the lock
+  };
+
+  struct RoomRequest {
+    Tier tier;
+    std::uint64_t bytes;
+    TensorId for_tensor;
+    Clock::time_point deadline;
+    std::function<void(Status, detail::Buffer)> done;
+  };
+
+  Impl(const EngineConfig& config, detail::Backends backends, std::shared_ptr<Counters> counters);
+  ~Impl();
+
+  // ---- scheduler thread plumbing
+  void post(std::function<void()> fn);
+  template <class F>
+  auto call(F&& fn) -> decltype(fn());  // runs fn on the scheduler thread and waits for its result
+  void run();
+  void after_event();
+
+  // ---- state machine (scheduler thread only)
+  void start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st, bool count_trace);
+  void grant(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st);
+  // `horizon`: kNever for a demand (may wait for room, may write back); for a prefetch, the trace
+  // distance of its target (only copies used later than that may be evicted, nothing waits).
+  void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done);
+  void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done);
+  void make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
+                 std::function<void(Status, detail::Buffer)> done);
+  bool try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, detail::Buffer* out,
+                 Status* fatal);
+  void serve_room_waiters(Tier tier);
+  void drop_copy(TensorRec& t, Tier tier);
+  void start_writeback(TensorId id, Tier from);
+  void on_release(TensorId id, Tier tier, Access access, std::uint64_t generation);
+  void complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, bool prefetch, Status s);
+  void wake_blocked(TensorRec& t);
+  void issue_prefetches();
+  void expire_waiters();
+  std::size_t victim_rank(TensorId id, Tier tier) const;
+  bool has_other_valid(const TensorRec& t, Tier except) const;
+  Tier toward_home(Tier from, Tier home) const;
+  Status check_invariants_locked() const;
+  void note_resident(Tier tier, std::int64_t delta);
+  void fail_everything(const Status& why);
+
+  // ---- configuration and backends
+  EngineConfig cfg;
+  detail::Backends be;
+  std::array<std::uint64_t, kNumTiers> budget{};
+  std::array<std::uint64_t, kNumTiers> used{};
+  std::array<std::uint64_t, kNumTiers> freeing{};  // bytes of write-backs in flight per tier
+  std::shared_ptr<Counters> counters;
+
+  // ---- state
+  std::vector<TensorRec> tensors;
+  std::unordered_map<std::string, TensorId> by_name;
+  std::vector<TensorId> free_ids;
+  std::array<std::list<RoomRequest>, kNumTiers> room_waiters;
+  AccessTrace trace;
+  std::uint64_t clock = 0;
+  std::uint64_t generation = 0;
+  std::uint64_t prefetch_inflight_bytes = 0;
+  std::uint64_t lookahead = 0;
+  std::uint64_t max_inflight = 0;
+  std::uint64_t moves_in_flight = 0;  // transfers started and not yet completed
+  bool prefetch_blocked = false;      // set when a prefetch found no room (stops the current window)
+  Status first_violation;             // with tier.debug_checks: the first invariant that failed
+  Status last_writeback_error;
+
+  // ---- metrics (scheduler thread) and stall accounting (any thread)
+  std::uint64_t m_acquires = 0, m_hits = 0, m_late_prefetch = 0, m_prefetch_hits = 0, m_prefetches = 0,
+                m_writebacks = 0, m_room_waits = 0;
+  std::array<std::uint64_t, kNumTiers> m_evictions{};
+  std::mutex stall_mu;
+  std::uint64_t m_stalls = 0;
+  double m_stall_seconds = 0;
+
+  // ---- thread
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> queue;
+  bool stopping = false;
+  std::thread worker;
+  std::atomic<std::thread::id> worker_id{};
+};
+
+}  // namespace tier

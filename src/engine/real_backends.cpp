@@ -1,0 +1,221 @@
+// Engine::create: the engine over the real tiers — the Device (CUDA or emulated), the pinned
+// HostArena and the NVMe SwapSpace — and the Mover that drives their asynchronous copies.
+#include <sys/sysinfo.h>
+
+#include <cstring>
+
+#include "engine/backend.hpp"
+#include "tier/device.hpp"
+#include "tier/engine.hpp"
+#include "tier/host_arena.hpp"
+#include "tier/log.hpp"
+#include "tier/swap_space.hpp"
+#include "tier/units.hpp"
+
+namespace tier {
+
+namespace {
+
+using detail::Buffer;
+
+struct Owned {
+  std::unique_ptr<HostArena> arena;     // destroyed last: the device and swap space register it
+  std::unique_ptr<Device> device;
+  std::unique_ptr<nvme::SwapSpace> swap;
+  ~Owned() {
+    swap.reset();
+    device.reset();
+    arena.reset();
+  }
+};
+
+class DeviceStore : public detail::TierStore {
+ public:
+  explicit DeviceStore(Device* d) : d_(d) {}
+  Result<Buffer> allocate(std::uint64_t bytes) override {
+    auto b = d_->allocate(bytes, std::chrono::milliseconds(0));
+    if (!b.ok()) {
+      if (b.status().code() == StatusCode::kTimedOut) return resource_exhausted(b.status().message());
+      return b.status();
+    }
+    auto holder = std::make_shared<DeviceBuffer>(std::move(b).value());
+    Buffer out;
+    out.ptr = holder->data();
+    out.bytes = bytes;
+    out.holder = holder;
+    return out;
+  }
+  std::uint64_t capacity() const override { return d_->memory_stats().budget_bytes; }
+  std::string describe() const override { return d_->info().name; }
+  bool reports_resident() const override { return true; }  // the caching allocator counts its blocks
+
+ private:
+  Device* d_;
+};
+
+class HostStore : public detail::TierStore {
+ public:
+  HostStore(HostArena* a, std::uint64_t capacity) : a_(a), capacity_(capacity) {}
+  Result<Buffer> allocate(std::uint64_t bytes) override {
+    auto b = a_->try_allocate(bytes);
+    if (!b.ok()) return b.status();
+    auto holder = std::make_shared<HostBlock>(std::move(b).value());
+    Buffer out;
+    out.ptr = holder->data();
+    out.bytes = bytes;
+    out.holder = holder;
+    return out;
+  }
+  std::uint64_t capacity() const override { return capacity_; }
+  std::string describe() const override { return str("pinned host arena, ", format_bytes(capacity_)); }
+
+ private:
+  HostArena* a_;
+  std::uint64_t capacity_;
+};
+
+class NvmeStore : public detail::TierStore {
+ public:
+  NvmeStore(nvme::SwapSpace* s, std::uint64_t capacity) : s_(s), capacity_(capacity) {}
+  Result<Buffer> allocate(std::uint64_t bytes) override {
+    auto e = s_->allocate(bytes);
+    if (!e.ok()) return e.status();
+    auto holder = std::make_shared<nvme::SwapExtent>(std::move(e).value());
+    Buffer out;
+    out.bytes = bytes;
+    out.holder = holder;
+    return out;
+  }
+  std::uint64_t capacity() const override { return capacity_; }
+  std::string describe() const override { return str("swap space, ", format_bytes(capacity_)); }
+
+ private:
+  nvme::SwapSpace* s_;
+  std::uint64_t capacity_;
+};
+
+class RealMover : public detail::Mover {
+ public:
+  RealMover(Device* d, HostArena* a, nvme::SwapSpace* s) : d_(d), a_(a), s_(s) {}
+
+  void move(Tier from, const Buffer& src, Tier to, const Buffer& dst, std::uint64_t bytes, detail::Done done) override {
+    auto finish = [done, keep_src = src.holder, keep_dst = dst.holder](const Status& s) { done(s); };
+    if (from == Tier::kNvme && to == Tier::kHost) {
+      auto* ext = static_cast<nvme::SwapExtent*>(src.holder.get());
+      s_->read(*ext, dst.ptr, bytes).on_complete(finish);
+    } else if (from == Tier::kHost && to == Tier::kNvme) {
+      auto* ext = static_cast<nvme::SwapExtent*>(dst.holder.get());
+      s_->write(*ext, src.ptr, bytes).on_complete(finish);
+    } else if (from == Tier::kHost && to == Tier::kDevice) {
+      auto* buf = static_cast<DeviceBuffer*>(dst.holder.get());
+      auto ev = d_->copy_to_device(*buf, 0, src.ptr, bytes);
+      if (!ev.ok()) return done(ev.status());
+      ev->on_complete(finish);
+    } else if (from == Tier::kDevice && to == Tier::kHost) {
+      auto* buf = static_cast<DeviceBuffer*>(src.holder.get());
+      auto ev = d_->copy_to_host(dst.ptr, *buf, 0, bytes);
+      if (!ev.ok()) return done(ev.status());
+      ev->on_complete(finish);
+    } else {
+      done(internal_error(str("no link from ", tier_name(from), " to ", tier_name(to))));
+    }
+  }
+
+  Status zero(Tier tier, const Buffer& dst, std::uint64_t bytes) override {
+    if (tier == Tier::kHost) {
+      std::memset(dst.ptr, 0, bytes);
+      return Status::Ok();
+    }
+    if (tier != Tier::kDevice) return internal_error("zero fill is for host and device copies");
+    // Through a zeroed staging block, in pieces: device memory is not host-addressable on a GPU.
+    auto* buf = static_cast<DeviceBuffer*>(dst.holder.get());
+    const std::uint64_t piece = std::min<std::uint64_t>(bytes, 16u << 20);
+    TIER_ASSIGN_OR_RETURN(HostBlock zeros, a_->allocate(piece));
+    std::memset(zeros.data(), 0, zeros.size());
+    for (std::uint64_t off = 0; off < bytes; off += piece) {
+      TIER_ASSIGN_OR_RETURN(DeviceEvent ev, d_->copy_to_device(*buf, off, zeros.data(), std::min(piece, bytes - off)));
+      TIER_RETURN_IF_ERROR(ev.wait());
+    }
+    return Status::Ok();
+  }
+
+  Status sync() override { return s_ ? s_->flush() : Status::Ok(); }
+
+ private:
+  Device* d_;
+  HostArena* a_;
+  nvme::SwapSpace* s_;
+};
+
+std::uint64_t physical_memory() {
+  struct sysinfo si {};
+  if (sysinfo(&si) != 0) return 8ull << 30;
+  return static_cast<std::uint64_t>(si.totalram) * si.mem_unit;
+}
+
+bool wants_nvme(const EngineConfig& c) {
+  return c.offload_param.device == OffloadDevice::kNvme || c.offload_optimizer.device == OffloadDevice::kNvme ||
+         !c.tier.swap_paths.empty() || c.tier.nvme_budget != 0;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
+  TIER_RETURN_IF_ERROR(config.validate());
+  set_log_level(config.tier.log_level);
+  auto counters = std::make_shared<Counters>();
+  auto owned = std::make_shared<Owned>();
+  detail::Backends b;
+
+  // Host: the pinned arena holds host copies and staging; auto is a quarter of physical memory.
+  const std::uint64_t host_budget = config.tier.host_budget ? config.tier.host_budget : physical_memory() / 4;
+  HostArenaOptions ao;
+  ao.bytes = host_budget;
+  ao.huge_pages = config.tier.huge_pages;
+  ao.lock = true;
+  auto arena = HostArena::create(ao);
+  if (!arena.ok()) return arena.status().with_context("engine: host tier (tier.budgets.host)");
+  owned->arena = std::move(arena).value();
+  counters->set_info("host", str("pinned arena ", format_bytes(owned->arena->capacity()),
+                                 owned->arena->locked() ? "" : " (not locked: mlock refused)"));
+
+  // Device.
+  auto device = create_device(config, counters.get());
+  if (!device.ok()) return device.status().with_context("engine: device tier");
+  owned->device = std::move(device).value();
+  if (Status s = owned->device->register_host(owned->arena->base(), owned->arena->capacity()); !s.ok()) {
+    TIER_LOG(kWarn, "engine: could not register the host arena with the device (", s.to_string(),
+             "); copies stay correct but may be slower");
+  }
+
+  // NVMe, when anything may live there.
+  if (wants_nvme(config)) {
+    const auto paths = config.resolved_swap_paths();
+    if (paths.empty()) {
+      return invalid_argument("engine: the NVMe tier needs a directory: set zero_optimization.offload_param.nvme_path "
+                              "or tier.swap_paths");
+    }
+    std::uint64_t total = config.tier.nvme_budget;
+    if (total == 0) {
+      // Auto: as much as the model is likely to need is unknown here; take a generous default that
+      // the extent allocator fills lazily (fallocate reserves it now, so keep it bounded).
+      total = std::min<std::uint64_t>(64ull << 30, 4 * host_budget);
+    }
+    const std::uint64_t per_path = (total / paths.size() + 4095) & ~std::uint64_t{4095};
+    auto so = nvme::SwapSpaceOptions::from_config(config, per_path, owned->arena.get(), counters.get());
+    auto swap = nvme::SwapSpace::create(so);
+    if (!swap.ok()) return swap.status().with_context("engine: NVMe tier");
+    owned->swap = std::move(swap).value();
+    b.stores[static_cast<int>(Tier::kNvme)] = std::make_unique<NvmeStore>(owned->swap.get(), per_path * paths.size());
+  }
+
+  b.stores[static_cast<int>(Tier::kDevice)] = std::make_unique<DeviceStore>(owned->device.get());
+  b.stores[static_cast<int>(Tier::kHost)] = std::make_unique<HostStore>(owned->arena.get(), owned->arena->capacity());
+  b.mover = std::make_unique<RealMover>(owned->device.get(), owned->arena.get(), owned->swap.get());
+  b.device = owned->device.get();
+  b.arena = owned->arena.get();
+  b.owner = owned;
+  return detail::make_engine(config, std::move(b), std::move(counters));
+}
+
+}  // namespace tier

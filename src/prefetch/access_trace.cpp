@@ -1,0 +1,93 @@
+#include "tier/access_trace.hpp"
+
+#include <algorithm>
+
+namespace tier {
+
+void AccessTrace::begin_step() {
+  in_step_ = true;
+  pos_ = 0;
+  diverged_ = false;
+  if (trace_.empty()) {
+    mode_ = Mode::kRecording;
+    recording_.clear();
+  } else {
+    mode_ = Mode::kReplaying;
+  }
+}
+
+void AccessTrace::end_step() {
+  if (!in_step_) return;
+  in_step_ = false;
+  if (mode_ == Mode::kRecording) {
+    trace_ = std::move(recording_);
+    recording_.clear();
+    ++steps_recorded_;
+    rebuild_index();
+  } else if (mode_ == Mode::kReplaying && pos_ != 0 && pos_ != trace_.size()) {
+    // The step ended early: the order changed (e.g. fewer layers ran).
+    ++order_changes_;
+    reset();
+  }
+  pos_ = 0;
+  mode_ = trace_.empty() ? Mode::kIdle : Mode::kReplaying;
+}
+
+bool AccessTrace::on_acquire(TensorId tensor, Tier tier) {
+  if (!in_step_) return true;
+  const TraceEntry e{tensor, tier};
+  if (mode_ == Mode::kRecording) {
+    recording_.push_back(e);
+    return true;
+  }
+  if (mode_ != Mode::kReplaying) return true;
+  if (pos_ < trace_.size() && trace_[pos_] == e) {
+    ++pos_;
+    return true;
+  }
+  // Divergence: drop the trace and record this step afresh from here on is not possible (its
+  // beginning is gone), so record from the next step.
+  ++order_changes_;
+  reset();
+  mode_ = Mode::kIdle;
+  return false;
+}
+
+void AccessTrace::reset() {
+  trace_.clear();
+  uses_.clear();
+  pos_ = 0;
+  if (mode_ == Mode::kReplaying) mode_ = Mode::kIdle;
+}
+
+void AccessTrace::rebuild_index() {
+  uses_.clear();
+  for (std::uint32_t i = 0; i < trace_.size(); ++i) {
+    const TensorId t = trace_[i].tensor;
+    if (t >= uses_.size()) uses_.resize(t + 1);
+    uses_[t].push_back(i);
+  }
+}
+
+std::size_t AccessTrace::next_use(TensorId tensor) const {
+  if (trace_.empty() || tensor >= uses_.size() || uses_[tensor].empty()) return kNever;
+  const auto& u = uses_[tensor];
+  auto it = std::lower_bound(u.begin(), u.end(), static_cast<std::uint32_t>(pos_));
+  if (it != u.end()) return *it - pos_;
+  return trace_.size() - pos_ + u.front();  // wraps into the next step
+}
+
+std::size_t AccessTrace::next_use(TensorId tensor, Tier tier) const {
+  if (trace_.empty() || tensor >= uses_.size()) return kNever;
+  const auto& u = uses_[tensor];
+  auto it = std::lower_bound(u.begin(), u.end(), static_cast<std::uint32_t>(pos_));
+  for (auto j = it; j != u.end(); ++j) {
+    if (trace_[*j].tier == tier) return *j - pos_;
+  }
+  for (auto j = u.begin(); j != it; ++j) {
+    if (trace_[*j].tier == tier) return trace_.size() - pos_ + *j;
+  }
+  return kNever;
+}
+
+}  // namespace tier
