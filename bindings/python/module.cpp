@@ -148,9 +148,8 @@ NB_MODULE(_tier, m) {
   g_errors[0] = base;
   for (const auto& d : defs) {
     nb::object bases = nb::make_tuple(base, nb::handle(d.builtin));
-    nb::object cls = nb::steal(PyErr_NewExceptionWithDoc(str("tier.", d.name).c_str(),
-                                                         str("tier status ", status_code_name(d.code)).c_str(),
-                                                         bases.ptr(), nullptr));
+    nb::object cls = nb::steal(PyErr_NewExceptionWithDoc(
+        str("tier.", d.name).c_str(), str("tier status ", status_code_name(d.code)).c_str(), bases.ptr(), nullptr));
     m.attr(d.name) = cls;
     g_errors[static_cast<int>(d.code)] = cls;
   }
@@ -205,8 +204,7 @@ NB_MODULE(_tier, m) {
             nb::gil_scoped_release unlocked;
             return unwrap(e.register_tensor(d, h, src));
           },
-          "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host",
-          "initial"_a = nb::none())
+          "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host", "initial"_a = nb::none())
       .def("unregister", [](Engine& e, TensorId id) { check(e.unregister_tensor(id)); })
       .def(
           "acquire",
@@ -243,8 +241,9 @@ NB_MODULE(_tier, m) {
             auto info = unwrap(e.info(id));
             nb::ndarray<nb::c_contig, nb::device::cpu> a;
             if (!nb::try_cast(out, a) || a.nbytes() != info.desc.bytes()) {
-              raise(invalid_argument(str("read '", info.desc.name, "': out must be a writable C-contiguous CPU array of ",
-                                         info.desc.bytes(), " bytes")));
+              raise(
+                  invalid_argument(str("read '", info.desc.name, "': out must be a writable C-contiguous CPU array of ",
+                                       info.desc.bytes(), " bytes")));
             }
             void* dst = a.data();
             nb::gil_scoped_release unlocked;
@@ -290,7 +289,8 @@ NB_MODULE(_tier, m) {
              return d;
            })
       .def("__len__", &Engine::tensor_count)
-      .def("stats_json", [](const Engine& e, int indent) { return e.stats().to_json(indent); }, "indent"_a = -1)
+      .def(
+          "stats_json", [](const Engine& e, int indent) { return e.stats().to_json(indent); }, "indent"_a = -1)
       .def("check_invariants", [](const Engine& e) { check(e.check_invariants()); })
       .def_prop_ro("device_name", [](Engine& e) { return e.device().info().name; })
       .def_prop_ro("device_kind", [](Engine& e) { return device_kind_name(e.device().info().kind); });

@@ -12,6 +12,10 @@
 #include "tier/status.hpp"
 #include "tier/types.hpp"
 
+namespace tier::nvme {
+class IoEngine;
+}  // namespace tier::nvme
+
 namespace tier {
 class Device;
 class HostArena;
@@ -65,6 +69,12 @@ struct Backends {
   Device* device = nullptr;    // owned by `owner` when set
   HostArena* arena = nullptr;  // owned by `owner` when set
 };
+
+// Test hooks of Engine::create: e.g. wrap every NVMe I/O engine in a FaultInjectingEngine.
+struct EngineHooks {
+  std::function<std::unique_ptr<nvme::IoEngine>(std::unique_ptr<nvme::IoEngine>)> wrap_io_engine;
+};
+Result<std::unique_ptr<Engine>> create_engine(const EngineConfig& config, const EngineHooks& hooks);
 
 // Builds an engine over the given backends (real ones come from Engine::create).
 Result<std::unique_ptr<Engine>> make_engine(const EngineConfig& config, Backends backends,

@@ -19,7 +19,7 @@ namespace {
 using detail::Buffer;
 
 struct Owned {
-  std::unique_ptr<HostArena> arena;     // destroyed last: the device and swap space register it
+  std::unique_ptr<HostArena> arena;  // destroyed last: the device and swap space register it
   std::unique_ptr<Device> device;
   std::unique_ptr<nvme::SwapSpace> swap;
   ~Owned() {
@@ -161,6 +161,10 @@ bool wants_nvme(const EngineConfig& c) {
 }  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
+  return detail::create_engine(config, detail::EngineHooks{});
+}
+
+Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config, const EngineHooks& hooks) {
   TIER_RETURN_IF_ERROR(config.validate());
   set_log_level(config.tier.log_level);
   auto counters = std::make_shared<Counters>();
@@ -192,8 +196,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   if (wants_nvme(config)) {
     const auto paths = config.resolved_swap_paths();
     if (paths.empty()) {
-      return invalid_argument("engine: the NVMe tier needs a directory: set zero_optimization.offload_param.nvme_path "
-                              "or tier.swap_paths");
+      return invalid_argument(
+          "engine: the NVMe tier needs a directory: set zero_optimization.offload_param.nvme_path "
+          "or tier.swap_paths");
     }
     std::uint64_t total = config.tier.nvme_budget;
     if (total == 0) {
@@ -203,6 +208,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     }
     const std::uint64_t per_path = (total / paths.size() + 4095) & ~std::uint64_t{4095};
     auto so = nvme::SwapSpaceOptions::from_config(config, per_path, owned->arena.get(), counters.get());
+    if (hooks.wrap_io_engine) so.wrap_engine = hooks.wrap_io_engine;
     auto swap = nvme::SwapSpace::create(so);
     if (!swap.ok()) return swap.status().with_context("engine: NVMe tier");
     owned->swap = std::move(swap).value();
