@@ -327,7 +327,7 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
 }
 
 // Makes the copy of `id` on `tier` valid (need_data) or reserved for a writer (!need_data).
-void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, Done done) {
+void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, Done done, bool staging) {
   TensorRec& t = tensors[id];
   Copy& c = t.copies[static_cast<int>(tier)];
   switch (c.state) {
@@ -360,26 +360,29 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
   // Copies move between adjacent tiers only: device <-> host <-> nvme.
   const auto valid = [&](Tier x) { return t.copies[static_cast<int>(x)].state == CopyState::kValid; };
   if (tier == Tier::kHost) {
-    if (valid(Tier::kDevice)) return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done));
-    if (valid(Tier::kNvme)) return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done));
+    if (valid(Tier::kDevice)) return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done), staging);
+    if (valid(Tier::kNvme)) return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done), staging);
     return done(internal_error(str("tensor '", t.desc.name, "' has no valid copy to load from")));
   }
   // Device or NVMe: through the host copy.
-  if (valid(Tier::kHost)) return load_from(id, tier, Tier::kHost, horizon, std::move(done));
+  if (valid(Tier::kHost)) return load_from(id, tier, Tier::kHost, horizon, std::move(done), staging);
   const std::uint64_t gen = t.generation;
-  ensure_copy(id, Tier::kHost, true, horizon, [this, id, tier, horizon, gen, done](Status s) {
-    TensorRec& t2 = tensors[id];
-    if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
-    if (!s.ok()) return done(s);
-    if (t2.copies[static_cast<int>(Tier::kHost)].state != CopyState::kValid) {
-      // Evicted between the two hops (possible when the host tier is tight): start again.
-      return ensure_copy(id, tier, true, horizon, done);
-    }
-    load_from(id, tier, Tier::kHost, horizon, done);
-  });
+  ensure_copy(
+      id, Tier::kHost, true, horizon,
+      [this, id, tier, horizon, gen, done, staging](Status s) {
+        TensorRec& t2 = tensors[id];
+        if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
+        if (!s.ok()) return done(s);
+        if (t2.copies[static_cast<int>(Tier::kHost)].state != CopyState::kValid) {
+          // Evicted between the two hops (possible when the host tier is tight): start again.
+          return ensure_copy(id, tier, true, horizon, done, staging);
+        }
+        load_from(id, tier, Tier::kHost, horizon, done, staging);
+      },
+      /*staging=*/true);
 }
 
-void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizon, Done done) {
+void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizon, Done done, bool staging) {
   TensorRec& t = tensors[id];
   Copy& dst = t.copies[static_cast<int>(to)];
   if (dst.state == CopyState::kValid) return done(Status::Ok());
@@ -388,28 +391,32 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
     return;
   }
   const bool prefetch = horizon != kNever;
+  // Which prefetch budget the transfer counts against: 0 none (a demand), 1 the final hop of a
+  // prefetch (max_inflight), 2 a staging hop (max_staging).
+  const int counted = !prefetch ? 0 : (staging ? 2 : 1);
   // Pin the source (and count the transfer as a reader, so writers wait) until the copy is done.
   Copy& src = t.copies[static_cast<int>(from)];
   ++src.pins;
   ++t.readers;
   const std::uint64_t gen = t.generation;
   const std::uint64_t bytes = t.desc.bytes();
-  auto start = [this, id, to, from, prefetch, gen, bytes](Buffer b) {
+  auto start = [this, id, to, from, prefetch, counted, gen, bytes](Buffer b) {
     TensorRec& t2 = tensors[id];
     Copy& d = t2.copies[static_cast<int>(to)];
     Copy& s2 = t2.copies[static_cast<int>(from)];
     if (b) d.buf = std::move(b);
     d.prefetched = prefetch;
-    if (prefetch) prefetch_inflight_bytes += bytes;
+    if (counted == 1) prefetch_inflight_bytes += bytes;
+    if (counted == 2) staging_inflight_bytes += bytes;
     if (from == t2.home && t2.zero_home) {
       Status z = be.mover->zero(to, d.buf, bytes);
       ++moves_in_flight;
-      post([this, id, to, from, gen, prefetch, z] { complete_load(id, to, from, gen, prefetch, z); });
+      post([this, id, to, from, gen, counted, z] { complete_load(id, to, from, gen, counted, z); });
       return;
     }
     ++moves_in_flight;
-    be.mover->move(from, s2.buf, to, d.buf, bytes, [this, id, to, from, gen, prefetch](Status st) {
-      post([this, id, to, from, gen, prefetch, st] { complete_load(id, to, from, gen, prefetch, st); });
+    be.mover->move(from, s2.buf, to, d.buf, bytes, [this, id, to, from, gen, counted](Status st) {
+      post([this, id, to, from, gen, counted, st] { complete_load(id, to, from, gen, counted, st); });
     });
   };
   const bool home_storage = dst.state == CopyState::kStale;  // write into the existing home storage
@@ -440,9 +447,10 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   });
 }
 
-void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, bool prefetch, Status s) {
+void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, int counted, Status s) {
   --moves_in_flight;
-  if (prefetch) prefetch_inflight_bytes -= std::min(prefetch_inflight_bytes, tensors[id].desc.bytes());
+  if (counted == 1) prefetch_inflight_bytes -= std::min(prefetch_inflight_bytes, tensors[id].desc.bytes());
+  if (counted == 2) staging_inflight_bytes -= std::min(staging_inflight_bytes, tensors[id].desc.bytes());
   TensorRec& t = tensors[id];
   if (t.generation != gen) return;
   Copy& d = t.copies[static_cast<int>(to)];
@@ -706,7 +714,11 @@ void Engine::Impl::wake_blocked(TensorRec& t) {
 
 void Engine::Impl::issue_prefetches() {
   if (!cfg.tier.prefetch.enabled || !trace.has_trace() || trace.mode() != AccessTrace::Mode::kReplaying) return;
+  // Two stages run ahead at their own depth: the final hop (host -> device, or NVMe -> host for
+  // host acquires) within max_inflight, and beyond that window NVMe -> host staging of device
+  // acquires within max_staging, so the NVMe read of k+2 overlaps the device copy of k+1.
   const std::size_t n = std::min<std::size_t>(lookahead, trace.entries().size());
+  bool final_open = true;
   for (std::size_t k = 0; k < n; ++k) {
     const TraceEntry& e = trace.upcoming(k);
     if (e.tensor >= tensors.size()) continue;
@@ -714,12 +726,26 @@ void Engine::Impl::issue_prefetches() {
     if (!t.live || t.writer) continue;
     const Copy& c = t.copies[static_cast<int>(e.tier)];
     if (c.state == CopyState::kValid || c.state == CopyState::kLoading || c.state == CopyState::kReserved) continue;
-    if (prefetch_inflight_bytes + t.desc.bytes() > max_inflight) break;
+    const std::uint64_t bytes = t.desc.bytes();
+    if (final_open && prefetch_inflight_bytes + bytes <= max_inflight) {
+      prefetch_blocked = false;
+      ++m_prefetches;
+      ensure_copy(e.tensor, e.tier, true, k, [](Status) {});
+      if (!prefetch_blocked) continue;
+      final_open = false;  // no room on the target tier without evicting something needed sooner
+    } else {
+      final_open = false;
+    }
+    // Stage toward the device through the host.
+    if (e.tier != Tier::kDevice) continue;
+    const Copy& h = t.copies[static_cast<int>(Tier::kHost)];
+    if (h.state == CopyState::kValid || h.state == CopyState::kLoading || h.state == CopyState::kReserved) continue;
+    if (staging_inflight_bytes + bytes > max_staging) break;
     prefetch_blocked = false;
     ++m_prefetches;
-    ensure_copy(e.tensor, e.tier, true, k, [](Status) {});
-    // No room without evicting something needed sooner: the later entries will not fit either.
-    if (prefetch_blocked) break;
+    ensure_copy(
+        e.tensor, Tier::kHost, true, k, [](Status) {}, /*staging=*/true);
+    if (prefetch_blocked) break;  // the host is full of copies needed sooner
   }
 }
 

@@ -104,8 +104,11 @@ struct Engine::Impl {
   void grant(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st);
   // `horizon`: kNever for a demand (may wait for room, may write back); for a prefetch, the trace
   // distance of its target (only copies used later than that may be evicted, nothing waits).
-  void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done);
-  void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done);
+  // `staging`: the copy is an intermediate hop of a longer move (NVMe -> host on the way to the
+  // device); a prefetch counts only its final hop against max_inflight_bytes.
+  void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done,
+                   bool staging = false);
+  void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done, bool staging = false);
   void make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
                  std::function<void(Status, detail::Buffer)> done);
   bool try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, detail::Buffer* out,
@@ -114,7 +117,7 @@ struct Engine::Impl {
   void drop_copy(TensorRec& t, Tier tier);
   void start_writeback(TensorId id, Tier from);
   void on_release(TensorId id, Tier tier, Access access, std::uint64_t generation);
-  void complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, bool prefetch, Status s);
+  void complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, int counted, Status s);
   void wake_blocked(TensorRec& t);
   void issue_prefetches();
   void expire_waiters();
@@ -144,6 +147,8 @@ struct Engine::Impl {
   std::uint64_t prefetch_inflight_bytes = 0;
   std::uint64_t lookahead = 0;
   std::uint64_t max_inflight = 0;
+  std::uint64_t staging_inflight_bytes = 0;
+  std::uint64_t max_staging = 0;
   std::uint64_t moves_in_flight = 0;  // transfers started and not yet completed
   bool prefetch_blocked = false;      // set when a prefetch found no room (stops the current window)
   Status first_violation;             // with tier.debug_checks: the first invariant that failed
