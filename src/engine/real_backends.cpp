@@ -99,7 +99,13 @@ class RealMover : public detail::Mover {
   RealMover(Device* d, HostArena* a, nvme::SwapSpace* s) : d_(d), a_(a), s_(s) {}
 
   void move(Tier from, const Buffer& src, Tier to, const Buffer& dst, std::uint64_t bytes, detail::Done done) override {
-    auto finish = [done, keep_src = src.holder, keep_dst = dst.holder](const Status& s) { done(s); };
+    // The engine keeps both buffers alive until `done`; the extra references here only guard against
+    // misuse, and are dropped before `done` so that storage freed by the engine is free at once.
+    auto finish = [done, keep_src = src.holder, keep_dst = dst.holder](const Status& s) mutable {
+      keep_src.reset();
+      keep_dst.reset();
+      done(s);
+    };
     if (from == Tier::kNvme && to == Tier::kHost) {
       auto* ext = static_cast<nvme::SwapExtent*>(src.holder.get());
       s_->read(*ext, dst.ptr, bytes).on_complete(finish);

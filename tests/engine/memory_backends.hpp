@@ -108,12 +108,17 @@ class ThreadMover : public detail::Mover {
       auto t = counters_->begin(link_of(job.from, job.to));
       if (delay_us.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us.load()));
       if (fail) {
+        job.src = detail::Buffer{};
+        job.dst = detail::Buffer{};
         t.finish(0, false);
         job.done(errno_status(EIO, str("injected failure ", tier_name(job.from), " -> ", tier_name(job.to))));
         continue;
       }
       std::memcpy(job.dst.ptr, job.src.ptr, job.bytes);
       t.finish(job.bytes);
+      // Drop this thread's references before completing: the engine may free the storage at once.
+      job.src = detail::Buffer{};
+      job.dst = detail::Buffer{};
       job.done(Status::Ok());
     }
   }
