@@ -57,17 +57,17 @@ struct IoBenchSpec {
   std::uint64_t min_tensor = 64 << 10;
   std::uint64_t max_tensor = 4 << 20;
   std::uint64_t seed = 1;
-  std::string device;  // /proc/diskstats name; empty: the device holding the first path
+  std::string device;   // /proc/diskstats name; empty: the device holding the first path
   unsigned passes = 1;  // timed passes; the median is reported
   bool progress = true;
 };
 
 struct IoBenchResult {
   std::string engine;
-  std::uint64_t bytes = 0;         // per pass
-  double seconds = 0;              // mean per pass
-  double bytes_per_second = 0;     // the median pass
-  std::vector<double> passes;      // bytes per second of each pass
+  std::uint64_t bytes = 0;      // per pass
+  double seconds = 0;           // mean per pass
+  double bytes_per_second = 0;  // the median pass
+  std::vector<double> passes;   // bytes per second of each pass
   std::string device;
   double avg_request_bytes = 0;  // 0 when unknown
   std::uint64_t device_requests = 0;
@@ -374,9 +374,9 @@ Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
   std::vector<double> rates;
   double secs_total = 0;
   for (unsigned k = 0; k < spec.passes; ++k) {
-    const std::string label = str(spec.write ? "write " : "read ", format_bytes(spec.block_size), " x ",
-                                  spec.queue_depth, " (", sp->stats().engine, ")",
-                                  spec.passes > 1 ? str(" pass ", k + 1, "/", spec.passes) : "");
+    const std::string label =
+        str(spec.write ? "write " : "read ", format_bytes(spec.block_size), " x ", spec.queue_depth, " (",
+            sp->stats().engine, ")", spec.passes > 1 ? str(" pass ", k + 1, "/", spec.passes) : "");
     Progress progress(label, total, true, spec.progress);
     const auto t0 = std::chrono::steady_clock::now();
     TIER_RETURN_IF_ERROR(pass(spec.write, &progress));
@@ -527,11 +527,10 @@ int run_io(Args& args) {
          format_bytes(spec.block_size), std::to_string(spec.queue_depth), format_bytes(r->bytes),
          format_seconds(r->seconds),
          format_rate(r->bytes_per_second) +
-             (r->passes.size() > 1
-                  ? str(" (median of ", r->passes.size(), ", ",
-                        format_rate(*std::min_element(r->passes.begin(), r->passes.end())), "..",
-                        format_rate(*std::max_element(r->passes.begin(), r->passes.end())), ")")
-                  : ""),
+             (r->passes.size() > 1 ? str(" (median of ", r->passes.size(), ", ",
+                                         format_rate(*std::min_element(r->passes.begin(), r->passes.end())), "..",
+                                         format_rate(*std::max_element(r->passes.begin(), r->passes.end())), ")")
+                                   : ""),
          req, buf_note});
   t.print();
   return 0;
