@@ -159,8 +159,13 @@ struct OutputChunk {
   std::uint64_t offset = 0;  // elements from the start of the partition
   std::uint64_t numel = 0;
   ParamOutput dtype = ParamOutput::kNone;
-  // Pinned staging memory; valid only during the callback.
+  // Pinned staging memory (the pinned arena: a valid source for NVMe writes and device copies).
+  // Valid during the callback, and for as long as the transfers the callback adds to `pending`.
   const void* data = nullptr;
+  // Asynchronous transfers that read `data` (e.g. a swap-space write of the params to their NVMe
+  // home) may be added here: the optimizer leaves the staging untouched until they complete,
+  // waits for all of them before step() returns and reports their errors like the callback's.
+  std::vector<nvme::IoFuture>* pending = nullptr;
 };
 
 struct StepOptions {

@@ -656,10 +656,21 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   }
 
   Status sink_error;
-  PartitionId sink_failed_at = 0;
   double output_seconds = 0;
-  auto process = [&](std::size_t i, float* base, std::byte* staging) -> Status {
+  // Transfers of outputs still reading a buffer's staging (see OutputChunk::pending).
+  std::vector<std::vector<nvme::IoFuture>> pending(im.bufs.size());
+  auto drain = [&](std::vector<nvme::IoFuture>& fs) {
+    for (const nvme::IoFuture& f : fs) {
+      Status s = f.wait();
+      if (!s.ok() && sink_error.ok()) {
+        sink_error = s.with_context("a transfer of updated params started by on_output");
+      }
+    }
+    fs.clear();
+  };
+  auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
     const Chunk& c = im.chunks[i];
+    drain(pending[b]);  // the staging is about to be overwritten
     TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest));
     if (!options.on_output || !sink_error.ok()) return {};
     const auto ts = Clock::now();
@@ -667,13 +678,10 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
       const Partition& p = im.parts[pid];
       if (p.output == ParamOutput::kNone || (!dest.empty() && dest[pid] != nullptr)) continue;
       const std::uint64_t a = std::max(p.start, c.start);
-      const std::uint64_t b = std::min(p.start + p.numel, c.start + c.numel);
-      OutputChunk oc{pid, a - p.start, b - a, p.output, staging + (a - c.start) * 4};
+      const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
+      OutputChunk oc{pid, a - p.start, e - a, p.output, staging + (a - c.start) * 4, &pending[b]};
       Status s = options.on_output(oc);
-      if (!s.ok()) {
-        sink_error = std::move(s);
-        sink_failed_at = pid;
-      }
+      if (!s.ok()) sink_error = s.with_context(str("on_output for ", partition_label(pid, p)));
     }
     output_seconds += since(ts);
     return {};
@@ -682,8 +690,9 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   Status st;
   if (im.nvme()) {
     detail::PipelineStats ps;
-    st = detail::run_pipeline(*im.swap, im.chunks, im.bufs, true, true,
-                              [&](std::size_t i, Buffer& b) { return process(i, b.state, b.staging); }, &ps);
+    st = detail::run_pipeline(
+        *im.swap, im.chunks, im.bufs, true, true,
+        [&](std::size_t i, Buffer& b) { return process(i, i % im.bufs.size(), b.state, b.staging); }, &ps);
     r.read = ps.read;
     r.write = ps.write;
     r.update = ps.update;
@@ -693,11 +702,12 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   } else {
     const auto tu = Clock::now();
     for (std::size_t i = 0; i < im.chunks.size() && st.ok(); ++i) {
-      st = process(i, im.chunks[i].host.get(), im.bufs[0].staging);
+      st = process(i, 0, im.chunks[i].host.get(), im.bufs[0].staging);
       ++r.update.transfers;
     }
     r.update.busy_seconds = since(tu);
   }
+  for (auto& fs : pending) drain(fs);
   r.output_seconds = output_seconds;
   if (!st.ok()) {
     rollback();
@@ -718,9 +728,9 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   clear_grads();
   publish();
   if (!sink_error.ok()) {
-    return sink_error.with_context(str("optimizer step ", r.step, " was applied, but delivering the params of ",
-                                       partition_label(sink_failed_at, im.parts[sink_failed_at]),
-                                       " failed and later outputs were not delivered (read_params() has them)"));
+    return sink_error.with_context(str("optimizer step ", r.step,
+                                       " was applied, but delivering its updated params failed and later outputs "
+                                       "were not delivered (read_params() has them)"));
   }
   return r;
 }

@@ -235,7 +235,7 @@ inline std::string home_unavailable(const Home& h) {
 // fault-injecting engine (faults() is null for host home).
 class Rig {
  public:
-  Rig(const Home& h, OffloadedOptimizerOptions o, std::uint64_t swap_bytes = 8ull << 20) {
+  Rig(const Home& h, OffloadedOptimizerOptions o, std::uint64_t swap_bytes = 32ull << 20) {
     if (h.home == StateHome::kNvme) {
       dir_ = std::make_unique<ScratchDir>(h.direct ? nvme::test::disk_base() : nvme::test::shm_base(), "optim");
       if (!dir_->ok()) {
