@@ -76,7 +76,7 @@ const char* state_home_name(StateHome h) noexcept;  // "nvme", "host"
 enum class ParamOutput : std::uint8_t { kNone = 0, kF16 = 1, kBF16 = 2, kF32 = 3 };
 const char* param_output_name(ParamOutput o) noexcept;  // "none", "fp16", "bf16", "fp32"
 std::size_t param_output_size(ParamOutput o) noexcept;  // bytes per element: 0, 2, 2, 4
-DType param_output_dtype(ParamOutput o) noexcept;      // kF16, kBF16 or kF32 (kF32 for none)
+DType param_output_dtype(ParamOutput o) noexcept;       // kF16, kBF16 or kF32 (kF32 for none)
 
 // One of the three fp32 arrays of a partition's state.
 enum class StateKind : std::uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
@@ -114,8 +114,9 @@ struct OffloadedOptimizerOptions {
   // Pinned bytes for all buffers together; chunk_elements is derived from it when 0. 0: 256 MiB.
   // Each buffer holds 12 bytes of state and up to 4 bytes of low-precision staging per element.
   std::uint64_t buffer_bytes = 0;
-  // Elements per chunk, a multiple of 1024; 0: from buffer_bytes (and at most max_elements
-  // rounded up, when given).
+  // Elements per chunk, a multiple of 1024; 0: buffer_bytes / buffer_count / 16 and, when
+  // max_elements is given, at most max_elements / 64 (but not below 256 Ki elements) so that
+  // filling and draining the pipeline stay a small part of a step.
   std::uint64_t chunk_elements = 0;
 
   // Parameter groups (at least one): hyper-parameters per group; add more with add_group().
@@ -159,8 +160,13 @@ struct OutputChunk {
   std::uint64_t offset = 0;  // elements from the start of the partition
   std::uint64_t numel = 0;
   ParamOutput dtype = ParamOutput::kNone;
-  // Pinned staging memory; valid only during the callback.
+  // Pinned staging memory (the pinned arena: a valid source for NVMe writes and device copies).
+  // Valid during the callback, and for as long as the transfers the callback adds to `pending`.
   const void* data = nullptr;
+  // Asynchronous transfers that read `data` (e.g. a swap-space write of the params to their NVMe
+  // home) may be added here: the optimizer leaves the staging untouched until they complete,
+  // waits for all of them before step() returns and reports their errors like the callback's.
+  std::vector<nvme::IoFuture>* pending = nullptr;
 };
 
 struct StepOptions {
@@ -184,14 +190,14 @@ struct StreamReport {
 };
 
 struct StepReport {
-  std::int64_t step = 0;     // group 0's step counter afterwards
-  bool applied = false;      // false: skipped (non-finite gradient)
-  bool overflow = false;     // some gradient was inf/nan
-  double grad_norm = 0;      // global L2 norm of the unscaled gradient (inf/nan on overflow)
+  std::int64_t step = 0;        // group 0's step counter afterwards
+  bool applied = false;         // false: skipped (non-finite gradient)
+  bool overflow = false;        // some gradient was inf/nan
+  double grad_norm = 0;         // global L2 norm of the unscaled gradient (inf/nan on overflow)
   double clip_coefficient = 1;  // factor applied for clipping (1: none)
-  double loss_scale = 1;     // the scale the gradients carried
+  double loss_scale = 1;        // the scale the gradients carried
   double next_loss_scale = 1;
-  double seconds = 0;        // wall time of step()
+  double seconds = 0;  // wall time of step()
   StreamReport read, update, write;
   double io_busy_seconds = 0;      // wall time with any transfer (read or write) in flight
   double update_wait_seconds = 0;  // time the updater waited for a chunk to arrive

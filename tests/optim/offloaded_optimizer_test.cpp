@@ -3,8 +3,10 @@
 // counts, mixed partition sizes and groups, fp32/fp16/bf16 gradients, copied and borrowed.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <map>
+#include <thread>
 #include <tuple>
 
 #include "optim/optim_test_util.hpp"
@@ -166,8 +168,9 @@ TEST_P(OptimizerHome, MissingAndPartialGradients) {
     for (std::size_t i = 0; i < model.size(); ++i) {
       if (i == 3 || (i == 1 && micro == 1)) continue;
       auto g = test::make_grad(model[i].numel, DType::kF32, test::grad_seed(1, micro, i));
-      ASSERT_TRUE(rig->opt().add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF32,
-                                                                                        model[i].numel)).ok());
+      ASSERT_TRUE(rig->opt()
+                      .add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF32, model[i].numel))
+                      .ok());
       ref.add_grad(i, g.data(), DType::kF32);
     }
   }
@@ -198,13 +201,15 @@ TEST_P(OptimizerHome, Fp16OverflowSkipsTheStepAndBacksOffTheScale) {
   auto scaled_step = [&](std::uint64_t step, bool poison) -> Result<StepReport> {
     const double scale = rig->opt().loss_scale();
     for (std::size_t i = 0; i < model.size(); ++i) {
-      auto g = test::make_grad(model[i].numel, DType::kF16, test::grad_seed(step, 0, i), static_cast<float>(1e-3 * scale));
+      auto g =
+          test::make_grad(model[i].numel, DType::kF16, test::grad_seed(step, 0, i), static_cast<float>(1e-3 * scale));
       if (poison && i == 1) {
         const std::uint16_t inf = 0x7C00;
         std::memcpy(g.data() + 2 * 4321, &inf, 2);
       }
-      EXPECT_TRUE(rig->opt().add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF16,
-                                                                                        model[i].numel)).ok());
+      EXPECT_TRUE(rig->opt()
+                      .add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF16, model[i].numel))
+                      .ok());
       ref.add_grad(i, g.data(), DType::kF16);
     }
     EXPECT_EQ(ref.step(scale, 0), !poison);
@@ -273,7 +278,8 @@ TEST_P(OptimizerHome, SinkErrorStillAppliesTheStep) {
   for (std::size_t i = 0; i < model.size(); ++i) {
     if (model[i].output == ParamOutput::kNone) continue;
     std::vector<std::uint8_t> got(model[i].numel * 4);
-    ASSERT_TRUE(rig->opt().read_params(static_cast<PartitionId>(i), param_output_dtype(model[i].output), got.data()).ok());
+    ASSERT_TRUE(
+        rig->opt().read_params(static_cast<PartitionId>(i), param_output_dtype(model[i].output), got.data()).ok());
     EXPECT_EQ(std::memcmp(got.data(), ref.out(i).data(), model[i].numel * param_output_size(model[i].output)), 0)
         << "partition " << i;
   }
@@ -385,6 +391,105 @@ TEST_P(OptimizerHome, MisuseIsRefusedWithClearErrors) {
   auto g1 = opt.add_group(cpu::AdamHyperParams{});
   ASSERT_TRUE(g1.ok());
   EXPECT_EQ(*g1, 1);
+}
+
+// on_output may start asynchronous transfers from the staging (here: writes of the bf16 params to
+// their own NVMe home); the optimizer keeps the staging until they complete. Partition sizes are
+// multiples of 2048 so that every piece lands at a 4 KiB-aligned offset of its extent.
+TEST_P(OptimizerHome, OutputsGoToAnNvmeHomeInTheSamePass) {
+  const std::vector<PartDesc> model = {{2048, 0, ParamOutput::kBF16},
+                                       {10240, 0, ParamOutput::kBF16},
+                                       {4096, 0, ParamOutput::kNone},
+                                       {6144, 0, ParamOutput::kBF16}};
+  const std::vector<cpu::AdamHyperParams> groups = {test::three_groups()[0]};
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  o.chunk_elements = 4096;
+  o.buffer_count = 2;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+
+  test::ScratchDir dir(nvme::test::shm_base(), "optim-params");
+  ASSERT_TRUE(dir.ok());
+  nvme::SwapSpaceOptions so;
+  so.paths = {dir.sub("params")};
+  so.bytes_per_path = 1 << 20;
+  so.engine = IoEngineKind::kPosix;
+  so.use_direct = false;
+  auto sp = nvme::SwapSpace::create(so);
+  ASSERT_TRUE(sp.ok()) << sp.status();
+  std::vector<nvme::SwapExtent> homes;
+  for (const auto& p : model) homes.push_back(std::move((*sp)->allocate(p.numel * 2)).value());
+
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    feed(rig->opt(), ref, step, 1, DType::kBF16, GradMode::kCopy);
+    ASSERT_TRUE(ref.step(1.0, 0));
+    std::uint64_t started = 0;
+    StepOptions opts;
+    opts.on_output = [&](const OutputChunk& c) -> Status {
+      EXPECT_EQ(c.offset * 2 % 4096, 0u);
+      c.pending->push_back((*sp)->write(homes[c.partition], c.data, c.numel * 2, c.offset * 2));
+      ++started;
+      return {};
+    };
+    auto r = rig->opt().step(opts);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(started, 6u);  // pieces: partition 0 in one chunk, 1 in three, 3 in two
+    ASSERT_TRUE(test::state_matches(rig->opt(), ref));
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      if (model[i].output == ParamOutput::kNone) continue;
+      std::vector<std::uint8_t> back(model[i].numel * 2);
+      ASSERT_TRUE((*sp)->read(homes[i], back.data(), back.size()).wait().ok());
+      EXPECT_EQ(std::memcmp(back.data(), ref.out(i).data(), back.size()), 0) << "partition " << i << " step " << step;
+    }
+  }
+  homes.clear();
+}
+
+// Gradients may arrive from several threads at once, for different partitions.
+TEST_P(OptimizerHome, GradientsFromSeveralThreads) {
+  std::vector<PartDesc> model;
+  for (int i = 0; i < 64; ++i) model.push_back({static_cast<std::uint64_t>(100 + 37 * i), i % 3, ParamOutput::kBF16});
+  model.push_back({300000, 0, ParamOutput::kBF16});  // large enough to use several workers
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  o.gradient_accumulation_steps = 2;
+  o.chunk_elements = 65536;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    std::vector<std::vector<std::vector<std::uint8_t>>> grads(2);
+    for (int micro = 0; micro < 2; ++micro) {
+      for (std::size_t i = 0; i < model.size(); ++i) {
+        grads[micro].push_back(test::make_grad(model[i].numel, DType::kF16, test::grad_seed(step, micro, i)));
+        ref.add_grad(i, grads[micro][i].data(), DType::kF16);
+      }
+    }
+    std::vector<std::thread> pool;
+    std::atomic<int> failures{0};
+    for (int t = 0; t < 4; ++t) {
+      pool.emplace_back([&, t] {
+        for (int micro = 0; micro < 2; ++micro) {
+          for (std::size_t i = static_cast<std::size_t>(t); i < model.size(); i += 4) {
+            const Status s = rig->opt().add_grad(
+                static_cast<PartitionId>(i), cpu::ConstTensorRef(grads[micro][i].data(), DType::kF16, model[i].numel));
+            if (!s.ok()) ++failures;
+          }
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    EXPECT_EQ(failures.load(), 0);
+    double norm = 0;
+    ASSERT_TRUE(ref.step(1.0, 0, &norm));
+    auto r = rig->opt().step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->grad_norm, norm);
+    ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "step " << step;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Homes, OptimizerHome, testing::ValuesIn(test::all_homes()), test::home_name);
