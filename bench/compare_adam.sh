@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c 'import torch' 2>/dev/null || python3 -m pip install torch
 python3 -c 'import deepspeed' 2>/dev/null || python3 -m pip install deepspeed
-if [[ ! -x build/bin/tier-bench ]]; then
+if [[ ! -f build/lib/libtier_cpu.a ]]; then
   cmake -S . -B build -G Ninja -DTIER_WERROR=ON
-  ninja -C build tier-bench
+  ninja -C build tier_cpu tier-bench
 fi
-exec python3 bench/compare_adam.py --tier-bench build/bin/tier-bench "$@"
+exec python3 bench/compare_adam.py --build build "$@"

@@ -6,6 +6,9 @@
 # (from /proc/diskstats) beside every figure. A tensor-batch row (1000 tensors of 64 KiB..4 MiB)
 # follows for each engine and direction.
 #
+# Before every timed run — fio's and tier's alike — the file is written once, untimed, so that both
+# read and overwrite data written just before.
+#
 # It installs fio with apt-get when missing, raises vm.nr_hugepages only as far as fio's huge-page
 # buffers need and restores the old value on exit (also on error or Ctrl-C), and removes its files.
 #
@@ -41,7 +44,7 @@ while [[ $# -gt 0 ]]; do
     --bench) bench="$2"; shift 2 ;;
     --markdown) markdown="$2"; shift 2 ;;
     --quick) size=1G; bs_list="1M 16M"; qd_list="8 64"; tensors=300; reps=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "compare_fio.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -90,14 +93,21 @@ if (( need_pages > hp_old )); then
   (( got >= need_pages )) || echo "compare_fio.sh: only $got of $need_pages huge pages; large fio runs may fail" >&2
 fi
 
-echo "compare_fio.sh: laying out a $size file in $work (device $device)" >&2
-fio --name=layout --filename="$file" --size="$size" --bs=4M --rw=write --direct=1 --ioengine=libaio \
-    --iodepth=16 --output=/dev/null
+echo "compare_fio.sh: fio's $size file and tier's swap files go to $work (device $device)" >&2
+
+# Rewrites the whole file, untimed. tier-bench io writes its fresh swap file before every timed
+# run; fio gets the same, so that both measure a file written just before (a virtual disk's host
+# caches and write-back backlog otherwise favour whichever ran second).
+prefill() {
+  fio --name=prefill --filename="$file" --size="$size" --bs=4M --rw=write --direct=1 --ioengine=libaio \
+      --iodepth=16 --output=/dev/null
+}
 
 # run_fio engine rw bs qd mem -> prints "GB/s requests sectors" of one run
 run_fio() {
   local eng=$1 rw=$2 bs=$3 qd=$4 mem=$5 fio_eng before after out
   fio_eng=$([[ $eng == uring ]] && echo io_uring || echo libaio)
+  prefill
   before="$(disk "$rw")"
   out="$(fio --name=cmp --filename="$file" --size="$size" --bs="$bs" --iodepth="$qd" --ioengine="$fio_eng" \
       --direct=1 --rw="$rw" --mem="$mem" --output-format=terse --terse-version=3)"

@@ -126,6 +126,12 @@ struct IoOptions {
   bool bounce_unaligned = false;
 };
 
+// tier.optimizer: the offloaded optimizer's pipeline (see tier/offloaded_optimizer.hpp).
+struct OptimizerPipelineConfig {
+  std::uint64_t buffer_bytes = 0;    // pinned bytes for all chunk buffers together; 0: auto (256 MiB)
+  std::uint64_t chunk_elements = 0;  // elements per chunk (a multiple of 1024); 0: from buffer_bytes
+};
+
 // tier: tier's own section.
 struct TierConfig {
   // Byte budgets per tier; 0 means auto (device: 90% of free device memory; host: half of
@@ -143,6 +149,7 @@ struct TierConfig {
   PrefetchConfig prefetch;
   EmulatedDeviceConfig emulated;
   int optimizer_threads = 0;  // 0: all cores
+  OptimizerPipelineConfig optimizer;
   LogLevel log_level = LogLevel::kInfo;
   bool strict = false;
   // Engine: how long an acquire may wait for room on a tier whose copies are all pinned.

@@ -468,6 +468,17 @@ std::vector<KeySpec> build_schema() {
           .sample(1000000, "slow"));
   add(K("tier.emulated.latency_us", VK::kNumber).range(0, 1e9).TIER_FIELD(tier.emulated.latency_us).sample(5.0, -1.0));
   add(K("tier.optimizer_threads", VK::kInt).range(0, 4096).auto_is(0).TIER_FIELD(tier.optimizer_threads).sample(2, -1));
+  add(K("tier.optimizer", VK::kObject));
+  add(K("tier.optimizer.buffer_bytes", VK::kSize)
+          .auto_is(0)
+          .TIER_FIELD(tier.optimizer.buffer_bytes)
+          .sample("512M", "lots", 536870912));
+  add(K("tier.optimizer.chunk_elements", VK::kInt)
+          .range(0, kBig)
+          .multiple_of(1024)
+          .auto_is(0)
+          .TIER_FIELD(tier.optimizer.chunk_elements)
+          .sample(4194304, 1000));
   add(K("tier.log_level", VK::kEnum)
           .TIER_ENUM_FIELD(tier.log_level, LogLevel, "trace", "debug", "info", "warn", "error", "off")
           .sample("debug", "loud"));

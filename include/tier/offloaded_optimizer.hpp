@@ -1,0 +1,332 @@
+// tier/offloaded_optimizer.hpp — the offloaded optimizer step: Adam/AdamW over fp32 master params,
+// exp_avg and exp_avg_sq that live on NVMe (or in host memory), updated on the CPU in a pipeline
+// that reads chunk i+1, updates chunk i and writes chunk i-1 at once through a bounded set of
+// pinned buffers, so that a step costs about as much as its slowest stream.
+//
+// Model:
+//  - A *partition* is a contiguous run of fp32 parameters (typically one model parameter) with its
+//    parameter group and the low-precision copy it wants after each step (none, fp16, bf16, fp32).
+//    Partitions are packed back to back into one flat element space, cut into *chunks* of
+//    `chunk_elements`; a chunk is the unit of I/O and of the pipeline, so thousands of small
+//    partitions cost a few large transfers, and a large one spans several chunks.
+//  - Each chunk's state (master, exp_avg, exp_avg_sq) is stored as one record of three 4 KiB-
+//    aligned sections in two swap extents (NVMe home): the *committed* slot and a *shadow* slot. A
+//    step reads the committed slots and writes the shadow slots; only when every write of the
+//    step has completed do the shadows become committed. A failed read or write therefore leaves
+//    the previous step's state intact, reports the error, and keeps the gradients so the step can
+//    be retried. (Host home updates in place: there is no I/O to fail.)
+//  - Gradients arrive per partition while backward runs (add_grad), in fp32, fp16 or bf16, and are
+//    accumulated in fp32 over gradient_accumulation_steps micro-steps. The sum of squares of each
+//    partition's final gradient is computed as it arrives (fused into the last accumulation), so
+//    step() knows the global norm and whether any gradient overflowed without re-reading them.
+//  - step() applies loss-scale unscaling and clipping by global norm as one factor folded into the
+//    Adam kernel, skips the update when a gradient is inf/nan (fp16 overflow; the dynamic loss
+//    scale is updated), and hands the updated low-precision params to the caller in the same pass:
+//    straight into a destination the caller names per partition, or piece by piece to a callback.
+//  - Checkpoints are streamed chunk by chunk to a file (write to a temporary name, fsync, rename)
+//    with per-record checksums, and loaded the same way; see docs/optimizer.md for the format.
+//
+// Determinism: the update is element-wise (cpu::adam_update_chunk), so the result is bit-identical
+// to the in-RAM CPU Adam on the same inputs for any chunk size, buffer count and thread count. The
+// global norm is sqrt of the sum, in partition registration order, of each partition's
+// cpu::sum_of_squares of its final fp32 gradient; the Adam grad_scale is
+// double(cpu::clip_coefficient(norm, max_grad_norm)) / loss_scale.
+//
+// Host memory: the pinned buffers (buffer_count of them, each holding one chunk's state plus its
+// low-precision staging) and small per-partition metadata, whatever the model size; plus the fp32
+// gradient accumulators of partitions whose gradients are copied (4 bytes per element; borrowed
+// gradients cost nothing), plus the state itself for host home.
+//
+// Thread safety: add_grad() may run concurrently from several threads for *different* partitions
+// (two calls for the same partition must not overlap); nothing else may run concurrently with
+// add_grad() or with any other member. Every other member is called by one thread at a time.
+// step() runs its own I/O threads (the swap space's) and a oneTBB arena of `threads` threads; the
+// StepOptions callbacks run on the thread that called step().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tier/config.hpp"
+#include "tier/cpu_adam.hpp"
+#include "tier/cpu_kernels.hpp"
+#include "tier/loss_scaler.hpp"
+#include "tier/status.hpp"
+#include "tier/swap_space.hpp"
+#include "tier/types.hpp"
+
+namespace tier {
+class Counters;
+class HostArena;
+}  // namespace tier
+
+namespace tier::optim {
+
+using PartitionId = std::uint32_t;
+
+// Where the fp32 master params and the Adam moments live between steps.
+enum class StateHome : std::uint8_t { kNvme = 0, kHost = 1 };
+const char* state_home_name(StateHome h) noexcept;  // "nvme", "host"
+
+// The low-precision copy of a partition's params produced by each step.
+enum class ParamOutput : std::uint8_t { kNone = 0, kF16 = 1, kBF16 = 2, kF32 = 3 };
+const char* param_output_name(ParamOutput o) noexcept;  // "none", "fp16", "bf16", "fp32"
+std::size_t param_output_size(ParamOutput o) noexcept;  // bytes per element: 0, 2, 2, 4
+DType param_output_dtype(ParamOutput o) noexcept;      // kF16, kBF16 or kF32 (kF32 for none)
+
+// One of the three fp32 arrays of a partition's state.
+enum class StateKind : std::uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
+const char* state_kind_name(StateKind k) noexcept;  // "master", "exp_avg", "exp_avg_sq"
+
+// How add_grad takes a gradient.
+enum class GradMode : std::uint8_t {
+  // Copied (or added) into the partition's fp32 accumulator; the caller's buffer is free at once.
+  kCopy = 0,
+  // Borrowed: no copy. The caller keeps the buffer valid and unchanged until step() (or
+  // clear_grads()) returns. Only for a partition's single gradient of a step
+  // (gradient_accumulation_steps == 1).
+  kBorrow = 1,
+};
+
+struct OffloadedOptimizerOptions {
+  StateHome home = StateHome::kNvme;
+
+  // NVMe home: the swap space to keep the state in. It must outlive the optimizer. When null, the
+  // optimizer creates its own from `swap_options` (paths, engine, request shape), sized for
+  // `max_elements`.
+  nvme::SwapSpace* swap = nullptr;
+  nvme::SwapSpaceOptions swap_options;
+  // Elements the optimizer will hold at most (the sum of the partitions' numel). Needed when the
+  // optimizer creates the swap space (it sizes the files: 24 bytes per element, two slots of
+  // 12); also caps chunk_elements for small models. 0: unknown.
+  std::uint64_t max_elements = 0;
+
+  // Pinned buffers come from this arena (it must outlive the optimizer and have room for them);
+  // null: the optimizer maps its own arena of exactly the buffers' size.
+  HostArena* arena = nullptr;
+  // Chunk buffers of the pipeline (offload_optimizer.buffer_count): 3 or more let reads, updates
+  // and writes overlap fully; 1 and 2 work but serialize.
+  unsigned buffer_count = 4;
+  // Pinned bytes for all buffers together; chunk_elements is derived from it when 0. 0: 256 MiB.
+  // Each buffer holds 12 bytes of state and up to 4 bytes of low-precision staging per element.
+  std::uint64_t buffer_bytes = 0;
+  // Elements per chunk, a multiple of 1024; 0: from buffer_bytes (and at most max_elements
+  // rounded up, when given).
+  std::uint64_t chunk_elements = 0;
+
+  // Parameter groups (at least one): hyper-parameters per group; add more with add_group().
+  std::vector<cpu::AdamHyperParams> groups{cpu::AdamHyperParams{}};
+  // Clip the global gradient norm to this (gradient_clipping); 0: off.
+  double max_grad_norm = 0;
+  LossScaleOptions loss_scale;
+  // Micro-steps whose gradients are summed per step (gradient_accumulation_steps). Like DeepSpeed,
+  // the optimizer sums; the training loop divides the loss by this number.
+  int gradient_accumulation_steps = 1;
+  // Skip the update (and report it) when any gradient is inf/nan, also without fp16: a non-finite
+  // gradient would turn the whole state to NaN. With fp16 loss scaling, overflow always skips.
+  bool skip_non_finite = true;
+  // Threads for the update and for large gradient intakes (tier.optimizer_threads); 0: all cores.
+  int threads = 0;
+  // nvme<->host link counters (through the swap space it creates), resident bytes, and "optim.*"
+  // metrics after each step; may be null. Must outlive the optimizer.
+  Counters* counters = nullptr;
+
+  // The options an EngineConfig asks for: home from zero_optimization.offload_optimizer.device
+  // (nvme -> kNvme, else kHost), swap options from the aio/tier.io sections and swap paths
+  // (sized for max_elements), buffer_count, tier.optimizer.buffer_bytes and chunk_elements
+  // (capped by zero_optimization.sub_group_size), the optimizer section as group 0,
+  // gradient_clipping, fp16 loss scaling, gradient_accumulation_steps and tier.optimizer_threads.
+  static Result<OffloadedOptimizerOptions> from_config(const EngineConfig& config, std::uint64_t max_elements = 0,
+                                                       Counters* counters = nullptr);
+};
+
+struct PartitionSpec {
+  std::uint64_t numel = 0;
+  int group = 0;
+  ParamOutput output = ParamOutput::kNone;
+  // Initial fp32 master values (numel of them), copied during add_partition; null: zeros.
+  const float* initial = nullptr;
+  std::string name;  // optional; used in messages and checked by load_checkpoint when set
+};
+
+// A piece of a partition's updated low-precision params, handed to StepOptions::on_output.
+struct OutputChunk {
+  PartitionId partition = 0;
+  std::uint64_t offset = 0;  // elements from the start of the partition
+  std::uint64_t numel = 0;
+  ParamOutput dtype = ParamOutput::kNone;
+  // Pinned staging memory; valid only during the callback.
+  const void* data = nullptr;
+};
+
+struct StepOptions {
+  // (optional) Where a partition's updated low-precision params go: numel elements of its output
+  // dtype, written by the update itself (no extra pass), e.g. host memory that is the params' home.
+  // Asked once per partition with an output, at the start of step(); the memory must stay valid
+  // and untouched by others until step() returns. Return null to use on_output for it instead.
+  std::function<void*(PartitionId)> destination;
+  // (optional) Receives the updated params of partitions without a destination, piece by piece in
+  // chunk order, on the thread that called step(), e.g. to copy them to the device. The first
+  // error stops further calls; the state update still completes and is committed, and step()
+  // returns that error (the message says the step was applied); read_params() gives the values.
+  std::function<Status(const OutputChunk&)> on_output;
+};
+
+// One stream of the pipeline.
+struct StreamReport {
+  std::uint64_t bytes = 0;
+  std::uint64_t transfers = 0;
+  double busy_seconds = 0;  // wall time with at least one transfer in flight (update: computing)
+};
+
+struct StepReport {
+  std::int64_t step = 0;     // group 0's step counter afterwards
+  bool applied = false;      // false: skipped (non-finite gradient)
+  bool overflow = false;     // some gradient was inf/nan
+  double grad_norm = 0;      // global L2 norm of the unscaled gradient (inf/nan on overflow)
+  double clip_coefficient = 1;  // factor applied for clipping (1: none)
+  double loss_scale = 1;     // the scale the gradients carried
+  double next_loss_scale = 1;
+  double seconds = 0;        // wall time of step()
+  StreamReport read, update, write;
+  double io_busy_seconds = 0;      // wall time with any transfer (read or write) in flight
+  double update_wait_seconds = 0;  // time the updater waited for a chunk to arrive
+  double output_seconds = 0;       // time spent in on_output callbacks
+  unsigned max_transfers_in_flight = 0;
+  std::uint64_t chunks = 0;
+  std::uint64_t late_norm_partitions = 0;  // accumulated grads whose norm was computed at step()
+  std::uint64_t zero_grad_partitions = 0;  // partitions that got no gradient (updated with zeros)
+};
+
+// Bytes and timings of a diagnostic pass (measure_io_seconds / measure_update_seconds).
+struct PassReport {
+  double seconds = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+  std::uint64_t elements = 0;
+};
+
+struct OptimizerStats {
+  StateHome home = StateHome::kNvme;
+  std::uint64_t partitions = 0;
+  std::uint64_t elements = 0;
+  std::uint64_t chunks = 0;
+  std::uint64_t chunk_elements = 0;
+  unsigned buffer_count = 0;
+  std::uint64_t pinned_bytes = 0;       // the pipeline's buffers
+  std::uint64_t accumulator_bytes = 0;  // fp32 gradient accumulators
+  std::uint64_t host_state_bytes = 0;   // host home: the state
+  std::uint64_t nvme_bytes = 0;         // NVMe home: both slots of every chunk
+  std::int64_t step = 0;                // group 0's step counter
+  std::uint64_t steps_skipped = 0;
+  std::uint64_t steps_failed = 0;
+};
+
+class OffloadedOptimizer {
+ public:
+  // Validates the options, maps the buffers and, for NVMe home without a given swap space, creates
+  // one. Errors: kInvalidArgument for bad options; those of HostArena/SwapSpace creation.
+  static Result<std::unique_ptr<OffloadedOptimizer>> create(const OffloadedOptimizerOptions& options);
+  ~OffloadedOptimizer();
+  OffloadedOptimizer(const OffloadedOptimizer&) = delete;
+  OffloadedOptimizer& operator=(const OffloadedOptimizer&) = delete;
+
+  // ------------------------------------------------------------------ registration
+  // Appends a partition; its initial state (master from spec.initial, zero moments) is written to
+  // its chunk as chunks fill. Returns its id (0, 1, 2, ... in order). Errors: kInvalidArgument for
+  // numel 0 or an unknown group; kFailedPrecondition after finish_registration(); the I/O error of
+  // a chunk write (the optimizer is then unusable: create a new one).
+  Result<PartitionId> add_partition(const PartitionSpec& spec);
+  // Writes the last chunk and waits for every write; required once before gradients, steps,
+  // checkpoints and state reads.
+  Status finish_registration();
+  // Adds a parameter group (before or after registration); returns its index.
+  Result<int> add_group(const cpu::AdamHyperParams& hp);
+
+  // ------------------------------------------------------------------ gradients
+  // Takes one micro-step's gradient of partition `id` (grad.numel == the partition's numel; fp32,
+  // fp16 or bf16). The gradient_accumulation_steps-th call of a step is the final one: it adds and
+  // computes the partition's sum of squares in one pass. See the thread-safety note above.
+  // Errors: kInvalidArgument (unknown id, wrong length/dtype, kBorrow with accumulation);
+  // kFailedPrecondition (more calls than accumulation steps: call step() or clear_grads()).
+  Status add_grad(PartitionId id, cpu::ConstTensorRef grad, GradMode mode = GradMode::kCopy);
+  // Forgets every gradient taken since the last step (and borrowed buffers).
+  void clear_grads() noexcept;
+  // Partitions that have at least one gradient this step.
+  std::uint64_t partitions_with_grads() const noexcept;
+
+  // ------------------------------------------------------------------ the step
+  // One optimizer step over every partition (see the header comment). On success the gradients are
+  // consumed. Errors: kFailedPrecondition before finish_registration(); the I/O error of a failed
+  // read or write, with the previous state intact and the gradients kept (call step() again, or
+  // clear_grads()); an on_output error (the step was applied, see StepOptions).
+  Result<StepReport> step(const StepOptions& options = {});
+
+  // ------------------------------------------------------------------ hyper-parameters
+  std::size_t group_count() const noexcept;
+  Result<cpu::AdamHyperParams> hyper_params(int group) const;
+  Status set_hyper_params(int group, const cpu::AdamHyperParams& hp);
+  // The learning rate of the next step (for schedulers).
+  Status set_lr(int group, double lr);
+  // Steps applied so far in a group (0 before the first).
+  Result<std::int64_t> group_step(int group) const;
+  const LossScaler& loss_scaler() const noexcept;
+  double loss_scale() const noexcept;  // multiply the loss by this before backward
+
+  // ------------------------------------------------------------------ state access
+  // Copies `count` elements of one of a partition's state arrays, from element `offset`, into
+  // `dst` (the committed state). Errors: unknown id, a range past the partition, the read's I/O
+  // error.
+  Status read_state(PartitionId id, StateKind kind, float* dst, std::uint64_t offset, std::uint64_t count);
+  // Overwrites part of a state array (e.g. importing a state dict); atomic per chunk: a failed
+  // write leaves that chunk as it was.
+  Status write_state(PartitionId id, StateKind kind, const float* src, std::uint64_t offset, std::uint64_t count);
+  // The master params of a partition converted to `dtype` (fp32, fp16 or bf16) into dst (numel
+  // elements): what a step would deliver, e.g. to resynchronise the model's params.
+  Status read_params(PartitionId id, DType dtype, void* dst);
+
+  // ------------------------------------------------------------------ checkpoints
+  // Streams the committed state, group hyper-parameters and step counters and the loss-scale
+  // state to `path` through the pipeline buffers: written to "<path>.tmp", fsync'd and renamed, so
+  // `path` is either the previous file or the complete new one. Errors: the file's or the swap
+  // space's I/O error (the optimizer's state is unaffected).
+  Status save_checkpoint(const std::string& path);
+  // Loads a checkpoint made by save_checkpoint for the same partitions (count, sizes, groups and,
+  // where both have one, names). Every record's checksum is verified; truncation and corruption
+  // are kDataLoss and leave the current state as it was (NVMe home: the data goes to the shadow
+  // slots, switched over at the end; host home: verified in a first pass before anything is
+  // overwritten). Restores hyper-parameters, step counters and the loss scale. Gradients taken
+  // so far are dropped.
+  Status load_checkpoint(const std::string& path);
+
+  // ------------------------------------------------------------------ diagnostics
+  // The I/O of one step without the update: reads every chunk's committed slot and writes it back
+  // to the shadow slot through the same buffers, swap space and pipeline depth (a mixed
+  // read/write pass at the step's 1:1 ratio). The state is unchanged. NVMe home only.
+  Result<PassReport> measure_io_seconds();
+  // The update of one step without I/O: runs the Adam kernel over every chunk's partitions, with
+  // their current gradients (zeros where there are none) and outputs, with `threads` threads, on
+  // scratch memory in RAM (sane values; 256 MiB of it, or less for a smaller state, so that it
+  // streams from memory like the step). The state, the gradients and the step counters are
+  // unchanged; outputs go to the scratch, not to destinations.
+  Result<PassReport> measure_update_seconds();
+
+  OptimizerStats stats() const;
+  const OffloadedOptimizerOptions& options() const noexcept;
+  std::uint64_t partition_count() const noexcept;
+  // The numel of a partition (0 for an unknown id).
+  std::uint64_t partition_numel(PartitionId id) const noexcept;
+
+  // The implementation's state (opaque; defined in src/optim).
+  struct Impl;
+
+ private:
+  explicit OffloadedOptimizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tier::optim

@@ -1,0 +1,514 @@
+// Checkpoints of the offloaded optimizer, streamed chunk by chunk through the pipeline buffers.
+//
+// File layout (little-endian; docs/optimizer.md has the full description):
+//   header  64 bytes: "TIEROPTC", version, header size, meta size, elements, partitions, meta crc,
+//                     header crc
+//   meta    JSON: groups (hyper-parameters, step counters), loss-scale state, partitions
+//   records one per piece of a partition within a saver's chunk, in flat element order:
+//           40-byte header ("TREC", partition, element offset, count, crc32c of each of the
+//           three sections, header crc) then master[count], exp_avg[count], exp_avg_sq[count]
+//   trailer 32 bytes: "TIERTAIL", record count, elements covered, crc32c chained over every
+//           record header, trailer crc
+// A file is written as "<path>.tmp", fsync'd and renamed over <path>, then the directory is
+// fsync'd: a crash leaves the old file or the new one, never half of one under the real name.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "optim/chunk_pipeline.hpp"
+#include "optim/crc32c.hpp"
+#include "optim/optimizer_impl.hpp"
+#include "tier/units.hpp"
+
+namespace tier::optim {
+
+using detail::Buffer;
+using detail::Chunk;
+using detail::crc32c;
+using detail::crc32c_extend;
+using detail::Partition;
+using json = nlohmann::json;
+
+static_assert(std::endian::native == std::endian::little, "the checkpoint format is written little-endian");
+
+namespace {
+
+constexpr char kFileMagic[8] = {'T', 'I', 'E', 'R', 'O', 'P', 'T', 'C'};
+constexpr char kRecordMagic[4] = {'T', 'R', 'E', 'C'};
+constexpr char kTrailerMagic[8] = {'T', 'I', 'E', 'R', 'T', 'A', 'I', 'L'};
+constexpr std::uint32_t kVersion = 1;
+constexpr std::size_t kHeaderBytes = 64;
+constexpr std::size_t kRecordBytes = 40;
+constexpr std::size_t kTrailerBytes = 32;
+constexpr std::uint64_t kMaxMetaBytes = 1ull << 32;
+
+template <class T>
+void put(std::uint8_t* p, std::size_t at, T v) {
+  std::memcpy(p + at, &v, sizeof v);
+}
+template <class T>
+T get(const std::uint8_t* p, std::size_t at) {
+  T v;
+  std::memcpy(&v, p + at, sizeof v);
+  return v;
+}
+
+struct Fd {
+  int fd = -1;
+  Fd() = default;
+  explicit Fd(int f) : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+Status write_all(int fd, iovec* iov, int count, const std::string& path) {
+  while (count > 0) {
+    const ssize_t n = ::writev(fd, iov, count);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno_status(errno, str("checkpoint ", path, ": write"));
+    }
+    auto left = static_cast<std::size_t>(n);
+    while (count > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<std::uint8_t*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return {};
+}
+
+Status read_exact(int fd, void* dst, std::uint64_t n, std::uint64_t at, const std::string& path) {
+  auto* p = static_cast<std::uint8_t*>(dst);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, p, std::min<std::uint64_t>(n, 1ull << 30), static_cast<off_t>(at));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return errno_status(errno, str("checkpoint ", path, ": read at byte ", at));
+    }
+    if (got == 0) return data_loss(str("checkpoint ", path, ": the file ends at byte ", at, "; it is truncated"));
+    p += got;
+    at += static_cast<std::uint64_t>(got);
+    n -= static_cast<std::uint64_t>(got);
+  }
+  return {};
+}
+
+std::string parent_dir(const std::string& path) {
+  const std::filesystem::path p(path);
+  const auto d = p.parent_path();
+  return d.empty() ? std::string(".") : d.string();
+}
+
+json group_json(const cpu::AdamGroup& g) {
+  const cpu::AdamHyperParams& hp = g.hyper_params();
+  return {{"lr", hp.lr},
+          {"beta1", hp.beta1},
+          {"beta2", hp.beta2},
+          {"eps", hp.eps},
+          {"weight_decay", hp.weight_decay},
+          {"decay_mode", hp.decay_mode == cpu::WeightDecayMode::kL2 ? "l2" : "decoupled"},
+          {"bias_correction", hp.bias_correction},
+          {"step", g.step()}};
+}
+
+json meta_json(const OffloadedOptimizer::Impl& im) {
+  json groups = json::array();
+  for (const auto& g : im.groups) groups.push_back(group_json(g));
+  json parts = json::array();
+  for (const Partition& p : im.parts) parts.push_back(json::array({p.numel, p.group, p.name}));
+  const LossScaleState& ls = im.scaler->state();
+  return {{"format", "tier-optimizer-checkpoint"},
+          {"version", kVersion},
+          {"elements", im.elements},
+          {"saved_chunk_elements", im.chunk_elems},
+          {"gradient_accumulation_steps", im.opt.gradient_accumulation_steps},
+          {"max_grad_norm", im.opt.max_grad_norm},
+          {"groups", groups},
+          {"loss_scale",
+           {{"enabled", im.scaler->enabled()},
+            {"dynamic", im.scaler->dynamic()},
+            {"scale", ls.scale},
+            {"iteration", ls.iteration},
+            {"last_overflow", ls.last_overflow},
+            {"hysteresis_left", ls.hysteresis_left}}},
+          {"partitions", parts}};
+}
+
+// What load_checkpoint takes from the meta section once it is checked.
+struct Restored {
+  std::vector<cpu::AdamHyperParams> hp;
+  std::vector<std::int64_t> steps;
+  LossScaleState scale;
+};
+
+Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, const std::string& path) {
+  auto bad = [&](const std::string& what) { return data_loss(str("checkpoint ", path, ": ", what)); };
+  if (!m.is_object() || m.value("format", "") != "tier-optimizer-checkpoint") {
+    return bad("the metadata is not a tier optimizer checkpoint's");
+  }
+  if (!m.contains("version") || !m["version"].is_number_unsigned() || m["version"].get<std::uint32_t>() != kVersion) {
+    return bad(str("unsupported format version (this build reads version ", kVersion, ")"));
+  }
+  const json& parts = m.contains("partitions") ? m["partitions"] : json();
+  const json& groups = m.contains("groups") ? m["groups"] : json();
+  const json& ls = m.contains("loss_scale") ? m["loss_scale"] : json();
+  if (!parts.is_array() || !groups.is_array() || !ls.is_object()) return bad("the metadata lacks its sections");
+  if (parts.size() != im.parts.size()) {
+    return invalid_argument(str("checkpoint ", path, " holds ", parts.size(), " partitions but this optimizer has ",
+                                im.parts.size(), "; it belongs to another model"));
+  }
+  if (groups.size() != im.groups.size()) {
+    return invalid_argument(str("checkpoint ", path, " holds ", groups.size(), " parameter groups but this optimizer has ",
+                                im.groups.size()));
+  }
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const json& p = parts[i];
+    if (!p.is_array() || p.size() != 3 || !p[0].is_number_unsigned() || !p[1].is_number_integer() ||
+        !p[2].is_string()) {
+      return bad(str("partition entry ", i, " is malformed"));
+    }
+    const Partition& mine = im.parts[i];
+    const auto numel = p[0].get<std::uint64_t>();
+    const auto group = p[1].get<int>();
+    const auto name = p[2].get<std::string>();
+    if (numel != mine.numel || group != mine.group || (!name.empty() && !mine.name.empty() && name != mine.name)) {
+      return invalid_argument(str("checkpoint ", path, ": partition ", i, " is '", name, "' with ", numel,
+                                  " elements in group ", group, " but this optimizer's is '", mine.name, "' with ",
+                                  mine.numel, " elements in group ", mine.group, "; it belongs to another model"));
+    }
+  }
+  Restored r;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const json& j = groups[g];
+    auto num = [&](const char* k) { return j.contains(k) && j[k].is_number(); };
+    if (!j.is_object() || !num("lr") || !num("beta1") || !num("beta2") || !num("eps") || !num("weight_decay") ||
+        !j.contains("decay_mode") || !j["decay_mode"].is_string() || !j.contains("bias_correction") ||
+        !j["bias_correction"].is_boolean() || !j.contains("step") || !j["step"].is_number_integer()) {
+      return bad(str("parameter group ", g, " is malformed"));
+    }
+    cpu::AdamHyperParams hp;
+    hp.lr = j["lr"].get<double>();
+    hp.beta1 = j["beta1"].get<double>();
+    hp.beta2 = j["beta2"].get<double>();
+    hp.eps = j["eps"].get<double>();
+    hp.weight_decay = j["weight_decay"].get<double>();
+    hp.decay_mode = j["decay_mode"].get<std::string>() == "l2" ? cpu::WeightDecayMode::kL2
+                                                               : cpu::WeightDecayMode::kDecoupled;
+    hp.bias_correction = j["bias_correction"].get<bool>();
+    if (Status s = hp.validate(); !s.ok()) return bad(str("parameter group ", g, ": ", s.message()));
+    const auto step = j["step"].get<std::int64_t>();
+    if (step < 0) return bad(str("parameter group ", g, " has a negative step counter"));
+    r.hp.push_back(hp);
+    r.steps.push_back(step);
+  }
+  auto num = [&](const char* k) { return ls.contains(k) && ls[k].is_number(); };
+  if (!num("scale") || !num("iteration") || !num("last_overflow") || !num("hysteresis_left")) {
+    return bad("the loss-scale state is malformed");
+  }
+  r.scale.scale = ls["scale"].get<double>();
+  r.scale.iteration = ls["iteration"].get<std::int64_t>();
+  r.scale.last_overflow = ls["last_overflow"].get<std::int64_t>();
+  r.scale.hysteresis_left = ls["hysteresis_left"].get<int>();
+  if (!std::isfinite(r.scale.scale) || r.scale.scale <= 0 || r.scale.iteration < 0) {
+    return bad("the loss-scale state is out of range");
+  }
+  return r;
+}
+
+// Reads the records back in flat element order, section by section into chunk layouts, checking
+// every record's checksums once its last element is read.
+class RecordReader {
+ public:
+  RecordReader(const OffloadedOptimizer::Impl& im, int fd, std::string path, std::uint64_t data_start,
+               std::uint64_t file_size)
+      : im_(im), fd_(fd), path_(std::move(path)), pos_(data_start), size_(file_size) {}
+
+  // Fills chunk c's elements into `base` (laid out with c's stride).
+  Status fill(const Chunk& c, float* base) {
+    std::uint64_t filled = 0;
+    while (filled < c.numel) {
+      if (!have_) TIER_RETURN_IF_ERROR(next_record());
+      const std::uint64_t t = std::min(count_ - consumed_, c.numel - filled);
+      for (int s = 0; s < 3; ++s) {
+        float* dst = OffloadedOptimizer::Impl::section(base, c, static_cast<StateKind>(s)) + filled;
+        TIER_RETURN_IF_ERROR(read_exact(fd_, dst, t * 4, payload_ + (s * count_ + consumed_) * 4, path_));
+        run_[s] = crc32c_extend(run_[s], dst, t * 4);
+      }
+      consumed_ += t;
+      filled += t;
+      expect_ += t;
+      if (consumed_ == count_) {
+        have_ = false;
+        for (int s = 0; s < 3; ++s) {
+          if (run_[s] != crc_[s]) {
+            return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_, ", elements [",
+                                 offset_, ", ", offset_ + count_, ")) fails its ", state_kind_name(static_cast<StateKind>(s)),
+                                 " checksum; the file is corrupt"));
+          }
+        }
+      }
+    }
+    return {};
+  }
+
+  // After the last chunk: the trailer must follow and end the file.
+  Status finish() {
+    if (have_) return data_loss(str("checkpoint ", path_, ": a record runs past the last element"));
+    if (pos_ + kTrailerBytes > size_) {
+      return data_loss(str("checkpoint ", path_, ": the trailer is missing; the file is truncated"));
+    }
+    std::uint8_t t[kTrailerBytes];
+    TIER_RETURN_IF_ERROR(read_exact(fd_, t, kTrailerBytes, pos_, path_));
+    if (std::memcmp(t, kTrailerMagic, 8) != 0 || get<std::uint32_t>(t, 28) != crc32c(t, 28)) {
+      return data_loss(str("checkpoint ", path_, ": the trailer at byte ", pos_, " is damaged or missing"));
+    }
+    if (get<std::uint64_t>(t, 8) != records_ || get<std::uint64_t>(t, 16) != expect_ ||
+        get<std::uint32_t>(t, 24) != chain_) {
+      return data_loss(str("checkpoint ", path_, ": the trailer does not match the records read (",
+                           get<std::uint64_t>(t, 8), " records claimed, ", records_, " read)"));
+    }
+    if (pos_ + kTrailerBytes != size_) {
+      return data_loss(str("checkpoint ", path_, ": ", size_ - pos_ - kTrailerBytes,
+                           " unexpected bytes follow the trailer"));
+    }
+    return {};
+  }
+
+ private:
+  Status next_record() {
+    if (pos_ + kRecordBytes + kTrailerBytes > size_) {
+      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", expect_,
+                           " of ", im_.elements, "; it is truncated"));
+    }
+    std::uint8_t h[kRecordBytes];
+    TIER_RETURN_IF_ERROR(read_exact(fd_, h, kRecordBytes, pos_, path_));
+    if (std::memcmp(h, kRecordMagic, 4) != 0 || get<std::uint32_t>(h, 36) != crc32c(h, 36)) {
+      return data_loss(str("checkpoint ", path_, ": record ", records_, " at byte ", pos_,
+                           " has a damaged header; the file is corrupt"));
+    }
+    pid_ = get<std::uint32_t>(h, 4);
+    offset_ = get<std::uint64_t>(h, 8);
+    count_ = get<std::uint64_t>(h, 16);
+    for (int s = 0; s < 3; ++s) crc_[s] = get<std::uint32_t>(h, 24 + 4 * s);
+    if (pid_ >= im_.parts.size() || count_ == 0 || offset_ > im_.parts[pid_].numel ||
+        count_ > im_.parts[pid_].numel - offset_ || im_.parts[pid_].start + offset_ != expect_) {
+      return data_loss(str("checkpoint ", path_, ": record ", records_, " (partition ", pid_, ", elements [", offset_,
+                           ", ", offset_ + count_, ")) is not the next piece of the state (element ", expect_, ")"));
+    }
+    payload_ = pos_ + kRecordBytes;
+    pos_ = payload_ + 12 * count_;
+    if (pos_ + kTrailerBytes > size_) {
+      return data_loss(str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
+    }
+    chain_ = crc32c_extend(chain_, h, kRecordBytes);
+    ++records_;
+    consumed_ = 0;
+    run_[0] = run_[1] = run_[2] = 0;
+    have_ = true;
+    return {};
+  }
+
+  const OffloadedOptimizer::Impl& im_;
+  int fd_;
+  std::string path_;
+  std::uint64_t pos_;
+  std::uint64_t size_;
+  bool have_ = false;
+  std::uint32_t pid_ = 0;
+  std::uint64_t offset_ = 0, count_ = 0, consumed_ = 0, payload_ = 0;
+  std::uint32_t crc_[3] = {}, run_[3] = {};
+  std::uint64_t expect_ = 0, records_ = 0;
+  std::uint32_t chain_ = 0;
+};
+
+}  // namespace
+
+Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("save_checkpoint"));
+  if (path.empty()) return invalid_argument("optimizer save_checkpoint: empty path");
+  const std::string tmp = path + ".tmp";
+  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (f.fd < 0) return errno_status(errno, str("checkpoint ", tmp, ": cannot create it"));
+  bool keep = false;
+  struct Unlink {
+    const std::string& p;
+    bool& keep;
+    ~Unlink() {
+      if (!keep) ::unlink(p.c_str());
+    }
+  } unlink_guard{tmp, keep};
+
+  const std::string meta = meta_json(im).dump();
+  std::uint8_t header[kHeaderBytes] = {};
+  std::memcpy(header, kFileMagic, 8);
+  put<std::uint32_t>(header, 8, kVersion);
+  put<std::uint32_t>(header, 12, kHeaderBytes);
+  put<std::uint64_t>(header, 16, meta.size());
+  put<std::uint64_t>(header, 24, im.elements);
+  put<std::uint64_t>(header, 32, im.parts.size());
+  put<std::uint32_t>(header, 40, crc32c(meta.data(), meta.size()));
+  put<std::uint32_t>(header, 60, crc32c(header, 60));
+  iovec hv[2] = {{header, kHeaderBytes}, {const_cast<char*>(meta.data()), meta.size()}};
+  TIER_RETURN_IF_ERROR(write_all(f.fd, hv, 2, tmp));
+
+  std::uint64_t records = 0, covered = 0;
+  std::uint32_t chain = 0;
+  // One record per partition piece of the chunk, its three sections written from where they lie.
+  auto write_chunk = [&](const Chunk& c, float* base) -> Status {
+    for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+      const Partition& p = im.parts[pid];
+      const std::uint64_t a = std::max(p.start, c.start);
+      const std::uint64_t n = std::min(p.start + p.numel, c.start + c.numel) - a;
+      float* sec[3];
+      std::uint8_t h[kRecordBytes] = {};
+      std::memcpy(h, kRecordMagic, 4);
+      put<std::uint32_t>(h, 4, pid);
+      put<std::uint64_t>(h, 8, a - p.start);
+      put<std::uint64_t>(h, 16, n);
+      for (int s = 0; s < 3; ++s) {
+        sec[s] = Impl::section(base, c, static_cast<StateKind>(s)) + (a - c.start);
+        put<std::uint32_t>(h, 24 + 4 * s, crc32c(sec[s], n * 4));
+      }
+      put<std::uint32_t>(h, 36, crc32c(h, 36));
+      iovec v[4] = {{h, kRecordBytes}, {sec[0], n * 4}, {sec[1], n * 4}, {sec[2], n * 4}};
+      TIER_RETURN_IF_ERROR(write_all(f.fd, v, 4, tmp));
+      chain = crc32c_extend(chain, h, kRecordBytes);
+      ++records;
+      covered += n;
+    }
+    return {};
+  };
+  if (im.nvme()) {
+    TIER_RETURN_IF_ERROR(detail::run_pipeline(
+        *im.swap, im.chunks, im.bufs, true, false,
+        [&](std::size_t i, Buffer& b) { return write_chunk(im.chunks[i], b.state); }, nullptr));
+  } else {
+    for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(write_chunk(c, c.host.get()));
+  }
+  std::uint8_t trailer[kTrailerBytes] = {};
+  std::memcpy(trailer, kTrailerMagic, 8);
+  put<std::uint64_t>(trailer, 8, records);
+  put<std::uint64_t>(trailer, 16, covered);
+  put<std::uint32_t>(trailer, 24, chain);
+  put<std::uint32_t>(trailer, 28, crc32c(trailer, 28));
+  iovec tv[1] = {{trailer, kTrailerBytes}};
+  TIER_RETURN_IF_ERROR(write_all(f.fd, tv, 1, tmp));
+  if (::fsync(f.fd) != 0) return errno_status(errno, str("checkpoint ", tmp, ": fsync"));
+  if (::close(f.fd) != 0) {
+    f.fd = -1;
+    return errno_status(errno, str("checkpoint ", tmp, ": close"));
+  }
+  f.fd = -1;
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return errno_status(errno, str("checkpoint: renaming ", tmp, " to ", path));
+  }
+  keep = true;
+  // Make the rename itself durable.
+  const std::string dir = parent_dir(path);
+  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.fd < 0 || ::fsync(d.fd) != 0) {
+    return errno_status(errno, str("checkpoint ", path, ": syncing its directory ", dir));
+  }
+  return {};
+}
+
+Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("load_checkpoint", /*loading=*/true));
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) return errno_status(errno, str("checkpoint ", path, ": cannot open it"));
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) return errno_status(errno, str("checkpoint ", path, ": stat"));
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size < kHeaderBytes + kTrailerBytes) {
+    return data_loss(str("checkpoint ", path, ": ", size, " bytes is too short to be a checkpoint; it is truncated"));
+  }
+  std::uint8_t header[kHeaderBytes];
+  TIER_RETURN_IF_ERROR(read_exact(f.fd, header, kHeaderBytes, 0, path));
+  if (std::memcmp(header, kFileMagic, 8) != 0) {
+    return data_loss(str("checkpoint ", path, ": not a tier optimizer checkpoint (bad magic)"));
+  }
+  if (get<std::uint32_t>(header, 60) != crc32c(header, 60)) {
+    return data_loss(str("checkpoint ", path, ": the header fails its checksum; the file is corrupt"));
+  }
+  if (get<std::uint32_t>(header, 8) != kVersion || get<std::uint32_t>(header, 12) != kHeaderBytes) {
+    return data_loss(str("checkpoint ", path, ": format version ", get<std::uint32_t>(header, 8),
+                         " is not the one this build reads (", kVersion, ")"));
+  }
+  const auto meta_bytes = get<std::uint64_t>(header, 16);
+  if (meta_bytes > kMaxMetaBytes || kHeaderBytes + meta_bytes + kTrailerBytes > size) {
+    return data_loss(str("checkpoint ", path, ": the metadata (", meta_bytes, " bytes) does not fit in the file; it is "
+                         "truncated or corrupt"));
+  }
+  std::string meta(meta_bytes, '\0');
+  TIER_RETURN_IF_ERROR(read_exact(f.fd, meta.data(), meta_bytes, kHeaderBytes, path));
+  if (get<std::uint32_t>(header, 40) != crc32c(meta.data(), meta.size())) {
+    return data_loss(str("checkpoint ", path, ": the metadata fails its checksum; the file is corrupt"));
+  }
+  const json m = json::parse(meta, nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded()) return data_loss(str("checkpoint ", path, ": the metadata is not valid JSON"));
+  if (get<std::uint64_t>(header, 24) != im.elements) {
+    return invalid_argument(str("checkpoint ", path, " holds ", get<std::uint64_t>(header, 24),
+                                " elements but this optimizer has ", im.elements, "; it belongs to another model"));
+  }
+  TIER_ASSIGN_OR_RETURN(Restored restored, check_meta(im, m, path));
+  const std::uint64_t data_start = kHeaderBytes + meta_bytes;
+
+  if (im.nvme()) {
+    // Into the shadow slots; switched over only when every record and the trailer checked out.
+    RecordReader rd(im, f.fd, path, data_start, size);
+    TIER_RETURN_IF_ERROR(detail::run_pipeline(
+        *im.swap, im.chunks, im.bufs, false, true,
+        [&](std::size_t i, Buffer& b) { return rd.fill(im.chunks[i], b.state); }, nullptr));
+    TIER_RETURN_IF_ERROR(rd.finish());
+    for (Chunk& c : im.chunks) c.committed ^= 1;
+  } else {
+    // Verify the whole file through a buffer first, then copy into the state.
+    {
+      RecordReader check(im, f.fd, path, data_start, size);
+      for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
+      TIER_RETURN_IF_ERROR(check.finish());
+    }
+    RecordReader rd(im, f.fd, path, data_start, size);
+    Status s;
+    for (const Chunk& c : im.chunks) {
+      s = rd.fill(c, c.host.get());
+      if (!s.ok()) break;
+    }
+    if (s.ok()) s = rd.finish();
+    if (!s.ok()) {
+      im.state_invalid = s.with_context(
+          "loading a checkpoint into host memory failed after it verified (the file changed while it was read?); "
+          "the state is partly overwritten: load a good checkpoint");
+      return im.state_invalid;
+    }
+  }
+  im.state_invalid = Status();
+  for (std::size_t g = 0; g < im.groups.size(); ++g) {
+    TIER_RETURN_IF_ERROR(im.groups[g].set_hyper_params(restored.hp[g]));
+    TIER_RETURN_IF_ERROR(im.groups[g].set_step(restored.steps[g]));
+  }
+  TIER_RETURN_IF_ERROR(im.scaler->restore(restored.scale));
+  clear_grads();
+  return {};
+}
+
+}  // namespace tier::optim

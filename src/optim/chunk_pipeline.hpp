@@ -1,0 +1,32 @@
+// Internal: the chunk pipeline of the NVMe home. Chunks go through the pinned buffers in order:
+// read chunk k from its committed slot into buffer k % B, process it on the calling thread, write
+// it to its shadow slot; a buffer whose write completed takes the next chunk's read at once (from
+// the I/O thread's completion callback), so reads run ahead of the update by up to B chunks while
+// earlier writes drain. Reads, the update and writes of different chunks overlap; each stream is
+// timed (busy time = union of in-flight intervals).
+//
+// The read-only form (checkpoint save) frees a buffer after processing; the write-only form
+// (checkpoint load) fills buffers on the calling thread. On the first error no new transfer is
+// issued; run() returns only when nothing is in flight, with that error.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+#include "optim/optimizer_impl.hpp"
+
+namespace tier::optim::detail {
+
+struct PipelineStats {
+  StreamReport read, update, write;
+  double io_busy_seconds = 0;
+  double update_wait_seconds = 0;
+  unsigned max_in_flight = 0;
+};
+
+// process(i, buffer) handles chunk i in `buffer` (laid out with chunk i's stride).
+Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read,
+                    bool write, const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats);
+
+}  // namespace tier::optim::detail

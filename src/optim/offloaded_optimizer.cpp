@@ -1,0 +1,974 @@
+// The offloaded optimizer: creation, partition registration, gradient intake, the pipelined step
+// and state access. Checkpoints are in checkpoint.cpp, option plumbing in optimizer_options.cpp.
+#include "tier/offloaded_optimizer.hpp"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "optim/chunk_pipeline.hpp"
+#include "optim/grad_accumulate.hpp"
+#include "optim/optimizer_impl.hpp"
+#include "tier/host_arena.hpp"
+#include "tier/log.hpp"
+#include "tier/stats.hpp"
+#include "tier/units.hpp"
+
+namespace tier::optim {
+
+using detail::Buffer;
+using detail::Chunk;
+using detail::Partition;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint64_t kDefaultBufferBytes = 256ull << 20;
+// The automatic chunk size aims at this many chunks per step, with chunks of at least this many
+// elements.
+constexpr std::uint64_t kMinChunks = 64;
+constexpr std::uint64_t kMinAutoChunk = 256 * 1024;
+// Pinned bytes per element of a buffer: 12 of state, 4 of low-precision staging.
+constexpr std::uint64_t kBufferBytesPerElement = 16;
+// Elements per piece handed to one update thread.
+constexpr std::uint64_t kUpdateGranule = 32 * 1024;
+// Partitions without a gradient are updated with zeros taken from this many at a time.
+constexpr std::uint64_t kZeroSlice = 16 * 1024;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+const float* zero_grads() {
+  static const std::vector<float> zeros(kZeroSlice, 0.0f);
+  return zeros.data();
+}
+
+detail::FloatPtr alloc_floats(std::uint64_t count) {
+  const std::uint64_t bytes = detail::round_up(std::max<std::uint64_t>(count, 1) * sizeof(float), 4096);
+  const std::uint64_t align = bytes >= HostArena::kHugePage ? HostArena::kHugePage : 4096;
+  void* p = std::aligned_alloc(align, detail::round_up(bytes, align));
+  if (p != nullptr && bytes >= HostArena::kHugePage) ::madvise(p, detail::round_up(bytes, align), MADV_HUGEPAGE);
+  return detail::FloatPtr(static_cast<float*>(p));
+}
+
+std::string partition_label(PartitionId id, const Partition& p) {
+  return p.name.empty() ? str("partition ", id) : str("partition ", id, " ('", p.name, "')");
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ names
+
+const char* state_home_name(StateHome h) noexcept {
+  return h == StateHome::kNvme ? "nvme" : "host";
+}
+
+const char* param_output_name(ParamOutput o) noexcept {
+  switch (o) {
+    case ParamOutput::kNone: return "none";
+    case ParamOutput::kF16: return "fp16";
+    case ParamOutput::kBF16: return "bf16";
+    case ParamOutput::kF32: return "fp32";
+  }
+  return "?";
+}
+
+std::size_t param_output_size(ParamOutput o) noexcept {
+  switch (o) {
+    case ParamOutput::kNone: return 0;
+    case ParamOutput::kF16:
+    case ParamOutput::kBF16: return 2;
+    case ParamOutput::kF32: return 4;
+  }
+  return 0;
+}
+
+DType param_output_dtype(ParamOutput o) noexcept {
+  return o == ParamOutput::kF16 ? DType::kF16 : (o == ParamOutput::kBF16 ? DType::kBF16 : DType::kF32);
+}
+
+const char* state_kind_name(StateKind k) noexcept {
+  switch (k) {
+    case StateKind::kMaster: return "master";
+    case StateKind::kExpAvg: return "exp_avg";
+    case StateKind::kExpAvgSq: return "exp_avg_sq";
+  }
+  return "?";
+}
+
+// ------------------------------------------------------------------------------------ Impl helpers
+
+Status OffloadedOptimizer::Impl::usable(const char* what, bool loading) const {
+  if (!poisoned.ok()) return poisoned.with_context(str("optimizer ", what));
+  if (!loading && !state_invalid.ok()) return state_invalid.with_context(str("optimizer ", what));
+  if (!registered) {
+    return failed_precondition(
+        str("optimizer ", what, ": partitions are still being registered; call finish_registration() first"));
+  }
+  return {};
+}
+
+PartitionId OffloadedOptimizer::Impl::partition_at(const Chunk& c, std::uint64_t flat) const {
+  auto first = parts.begin() + c.first;
+  auto last = parts.begin() + c.last + 1;
+  auto it = std::upper_bound(first, last, flat, [](std::uint64_t f, const Partition& p) { return f < p.start; });
+  return static_cast<PartitionId>((it - parts.begin()) - 1);
+}
+
+void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int64_t nvme_delta) const {
+  if (!opt.counters) return;
+  if (host_delta) opt.counters->add_resident(Tier::kHost, host_delta);
+  if (nvme_delta) opt.counters->add_resident(Tier::kNvme, nvme_delta);
+}
+
+// A step's update of one chunk whose sections are at `base` (with the chunk's stride): every
+// partition piece of the chunk on the workers' threads, each piece with its group's constants,
+// outputs to the partition's destination or to `staging` at the element's chunk offset * 4.
+static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base, std::byte* staging,
+                           const std::vector<cpu::AdamStep>& steps, const std::vector<void*>& dest) {
+  float* P = OffloadedOptimizer::Impl::section(base, c, StateKind::kMaster);
+  float* M = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvg);
+  float* V = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvgSq);
+  std::mutex mu;
+  Status first_error;
+  im.workers->for_ranges(c.numel, kUpdateGranule, [&](std::uint64_t b, std::uint64_t e) {
+    std::uint64_t flat = c.start + b;
+    const std::uint64_t end = c.start + e;
+    PartitionId pid = im.partition_at(c, flat);
+    while (flat < end) {
+      const Partition& p = im.parts[pid];
+      const std::uint64_t n = std::min(p.start + p.numel, end) - flat;
+      const std::uint64_t ci = flat - c.start;
+      const std::uint64_t pi = flat - p.start;
+      const cpu::AdamStep& st = steps[static_cast<std::size_t>(p.group)];
+      const std::size_t os = param_output_size(p.output);
+      std::byte* out = nullptr;
+      if (p.output != ParamOutput::kNone) {
+        out = dest.empty() || dest[pid] == nullptr ? staging + ci * 4 : static_cast<std::byte*>(dest[pid]) + pi * os;
+      }
+      const DType od = param_output_dtype(p.output);
+      Status s;
+      if (p.grad != nullptr) {
+        const std::size_t gs = dtype_size(p.grad_dtype);
+        s = cpu::adam_update_chunk(
+            st, {{P + ci, DType::kF32, n},
+                 {M + ci, DType::kF32, n},
+                 {V + ci, DType::kF32, n},
+                 cpu::ConstTensorRef(static_cast<const std::byte*>(p.grad) + pi * gs, p.grad_dtype, n),
+                 out ? cpu::TensorRef{out, od, n} : cpu::TensorRef{}});
+      } else {
+        for (std::uint64_t k = 0; k < n && s.ok(); k += kZeroSlice) {
+          const std::uint64_t m = std::min(kZeroSlice, n - k);
+          s = cpu::adam_update_chunk(st, {{P + ci + k, DType::kF32, m},
+                                          {M + ci + k, DType::kF32, m},
+                                          {V + ci + k, DType::kF32, m},
+                                          cpu::ConstTensorRef(zero_grads(), DType::kF32, m),
+                                          out ? cpu::TensorRef{out + k * os, od, m} : cpu::TensorRef{}});
+        }
+      }
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lk(mu);
+        if (first_error.ok()) first_error = s.with_context(partition_label(pid, p));
+        return;
+      }
+      flat += n;
+      ++pid;
+    }
+  });
+  return first_error;
+}
+
+// ------------------------------------------------------------------------------------ creation
+
+OffloadedOptimizer::OffloadedOptimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+OffloadedOptimizer::~OffloadedOptimizer() {
+  if (!impl_) return;
+  Impl& im = *impl_;
+  for (Buffer& b : im.bufs) {
+    if (b.pending.valid()) b.pending.wait().ignore();
+  }
+  // Give back what was reported as resident.
+  std::int64_t host = 0, nvme = 0;
+  for (const Buffer& b : im.bufs) host += static_cast<std::int64_t>(b.block.size());
+  host += static_cast<std::int64_t>(im.accumulator_bytes.load());
+  for (const Chunk& c : im.chunks) {
+    if (c.host) host += static_cast<std::int64_t>(c.bytes());
+    if (c.slot[0]) nvme += static_cast<std::int64_t>(c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes());
+  }
+  im.report_resident(-host, -nvme);
+}
+
+Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const OffloadedOptimizerOptions& options) {
+  const OffloadedOptimizerOptions& o = options;
+  if (o.home != StateHome::kNvme && o.home != StateHome::kHost) return invalid_argument("optimizer: unknown state home");
+  if (o.buffer_count < 1 || o.buffer_count > 1024) {
+    return invalid_argument(str("optimizer: buffer_count ", o.buffer_count,
+                                " must be from 1 to 1024 (zero_optimization.offload_optimizer.buffer_count)"));
+  }
+  if (o.chunk_elements % detail::kSectionAlign != 0) {
+    return invalid_argument(str("optimizer: chunk_elements ", o.chunk_elements, " must be a multiple of ",
+                                detail::kSectionAlign, " (tier.optimizer.chunk_elements)"));
+  }
+  if (o.groups.empty()) return invalid_argument("optimizer: give at least one parameter group");
+  if (!std::isfinite(o.max_grad_norm) || o.max_grad_norm < 0) {
+    return invalid_argument(
+        str("optimizer: max_grad_norm ", o.max_grad_norm, " must be finite and not negative (gradient_clipping)"));
+  }
+  if (o.gradient_accumulation_steps < 1) {
+    return invalid_argument(
+        str("optimizer: gradient_accumulation_steps ", o.gradient_accumulation_steps, " must be at least 1"));
+  }
+  if (o.threads < 0) return invalid_argument(str("optimizer: threads ", o.threads, " is negative; 0 means all cores"));
+  if (o.home == StateHome::kNvme && o.swap == nullptr) {
+    if (o.max_elements == 0) {
+      return invalid_argument(
+          "optimizer: NVMe home without a swap space needs max_elements (the model size) to size the swap files");
+    }
+    if (o.swap_options.paths.empty()) {
+      return invalid_argument(
+          "optimizer: NVMe home needs swap paths (zero_optimization.offload_optimizer.nvme_path or "
+          "tier.swap_paths)");
+    }
+  }
+
+  auto im = std::make_unique<Impl>();
+  im->opt = o;
+  for (std::size_t g = 0; g < o.groups.size(); ++g) {
+    auto group = cpu::AdamGroup::create(o.groups[g]);
+    if (!group.ok()) return group.status().with_context(str("optimizer: parameter group ", g));
+    im->groups.push_back(std::move(group).value());
+  }
+  TIER_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::create(o.loss_scale));
+  im->scaler = std::make_unique<LossScaler>(scaler);
+
+  // Chunk size: what the buffer budget allows, capped by the model size when known.
+  std::uint64_t ce = o.chunk_elements;
+  if (ce == 0) {
+    const std::uint64_t budget = o.buffer_bytes ? o.buffer_bytes : kDefaultBufferBytes;
+    ce = budget / o.buffer_count / kBufferBytesPerElement / detail::kSectionAlign * detail::kSectionAlign;
+    if (ce == 0) {
+      return invalid_argument(str("optimizer: buffer_bytes ", o.buffer_bytes, " leaves no room for ", o.buffer_count,
+                                  " buffers of at least ", detail::kSectionAlign, " elements (",
+                                  detail::kSectionAlign * kBufferBytesPerElement * o.buffer_count,
+                                  " bytes); raise tier.optimizer.buffer_bytes"));
+    }
+    if (o.max_elements) {
+      // At least ~64 chunks when the model allows, so that filling the pipeline (the first read)
+      // and draining it (the last write) cost a small part of the step; not below 256 Ki elements
+      // (3 MiB transfers), and never more than the model.
+      const std::uint64_t spread = std::max<std::uint64_t>(
+          kMinAutoChunk, detail::round_up((o.max_elements + kMinChunks - 1) / kMinChunks, detail::kSectionAlign));
+      ce = std::min({ce, spread, detail::round_up(o.max_elements, detail::kSectionAlign)});
+    }
+  } else if (o.buffer_bytes && ce * kBufferBytesPerElement * o.buffer_count > o.buffer_bytes) {
+    return invalid_argument(str("optimizer: ", o.buffer_count, " buffers of ", ce, " elements need ",
+                                format_bytes(ce * kBufferBytesPerElement * o.buffer_count),
+                                " of pinned memory but buffer_bytes allows ", format_bytes(o.buffer_bytes),
+                                "; lower chunk_elements or buffer_count, or raise buffer_bytes"));
+  }
+  im->chunk_elems = ce;
+
+  // Pinned buffers.
+  const std::uint64_t state_bytes = 3 * ce * sizeof(float);
+  const std::uint64_t buf_bytes = detail::round_up(state_bytes + ce * 4, 4096);
+  const std::uint64_t align = buf_bytes >= HostArena::kHugePage ? HostArena::kHugePage : 4096;
+  im->arena = o.arena;
+  if (im->arena == nullptr) {
+    HostArenaOptions ao;
+    ao.bytes = detail::round_up(buf_bytes, align) * o.buffer_count;
+    TIER_ASSIGN_OR_RETURN(im->own_arena, HostArena::create(ao));
+    im->arena = im->own_arena.get();
+  }
+  for (unsigned b = 0; b < o.buffer_count; ++b) {
+    auto block = im->arena->try_allocate(buf_bytes, align);
+    if (!block.ok()) {
+      return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", o.buffer_count, " (",
+                                             format_bytes(buf_bytes), " each; lower buffer_bytes or buffer_count, "
+                                             "or give an arena with room)"));
+    }
+    Buffer buf;
+    buf.block = std::move(block).value();
+    buf.state = reinterpret_cast<float*>(buf.block.data());
+    buf.staging = buf.block.data() + state_bytes;
+    im->bufs.push_back(std::move(buf));
+  }
+
+  // Swap space.
+  if (o.home == StateHome::kNvme) {
+    im->swap = o.swap;
+    if (im->swap == nullptr) {
+      nvme::SwapSpaceOptions so = o.swap_options;
+      // Both slots of every chunk; a striped extent may put one stripe unit more than its share
+      // on a path, and small extents go whole to one path, so leave a chunk of slack per path.
+      const std::uint64_t n_paths = so.paths.size();
+      const std::uint64_t chunks = (o.max_elements + ce - 1) / ce;
+      const std::uint64_t unit = so.stripe_unit ? so.stripe_unit : so.block_size;
+      const std::uint64_t per_extent = detail::round_up(state_bytes, unit * n_paths) / n_paths;
+      so.bytes_per_path = 2 * chunks * per_extent + 2 * detail::round_up(state_bytes, unit);
+      if (so.arena == nullptr) so.arena = im->arena;
+      if (so.counters == nullptr) so.counters = o.counters;
+      TIER_ASSIGN_OR_RETURN(im->own_swap, nvme::SwapSpace::create(so));
+      im->swap = im->own_swap.get();
+    }
+  }
+  im->workers = std::make_unique<detail::Workers>(o.threads);
+  (void)cpu::simd_target();  // applies TIER_CPU_SIMD before any kernel runs
+
+  std::int64_t pinned = 0;
+  for (const Buffer& b : im->bufs) pinned += static_cast<std::int64_t>(b.block.size());
+  im->report_resident(pinned, 0);
+  if (o.counters) {
+    o.counters->set_info("optim.home", state_home_name(o.home));
+    o.counters->set_metric("optim.chunk_elements", static_cast<double>(ce));
+    o.counters->set_metric("optim.pinned_bytes", static_cast<double>(pinned));
+  }
+  return std::unique_ptr<OffloadedOptimizer>(new OffloadedOptimizer(std::move(im)));
+}
+
+// ------------------------------------------------------------------------------------ registration
+
+namespace {
+
+Status open_chunk(OffloadedOptimizer::Impl& im, PartitionId first) {
+  Chunk c;
+  c.start = im.elements;
+  c.stride = im.chunk_elems;
+  c.first = c.last = first;
+  if (im.nvme()) {
+    Buffer& b = im.bufs[im.chunks.size() % im.bufs.size()];
+    if (b.pending.valid()) {
+      Status s = b.pending.wait();
+      b.pending = nvme::IoFuture();
+      if (!s.ok()) {
+        im.poisoned = s.with_context("writing the initial state of a chunk during registration (create a new optimizer)");
+        return im.poisoned;
+      }
+    }
+    im.open_base = b.state;
+  } else {
+    c.host = alloc_floats(3 * c.stride);
+    if (!c.host) {
+      return resource_exhausted(
+          str("optimizer: no host memory for a chunk of ", format_bytes(c.bytes()), " (host home)"));
+    }
+    im.open_base = c.host.get();
+    im.report_resident(static_cast<std::int64_t>(c.bytes()), 0);
+  }
+  std::memset(im.open_base + c.stride, 0, 2 * c.stride * sizeof(float));
+  im.chunks.push_back(std::move(c));
+  im.chunk_open = true;
+  im.open_fill = 0;
+  return {};
+}
+
+Status close_chunk(OffloadedOptimizer::Impl& im) {
+  Chunk& c = im.chunks.back();
+  c.numel = im.open_fill;
+  im.chunk_open = false;
+  if (!im.nvme()) return {};
+  // A short last chunk is stored compactly: its sections move down to its own stride.
+  const std::uint64_t stride = detail::round_up(c.numel, detail::kSectionAlign);
+  if (stride < c.stride) {
+    std::memmove(im.open_base + stride, im.open_base + c.stride, c.numel * sizeof(float));
+    std::memmove(im.open_base + 2 * stride, im.open_base + 2 * c.stride, c.numel * sizeof(float));
+    c.stride = stride;
+  }
+  for (auto& slot : c.slot) {
+    auto e = im.swap->allocate(c.bytes());
+    if (!e.ok()) {
+      im.poisoned = e.status().with_context(
+          str("optimizer: swap space for chunk ", im.chunks.size() - 1, " (", format_bytes(c.bytes()),
+              " x 2 slots; the state needs 24 bytes per element; give a larger swap space or max_elements)"));
+      return im.poisoned;
+    }
+    slot = std::move(e).value();
+  }
+  im.report_resident(0, static_cast<std::int64_t>(c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes()));
+  Buffer& b = im.bufs[(im.chunks.size() - 1) % im.bufs.size()];
+  c.committed = 0;
+  b.pending = im.swap->write(c.slot[0], b.state, c.bytes());
+  return {};
+}
+
+}  // namespace
+
+Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec) {
+  Impl& im = *impl_;
+  if (!im.poisoned.ok()) return im.poisoned;
+  if (im.registered) {
+    return failed_precondition("optimizer: add_partition after finish_registration(); register every partition first");
+  }
+  if (spec.numel == 0) return invalid_argument(str("optimizer: partition '", spec.name, "' has 0 elements"));
+  if (spec.group < 0 || static_cast<std::size_t>(spec.group) >= im.groups.size()) {
+    return invalid_argument(str("optimizer: partition '", spec.name, "' names group ", spec.group, " but there are ",
+                                im.groups.size(), " groups (add_group() adds one)"));
+  }
+  if (spec.output != ParamOutput::kNone && spec.output != ParamOutput::kF16 && spec.output != ParamOutput::kBF16 &&
+      spec.output != ParamOutput::kF32) {
+    return invalid_argument(str("optimizer: partition '", spec.name, "' has an unknown output dtype"));
+  }
+  if (spec.numel > (std::uint64_t{1} << 56)) {
+    return invalid_argument(str("optimizer: partition '", spec.name, "' has an implausible ", spec.numel, " elements"));
+  }
+  if (im.parts.size() >= 0xFFFFFFFFull) return resource_exhausted("optimizer: too many partitions");
+  if (im.own_swap && im.elements + spec.numel > im.opt.max_elements) {
+    return resource_exhausted(str("optimizer: partition '", spec.name, "' (", spec.numel, " elements) would bring the ",
+                                  "state to ", im.elements + spec.numel, " elements, more than max_elements ",
+                                  im.opt.max_elements, " the swap space was sized for"));
+  }
+  const auto id = static_cast<PartitionId>(im.parts.size());
+  Partition p;
+  p.start = im.elements;
+  p.numel = spec.numel;
+  p.group = spec.group;
+  p.output = spec.output;
+  p.name = spec.name;
+  im.parts.push_back(std::move(p));
+
+  std::uint64_t done = 0;
+  while (done < spec.numel) {
+    if (!im.chunk_open) TIER_RETURN_IF_ERROR(open_chunk(im, id));
+    Chunk& c = im.chunks.back();
+    const std::uint64_t take = std::min(spec.numel - done, im.chunk_elems - im.open_fill);
+    float* dst = im.open_base + im.open_fill;
+    if (spec.initial) {
+      std::memcpy(dst, spec.initial + done, take * sizeof(float));
+    } else {
+      std::memset(dst, 0, take * sizeof(float));
+    }
+    c.last = id;
+    im.open_fill += take;
+    im.elements += take;
+    done += take;
+    if (im.open_fill == im.chunk_elems) TIER_RETURN_IF_ERROR(close_chunk(im));
+  }
+  return id;
+}
+
+Status OffloadedOptimizer::finish_registration() {
+  Impl& im = *impl_;
+  if (!im.poisoned.ok()) return im.poisoned;
+  if (im.registered) return {};
+  if (im.chunk_open) TIER_RETURN_IF_ERROR(close_chunk(im));
+  for (Buffer& b : im.bufs) {
+    if (!b.pending.valid()) continue;
+    Status s = b.pending.wait();
+    b.pending = nvme::IoFuture();
+    if (!s.ok() && im.poisoned.ok()) {
+      im.poisoned = s.with_context("writing the initial state of a chunk during registration (create a new optimizer)");
+    }
+  }
+  if (!im.poisoned.ok()) return im.poisoned;
+  im.registered = true;
+  if (im.opt.counters) {
+    im.opt.counters->set_metric("optim.partitions", static_cast<double>(im.parts.size()));
+    im.opt.counters->set_metric("optim.elements", static_cast<double>(im.elements));
+    im.opt.counters->set_metric("optim.chunks", static_cast<double>(im.chunks.size()));
+  }
+  return {};
+}
+
+Result<int> OffloadedOptimizer::add_group(const cpu::AdamHyperParams& hp) {
+  Impl& im = *impl_;
+  TIER_ASSIGN_OR_RETURN(cpu::AdamGroup g, cpu::AdamGroup::create(hp));
+  // A new group starts at the step the others are at, so that its bias correction matches.
+  if (!im.groups.empty()) TIER_RETURN_IF_ERROR(g.set_step(im.groups[0].step()));
+  im.groups.push_back(std::move(g));
+  return static_cast<int>(im.groups.size() - 1);
+}
+
+// ------------------------------------------------------------------------------------ gradients
+
+Status OffloadedOptimizer::add_grad(PartitionId id, cpu::ConstTensorRef grad, GradMode mode) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("add_grad"));
+  if (id >= im.parts.size()) {
+    return invalid_argument(str("optimizer add_grad: partition ", id, " does not exist (", im.parts.size(),
+                                " partitions)"));
+  }
+  Partition& p = im.parts[id];
+  if (grad.numel != p.numel) {
+    return invalid_argument(str("optimizer add_grad: ", partition_label(id, p), " has ", p.numel,
+                                " elements but the gradient has ", grad.numel));
+  }
+  if (!cpu::is_float_dtype(grad.dtype)) {
+    return invalid_argument(str("optimizer add_grad: ", partition_label(id, p), ": gradient dtype ",
+                                dtype_name(grad.dtype), " is not supported; use fp32, fp16 or bf16"));
+  }
+  if (grad.data == nullptr) return invalid_argument(str("optimizer add_grad: ", partition_label(id, p), ": null data"));
+  const int gas = im.opt.gradient_accumulation_steps;
+  if (p.contributions >= gas) {
+    return failed_precondition(str("optimizer add_grad: ", partition_label(id, p), " already has ", p.contributions,
+                                   " gradient(s) this step (gradient_accumulation_steps = ", gas,
+                                   "); call step() or clear_grads() first"));
+  }
+  const bool final = p.contributions + 1 == gas;
+  if (mode == GradMode::kBorrow) {
+    if (gas != 1) {
+      return invalid_argument(str("optimizer add_grad: ", partition_label(id, p),
+                                  ": a borrowed gradient needs gradient_accumulation_steps == 1 (it is ", gas,
+                                  "); use GradMode::kCopy to accumulate"));
+    }
+    if (reinterpret_cast<std::uintptr_t>(grad.data) % dtype_size(grad.dtype) != 0) {
+      return invalid_argument(str("optimizer add_grad: ", partition_label(id, p), ": data is not aligned to its ",
+                                  dtype_size(grad.dtype), "-byte elements"));
+    }
+    auto s = detail::sum_of_squares(grad, im.workers.get());
+    if (!s.ok()) return s.status().with_context(str("optimizer add_grad: ", partition_label(id, p)));
+    p.grad = grad.data;
+    p.grad_dtype = grad.dtype;
+    p.sumsq = *s;
+    p.norm_known = true;
+  } else {
+    if (!p.acc) {
+      p.acc = alloc_floats(p.numel);
+      if (!p.acc) {
+        return resource_exhausted(str("optimizer add_grad: no host memory for the fp32 gradient accumulator of ",
+                                      partition_label(id, p), " (", format_bytes(p.numel * 4), ")"));
+      }
+      const std::uint64_t bytes = detail::round_up(p.numel * sizeof(float), 4096);
+      im.accumulator_bytes += bytes;
+      im.report_resident(static_cast<std::int64_t>(bytes), 0);
+    }
+    double s = 0;
+    const Status st = detail::accumulate_grad(p.acc.get(), grad, p.contributions == 0, final ? &s : nullptr,
+                                              im.workers.get());
+    if (!st.ok()) return st.with_context(str("optimizer add_grad: ", partition_label(id, p)));
+    p.grad = p.acc.get();
+    p.grad_dtype = DType::kF32;
+    if (final) {
+      p.sumsq = s;
+      p.norm_known = true;
+    }
+  }
+  if (p.contributions++ == 0) ++im.with_grads;
+  return {};
+}
+
+void OffloadedOptimizer::clear_grads() noexcept {
+  Impl& im = *impl_;
+  for (Partition& p : im.parts) {
+    p.grad = nullptr;
+    p.contributions = 0;
+    p.norm_known = false;
+    p.sumsq = 0;
+  }
+  im.with_grads = 0;
+}
+
+std::uint64_t OffloadedOptimizer::partitions_with_grads() const noexcept {
+  return impl_->with_grads.load();
+}
+
+// ------------------------------------------------------------------------------------ the step
+
+Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("step"));
+  const auto t0 = Clock::now();
+  StepReport r;
+  r.chunks = im.chunks.size();
+
+  // The global norm from the per-partition sums taken at intake, in partition order.
+  double total = 0;
+  for (std::size_t i = 0; i < im.parts.size(); ++i) {
+    Partition& p = im.parts[i];
+    if (p.contributions == 0) {
+      ++r.zero_grad_partitions;
+      continue;
+    }
+    if (!p.norm_known) {
+      // Fewer gradients than accumulation steps (a parameter unused in some micro-steps).
+      auto s = detail::sum_of_squares(cpu::ConstTensorRef(p.grad, p.grad_dtype, p.numel), im.workers.get());
+      if (!s.ok()) return s.status();
+      p.sumsq = *s;
+      p.norm_known = true;
+      ++r.late_norm_partitions;
+    }
+    total += p.sumsq;
+  }
+  const double scale = im.scaler->scale();
+  r.loss_scale = scale;
+  r.overflow = !std::isfinite(total);
+  r.grad_norm = std::sqrt(total) / scale;
+
+  auto publish = [&] {
+    r.step = im.groups[0].step();
+    r.seconds = since(t0);
+    if (Counters* c = im.opt.counters) {
+      c->add_metric("optim.steps", 1);
+      if (!r.applied) c->add_metric("optim.steps_skipped", 1);
+      c->set_metric("optim.step_seconds", r.seconds);
+      c->set_metric("optim.read_busy_seconds", r.read.busy_seconds);
+      c->set_metric("optim.write_busy_seconds", r.write.busy_seconds);
+      c->set_metric("optim.update_seconds", r.update.busy_seconds);
+      c->set_metric("optim.update_wait_seconds", r.update_wait_seconds);
+      c->set_metric("optim.grad_norm", r.grad_norm);
+      c->set_metric("optim.loss_scale", r.next_loss_scale);
+    }
+  };
+
+  if (r.overflow && (im.opt.skip_non_finite || im.scaler->enabled())) {
+    r.applied = false;
+    r.next_loss_scale = im.scaler->update(true);
+    ++im.steps_skipped;
+    clear_grads();
+    if (!im.scaler->enabled()) {
+      log_once("optim.non_finite", LogLevel::kWarn,
+               "optimizer: a gradient is inf/nan; the step is skipped (reported in StepReport::overflow)");
+    }
+    publish();
+    return r;
+  }
+
+  const float clip = im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(r.grad_norm, im.opt.max_grad_norm) : 1.0f;
+  r.clip_coefficient = clip;
+  const double grad_scale = static_cast<double>(clip) / scale;
+
+  std::vector<std::int64_t> old_steps;
+  std::vector<cpu::AdamStep> steps;
+  for (std::size_t g = 0; g < im.groups.size(); ++g) {
+    old_steps.push_back(im.groups[g].step());
+    auto st = im.groups[g].begin_step(grad_scale);
+    if (!st.ok()) {
+      for (std::size_t k = 0; k < g; ++k) im.groups[k].set_step(old_steps[k]).ignore();
+      return st.status().with_context(str("optimizer step: parameter group ", g));
+    }
+    steps.push_back(std::move(st).value());
+  }
+  auto rollback = [&] {
+    for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
+  };
+
+  std::vector<void*> dest;
+  if (options.destination) {
+    dest.assign(im.parts.size(), nullptr);
+    for (std::size_t i = 0; i < im.parts.size(); ++i) {
+      if (im.parts[i].output != ParamOutput::kNone) dest[i] = options.destination(static_cast<PartitionId>(i));
+    }
+  }
+
+  Status sink_error;
+  PartitionId sink_failed_at = 0;
+  double output_seconds = 0;
+  auto process = [&](std::size_t i, float* base, std::byte* staging) -> Status {
+    const Chunk& c = im.chunks[i];
+    TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest));
+    if (!options.on_output || !sink_error.ok()) return {};
+    const auto ts = Clock::now();
+    for (PartitionId pid = c.first; pid <= c.last && sink_error.ok(); ++pid) {
+      const Partition& p = im.parts[pid];
+      if (p.output == ParamOutput::kNone || (!dest.empty() && dest[pid] != nullptr)) continue;
+      const std::uint64_t a = std::max(p.start, c.start);
+      const std::uint64_t b = std::min(p.start + p.numel, c.start + c.numel);
+      OutputChunk oc{pid, a - p.start, b - a, p.output, staging + (a - c.start) * 4};
+      Status s = options.on_output(oc);
+      if (!s.ok()) {
+        sink_error = std::move(s);
+        sink_failed_at = pid;
+      }
+    }
+    output_seconds += since(ts);
+    return {};
+  };
+
+  Status st;
+  if (im.nvme()) {
+    detail::PipelineStats ps;
+    st = detail::run_pipeline(*im.swap, im.chunks, im.bufs, true, true,
+                              [&](std::size_t i, Buffer& b) { return process(i, b.state, b.staging); }, &ps);
+    r.read = ps.read;
+    r.write = ps.write;
+    r.update = ps.update;
+    r.io_busy_seconds = ps.io_busy_seconds;
+    r.update_wait_seconds = ps.update_wait_seconds;
+    r.max_transfers_in_flight = ps.max_in_flight;
+  } else {
+    const auto tu = Clock::now();
+    for (std::size_t i = 0; i < im.chunks.size() && st.ok(); ++i) {
+      st = process(i, im.chunks[i].host.get(), im.bufs[0].staging);
+      ++r.update.transfers;
+    }
+    r.update.busy_seconds = since(tu);
+  }
+  r.output_seconds = output_seconds;
+  if (!st.ok()) {
+    rollback();
+    ++im.steps_failed;
+    if (!im.nvme()) {
+      // Host home updates in place: a failure mid-way (only a kernel argument error can get here)
+      // leaves a mix of steps, which must not pass unnoticed.
+      im.state_invalid = st.with_context("optimizer step failed mid-way on host-resident state; load a checkpoint");
+      return im.state_invalid;
+    }
+    return st.with_context(str("optimizer step ", old_steps[0] + 1,
+                               " was not applied; the state of the previous step is intact and the gradients are "
+                               "kept (call step() again to retry, or clear_grads())"));
+  }
+  for (Chunk& c : im.chunks) c.committed ^= 1;
+  r.applied = true;
+  r.next_loss_scale = im.scaler->update(false);
+  clear_grads();
+  publish();
+  if (!sink_error.ok()) {
+    return sink_error.with_context(str("optimizer step ", r.step, " was applied, but delivering the params of ",
+                                       partition_label(sink_failed_at, im.parts[sink_failed_at]),
+                                       " failed and later outputs were not delivered (read_params() has them)"));
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------------------------ hyper-parameters
+
+std::size_t OffloadedOptimizer::group_count() const noexcept {
+  return impl_->groups.size();
+}
+
+namespace {
+Status check_group(const OffloadedOptimizer::Impl& im, int group) {
+  if (group < 0 || static_cast<std::size_t>(group) >= im.groups.size()) {
+    return invalid_argument(str("optimizer: group ", group, " does not exist (", im.groups.size(), " groups)"));
+  }
+  return {};
+}
+}  // namespace
+
+Result<cpu::AdamHyperParams> OffloadedOptimizer::hyper_params(int group) const {
+  TIER_RETURN_IF_ERROR(check_group(*impl_, group));
+  return impl_->groups[static_cast<std::size_t>(group)].hyper_params();
+}
+
+Status OffloadedOptimizer::set_hyper_params(int group, const cpu::AdamHyperParams& hp) {
+  TIER_RETURN_IF_ERROR(check_group(*impl_, group));
+  return impl_->groups[static_cast<std::size_t>(group)].set_hyper_params(hp);
+}
+
+Status OffloadedOptimizer::set_lr(int group, double lr) {
+  TIER_RETURN_IF_ERROR(check_group(*impl_, group));
+  return impl_->groups[static_cast<std::size_t>(group)].set_lr(lr);
+}
+
+Result<std::int64_t> OffloadedOptimizer::group_step(int group) const {
+  TIER_RETURN_IF_ERROR(check_group(*impl_, group));
+  return impl_->groups[static_cast<std::size_t>(group)].step();
+}
+
+const LossScaler& OffloadedOptimizer::loss_scaler() const noexcept {
+  return *impl_->scaler;
+}
+
+double OffloadedOptimizer::loss_scale() const noexcept {
+  return impl_->scaler->scale();
+}
+
+// ------------------------------------------------------------------------------------ state access
+
+namespace {
+
+Status check_range(const OffloadedOptimizer::Impl& im, PartitionId id, std::uint64_t offset, std::uint64_t count,
+                   const char* what) {
+  if (id >= im.parts.size()) {
+    return invalid_argument(str("optimizer ", what, ": partition ", id, " does not exist (", im.parts.size(),
+                                " partitions)"));
+  }
+  const Partition& p = im.parts[id];
+  if (offset > p.numel || count > p.numel - offset) {
+    return out_of_range(str("optimizer ", what, ": elements [", offset, ", ", offset + count, ") are past the end of ",
+                            partition_label(id, p), " (", p.numel, " elements)"));
+  }
+  return {};
+}
+
+// Calls fn(chunk index, element index in the chunk, n, elements done so far) for each chunk
+// piece of partition elements [offset, offset + count).
+template <class Fn>
+Status for_pieces(const OffloadedOptimizer::Impl& im, PartitionId id, std::uint64_t offset, std::uint64_t count,
+                  Fn&& fn) {
+  std::uint64_t flat = im.parts[id].start + offset;
+  const std::uint64_t end = flat + count;
+  std::size_t ci = static_cast<std::size_t>(flat / im.chunk_elems);
+  std::uint64_t done = 0;
+  while (flat < end) {
+    const Chunk& c = im.chunks[ci];
+    const std::uint64_t n = std::min(end, c.start + c.numel) - flat;
+    TIER_RETURN_IF_ERROR(fn(ci, flat - c.start, n, done));
+    flat += n;
+    done += n;
+    ++ci;
+  }
+  return {};
+}
+
+}  // namespace
+
+Status OffloadedOptimizer::read_state(PartitionId id, StateKind kind, float* dst, std::uint64_t offset,
+                                      std::uint64_t count) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("read_state"));
+  TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "read_state"));
+  if (count > 0 && dst == nullptr) return invalid_argument("optimizer read_state: null destination");
+  return for_pieces(im, id, offset, count,
+                    [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
+                      const Chunk& c = im.chunks[ci];
+                      if (!im.nvme()) {
+                        std::memcpy(dst + done, Impl::section(c.host.get(), c, kind) + a, n * sizeof(float));
+                        return {};
+                      }
+                      // An aligned window of the committed slot around the elements.
+                      const std::uint64_t at = (static_cast<std::uint64_t>(kind) * c.stride + a) * sizeof(float);
+                      const std::uint64_t lo = at / 4096 * 4096;
+                      const std::uint64_t hi = std::min(c.bytes(), detail::round_up(at + n * sizeof(float), 4096));
+                      auto* bounce = reinterpret_cast<std::byte*>(im.bufs[0].state);
+                      Status s = im.swap->read(c.slot[c.committed], bounce, hi - lo, lo).wait();
+                      if (!s.ok()) return s.with_context(str("optimizer read_state of chunk ", ci));
+                      std::memcpy(dst + done, bounce + (at - lo), n * sizeof(float));
+                      return {};
+                    });
+}
+
+Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const float* src, std::uint64_t offset,
+                                       std::uint64_t count) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("write_state"));
+  TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "write_state"));
+  if (count > 0 && src == nullptr) return invalid_argument("optimizer write_state: null source");
+  return for_pieces(im, id, offset, count,
+                    [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
+                      Chunk& c = im.chunks[ci];
+                      if (!im.nvme()) {
+                        std::memcpy(Impl::section(c.host.get(), c, kind) + a, src + done, n * sizeof(float));
+                        return {};
+                      }
+                      // Read the whole chunk, patch it, write it to the shadow slot, switch over.
+                      float* buf = im.bufs[0].state;
+                      Status s = im.swap->read(c.slot[c.committed], buf, c.bytes()).wait();
+                      if (!s.ok()) return s.with_context(str("optimizer write_state: reading chunk ", ci));
+                      std::memcpy(Impl::section(buf, c, kind) + a, src + done, n * sizeof(float));
+                      s = im.swap->write(c.slot[1 - c.committed], buf, c.bytes()).wait();
+                      if (!s.ok()) {
+                        return s.with_context(
+                            str("optimizer write_state: writing chunk ", ci, " (its previous content is intact)"));
+                      }
+                      c.committed ^= 1;
+                      return {};
+                    });
+}
+
+Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("read_params"));
+  TIER_RETURN_IF_ERROR(check_range(im, id, 0, 0, "read_params"));
+  if (!cpu::is_float_dtype(dtype)) {
+    return invalid_argument(str("optimizer read_params: dtype ", dtype_name(dtype), " is not fp32, fp16 or bf16"));
+  }
+  const std::uint64_t numel = im.parts[id].numel;
+  if (dst == nullptr) return invalid_argument("optimizer read_params: null destination");
+  if (dtype == DType::kF32) return read_state(id, StateKind::kMaster, static_cast<float*>(dst), 0, numel);
+  // fp32 slices into buffer 0's staging (read_state bounces through its state part), converted.
+  auto* tmp = reinterpret_cast<float*>(im.bufs[0].staging);
+  for (std::uint64_t off = 0; off < numel; off += im.chunk_elems) {
+    const std::uint64_t n = std::min(im.chunk_elems, numel - off);
+    TIER_RETURN_IF_ERROR(read_state(id, StateKind::kMaster, tmp, off, n));
+    TIER_RETURN_IF_ERROR(cpu::convert(cpu::ConstTensorRef(tmp, DType::kF32, n),
+                                      cpu::TensorRef{static_cast<std::byte*>(dst) + off * dtype_size(dtype), dtype, n}));
+  }
+  return {};
+}
+
+// ------------------------------------------------------------------------------------ diagnostics
+
+Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("measure_io_seconds"));
+  if (!im.nvme()) return failed_precondition("optimizer measure_io_seconds: the state is in host memory; no I/O");
+  const auto t0 = Clock::now();
+  detail::PipelineStats ps;
+  TIER_RETURN_IF_ERROR(detail::run_pipeline(
+      *im.swap, im.chunks, im.bufs, true, true, [](std::size_t, Buffer&) { return Status(); }, &ps));
+  PassReport r;
+  r.seconds = since(t0);
+  r.bytes_read = ps.read.bytes;
+  r.bytes_written = ps.write.bytes;
+  r.elements = im.elements;
+  return r;
+}
+
+Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("measure_update_seconds"));
+  std::vector<cpu::AdamStep> steps;
+  for (const cpu::AdamGroup& g : im.groups) {
+    TIER_ASSIGN_OR_RETURN(cpu::AdamStep s, cpu::AdamStep::make(g.hyper_params(), std::max<std::int64_t>(1, g.step() + 1)));
+    steps.push_back(s);
+  }
+  // Chunks take turns over scratch slots in RAM that together exceed the CPU caches (256 MiB, or
+  // the whole state when smaller), so the pass streams from memory as the step does; the slots
+  // hold sane values (params ~1, zero moments), touched once before timing.
+  const std::uint64_t ce = im.chunk_elems;
+  const std::uint64_t slot_floats = 4 * ce;  // three sections and the staging
+  const std::uint64_t slots = std::max<std::uint64_t>(
+      1, std::min<std::uint64_t>(im.chunks.size(), ((256ull << 20) + slot_floats * 4 - 1) / (slot_floats * 4)));
+  detail::FloatPtr scratch = alloc_floats(slots * slot_floats);
+  if (!scratch) {
+    return resource_exhausted(str("optimizer measure_update_seconds: no memory for ", format_bytes(slots * slot_floats * 4),
+                                  " of scratch"));
+  }
+  for (std::uint64_t k = 0; k < slots; ++k) {
+    float* base = scratch.get() + k * slot_floats;
+    for (std::uint64_t i = 0; i < ce; ++i) base[i] = 1.0f + static_cast<float>(i % 1000) * 1e-3f;
+    std::memset(base + ce, 0, 3 * ce * sizeof(float));
+  }
+  const std::vector<void*> no_dest;
+  const auto t0 = Clock::now();
+  for (std::size_t i = 0; i < im.chunks.size(); ++i) {
+    // The chunk's own stride, inside the slot (stride <= chunk_elems).
+    float* base = scratch.get() + (i % slots) * slot_floats;
+    TIER_RETURN_IF_ERROR(update_chunk(im, im.chunks[i], base, reinterpret_cast<std::byte*>(base + 3 * ce), steps, no_dest));
+  }
+  PassReport r;
+  r.seconds = since(t0);
+  r.elements = im.elements;
+  return r;
+}
+
+OptimizerStats OffloadedOptimizer::stats() const {
+  const Impl& im = *impl_;
+  OptimizerStats s;
+  s.home = im.opt.home;
+  s.partitions = im.parts.size();
+  s.elements = im.elements;
+  s.chunks = im.chunks.size();
+  s.chunk_elements = im.chunk_elems;
+  s.buffer_count = static_cast<unsigned>(im.bufs.size());
+  for (const Buffer& b : im.bufs) s.pinned_bytes += b.block.size();
+  s.accumulator_bytes = im.accumulator_bytes.load();
+  for (const Chunk& c : im.chunks) {
+    if (c.host) s.host_state_bytes += c.bytes();
+    if (c.slot[0]) s.nvme_bytes += c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes();
+  }
+  s.step = im.groups.empty() ? 0 : im.groups[0].step();
+  s.steps_skipped = im.steps_skipped;
+  s.steps_failed = im.steps_failed;
+  return s;
+}
+
+const OffloadedOptimizerOptions& OffloadedOptimizer::options() const noexcept {
+  return impl_->opt;
+}
+
+std::uint64_t OffloadedOptimizer::partition_count() const noexcept {
+  return impl_->parts.size();
+}
+
+std::uint64_t OffloadedOptimizer::partition_numel(PartitionId id) const noexcept {
+  return id < impl_->parts.size() ? impl_->parts[id].numel : 0;
+}
+
+}  // namespace tier::optim

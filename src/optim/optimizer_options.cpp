@@ -1,0 +1,58 @@
+// OffloadedOptimizerOptions::from_config: what a DeepSpeed-style EngineConfig asks of the
+// offloaded optimizer.
+#include <algorithm>
+
+#include "optim/optimizer_impl.hpp"
+#include "tier/offloaded_optimizer.hpp"
+
+namespace tier::optim {
+
+Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const EngineConfig& config,
+                                                                         std::uint64_t max_elements,
+                                                                         Counters* counters) {
+  OffloadedOptimizerOptions o;
+  const OffloadOptimizerConfig& oo = config.offload_optimizer;
+  o.home = oo.device == OffloadDevice::kNvme ? StateHome::kNvme : StateHome::kHost;
+  o.max_elements = max_elements;
+  o.buffer_count = static_cast<unsigned>(std::max(1, oo.buffer_count));
+  o.buffer_bytes = config.tier.optimizer.buffer_bytes;
+  o.chunk_elements = config.tier.optimizer.chunk_elements;
+  // zero_optimization.sub_group_size bounds the elements one optimizer pass handles at a time.
+  const std::uint64_t cap =
+      std::max<std::uint64_t>(detail::kSectionAlign, config.sub_group_size / detail::kSectionAlign * detail::kSectionAlign);
+  if (o.chunk_elements == 0) {
+    const std::uint64_t budget = o.buffer_bytes ? o.buffer_bytes : (256ull << 20);
+    const std::uint64_t auto_chunk = budget / o.buffer_count / 16 / detail::kSectionAlign * detail::kSectionAlign;
+    if (auto_chunk > cap) o.chunk_elements = cap;
+  } else {
+    o.chunk_elements = std::min(o.chunk_elements, cap);
+  }
+
+  cpu::AdamHyperParams hp;
+  hp.lr = config.optimizer.lr;
+  hp.beta1 = config.optimizer.beta1;
+  hp.beta2 = config.optimizer.beta2;
+  hp.eps = config.optimizer.eps;
+  hp.weight_decay = config.optimizer.weight_decay;
+  hp.bias_correction = config.optimizer.bias_correction;
+  hp.decay_mode = config.optimizer.type == OptimizerType::kAdamW || config.optimizer.decoupled_weight_decay
+                      ? cpu::WeightDecayMode::kDecoupled
+                      : cpu::WeightDecayMode::kL2;
+  o.groups = {hp};
+  o.max_grad_norm = config.gradient_clipping;
+  o.loss_scale = LossScaleOptions::from_config(config.fp16);
+  o.gradient_accumulation_steps = config.gradient_accumulation_steps;
+  o.threads = config.tier.optimizer_threads;
+  o.counters = counters;
+  if (o.home == StateHome::kNvme) {
+    o.swap_options = nvme::SwapSpaceOptions::from_config(config, 0, nullptr, counters);
+    if (o.swap_options.paths.empty()) {
+      return invalid_argument(
+          "optimizer: zero_optimization.offload_optimizer.device is nvme but no path is given; set "
+          "offload_optimizer.nvme_path or tier.swap_paths");
+    }
+  }
+  return o;
+}
+
+}  // namespace tier::optim
