@@ -94,7 +94,8 @@ std::vector<std::uint64_t> partition_sizes(std::uint64_t params) {
 }
 
 Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
-  if (!spec.host && spec.paths.empty()) return invalid_argument("--nvme: give the directory for the state (on the SSD)");
+  if (!spec.host && spec.paths.empty())
+    return invalid_argument("--nvme: give the directory for the state (on the SSD)");
   if (spec.params < 1024) return invalid_argument("--params must be at least 1024");
   StepBenchResult res;
   const auto sizes = partition_sizes(spec.params);
@@ -180,10 +181,10 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   auto give_grads = [&]() -> Result<double> {
     const auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < sizes.size(); ++i) {
-      TIER_RETURN_IF_ERROR(opt->add_grad(
-          static_cast<PartitionId>(i),
-          cpu::ConstTensorRef(grads.data() + where[i] * dtype_size(spec.grad), spec.grad, sizes[i]),
-          optim::GradMode::kBorrow));
+      TIER_RETURN_IF_ERROR(
+          opt->add_grad(static_cast<PartitionId>(i),
+                        cpu::ConstTensorRef(grads.data() + where[i] * dtype_size(spec.grad), spec.grad, sizes[i]),
+                        optim::GradMode::kBorrow));
     }
     return seconds_since(t0);
   };
@@ -288,12 +289,12 @@ int run_step(Args& args) {
   if (Status f = args.finish(); s.ok() && !f.ok()) s = f;
   spec.host = home == "host";
   spec.grad = parse_dtype(grad).value();
-  spec.out = out == "none" ? ParamOutput::kNone
+  spec.out = out == "none"   ? ParamOutput::kNone
              : out == "fp16" ? ParamOutput::kF16
              : out == "fp32" ? ParamOutput::kF32
                              : ParamOutput::kBF16;
-  spec.engine = engine == "uring" ? IoEngineKind::kUring
-                : engine == "aio" ? IoEngineKind::kAio
+  spec.engine = engine == "uring"   ? IoEngineKind::kUring
+                : engine == "aio"   ? IoEngineKind::kAio
                 : engine == "posix" ? IoEngineKind::kPosix
                                     : IoEngineKind::kAuto;
   if (s.ok() && (spec.steps < 1 || spec.steps > 100)) s = invalid_argument("--steps: 1 to 100");
@@ -310,52 +311,51 @@ int run_step(Args& args) {
   const auto& m = r->median_report;
   const double ratio = bound(*r) > 0 ? r->step_median / bound(*r) : 0;
   if (json_out) {
-    nlohmann::ordered_json j = {
-        {"params", spec.params},
-        {"partitions", r->partitions},
-        {"home", spec.host ? "host" : "nvme"},
-        {"paths", spec.paths},
-        {"engine", r->engine},
-        {"direct", r->direct},
-        {"state_bytes", r->state_bytes},
-        {"chunk_elements", r->stats.chunk_elements},
-        {"chunks", r->stats.chunks},
-        {"buffer_count", r->stats.buffer_count},
-        {"pinned_bytes", r->stats.pinned_bytes},
-        {"max_rss_bytes", r->max_rss_bytes},
-        {"grad_dtype", dtype_name(spec.grad)},
-        {"out_dtype", optim::param_output_name(spec.out)},
-        {"step_seconds", r->step_median},
-        {"io_bound_seconds", r->io_median},
-        {"compute_bound_seconds", r->compute_median},
-        {"ratio_to_bound", ratio},
-        {"target_ratio", 1.15},
-        {"step_seconds_all", r->step_seconds},
-        {"io_bound_seconds_all", r->io_seconds},
-        {"compute_bound_seconds_all", r->update_seconds},
-        {"register_seconds", r->register_seconds},
-        {"grad_intake_seconds", r->intake_seconds},
-        {"median_step",
-         {{"read_busy_seconds", m.read.busy_seconds},
-          {"write_busy_seconds", m.write.busy_seconds},
-          {"update_busy_seconds", m.update.busy_seconds},
-          {"io_busy_seconds", m.io_busy_seconds},
-          {"update_wait_seconds", m.update_wait_seconds},
-          {"output_seconds", m.output_seconds},
-          {"bytes_read", m.read.bytes},
-          {"bytes_written", m.write.bytes},
-          {"max_transfers_in_flight", m.max_transfers_in_flight},
-          {"grad_norm", m.grad_norm},
-          {"clip_coefficient", m.clip_coefficient}}}};
+    nlohmann::ordered_json j = {{"params", spec.params},
+                                {"partitions", r->partitions},
+                                {"home", spec.host ? "host" : "nvme"},
+                                {"paths", spec.paths},
+                                {"engine", r->engine},
+                                {"direct", r->direct},
+                                {"state_bytes", r->state_bytes},
+                                {"chunk_elements", r->stats.chunk_elements},
+                                {"chunks", r->stats.chunks},
+                                {"buffer_count", r->stats.buffer_count},
+                                {"pinned_bytes", r->stats.pinned_bytes},
+                                {"max_rss_bytes", r->max_rss_bytes},
+                                {"grad_dtype", dtype_name(spec.grad)},
+                                {"out_dtype", optim::param_output_name(spec.out)},
+                                {"step_seconds", r->step_median},
+                                {"io_bound_seconds", r->io_median},
+                                {"compute_bound_seconds", r->compute_median},
+                                {"ratio_to_bound", ratio},
+                                {"target_ratio", 1.15},
+                                {"step_seconds_all", r->step_seconds},
+                                {"io_bound_seconds_all", r->io_seconds},
+                                {"compute_bound_seconds_all", r->update_seconds},
+                                {"register_seconds", r->register_seconds},
+                                {"grad_intake_seconds", r->intake_seconds},
+                                {"median_step",
+                                 {{"read_busy_seconds", m.read.busy_seconds},
+                                  {"write_busy_seconds", m.write.busy_seconds},
+                                  {"update_busy_seconds", m.update.busy_seconds},
+                                  {"io_busy_seconds", m.io_busy_seconds},
+                                  {"update_wait_seconds", m.update_wait_seconds},
+                                  {"output_seconds", m.output_seconds},
+                                  {"bytes_read", m.read.bytes},
+                                  {"bytes_written", m.write.bytes},
+                                  {"max_transfers_in_flight", m.max_transfers_in_flight},
+                                  {"grad_norm", m.grad_norm},
+                                  {"clip_coefficient", m.clip_coefficient}}}};
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
   const std::string where =
       spec.host ? std::string("host home") : str("nvme ", r->engine, r->direct ? " O_DIRECT" : " buffered");
   std::printf("%s\n", str("optimizer step: ", fmt(static_cast<double>(spec.params) / 1e6, 0), "M params (",
-                          r->partitions, " partitions, ", format_bytes(r->state_bytes), " of fp32 state), ", where, ", ",
-                          r->stats.chunks, " chunks x ", r->stats.chunk_elements, " elements, ", r->stats.buffer_count,
-                          " buffers, ", format_bytes(r->stats.pinned_bytes), " pinned")
+                          r->partitions, " partitions, ", format_bytes(r->state_bytes), " of fp32 state), ", where,
+                          ", ", r->stats.chunks, " chunks x ", r->stats.chunk_elements, " elements, ",
+                          r->stats.buffer_count, " buffers, ", format_bytes(r->stats.pinned_bytes), " pinned")
                           .c_str());
   Table t({"what", "seconds (median)", "all", "note"});
   auto all = [](const std::vector<double>& v) {
@@ -364,8 +364,8 @@ int run_step(Args& args) {
     return s;
   };
   t.add({"step", fmt(r->step_median, 3), all(r->step_seconds),
-         str("read busy ", fmt(m.read.busy_seconds, 2), " s, write busy ", fmt(m.write.busy_seconds, 2),
-             " s, update ", fmt(m.update.busy_seconds, 2), " s, update waited ", fmt(m.update_wait_seconds, 2), " s")});
+         str("read busy ", fmt(m.read.busy_seconds, 2), " s, write busy ", fmt(m.write.busy_seconds, 2), " s, update ",
+             fmt(m.update.busy_seconds, 2), " s, update waited ", fmt(m.update_wait_seconds, 2), " s")});
   if (!spec.host) {
     t.add({"io bound (mixed r/w pass)", fmt(r->io_median, 3), all(r->io_seconds),
            str(format_rate(2.0 * static_cast<double>(m.read.bytes) / std::max(r->io_median, 1e-9)), " read+write")});
@@ -411,9 +411,11 @@ Result<std::vector<SummaryRow>> summary_step(bool quick) {
   const double b = bound(r);
   return std::vector<SummaryRow>{
       {str("optimizer step (", fmt(static_cast<double>(spec.params) / 1e6, 0), "M params on NVMe, ", r.engine, ")"),
-       format_seconds(r.step_median), str("max(io ", format_seconds(r.io_median), ", adam ", format_seconds(r.compute_median), ")"),
+       format_seconds(r.step_median),
+       str("max(io ", format_seconds(r.io_median), ", adam ", format_seconds(r.compute_median), ")"),
        b > 0 ? b / r.step_median : 0,
-       str(format_bytes(r.state_bytes), " state, ", format_bytes(r.stats.pinned_bytes), " pinned, target ratio >= 0.87")}};
+       str(format_bytes(r.state_bytes), " state, ", format_bytes(r.stats.pinned_bytes),
+           " pinned, target ratio >= 0.87")}};
 }
 
 const SummaryRegistrar kSummary({40, "optimizer step", summary_step});

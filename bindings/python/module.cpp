@@ -94,13 +94,13 @@ struct PyLease {
   std::uintptr_t data_ptr() const { return lease ? reinterpret_cast<std::uintptr_t>(lease->data()) : 0; }
   std::uint64_t nbytes() const { return lease ? lease->bytes() : 0; }
 
-  nb::ndarray<> as_tensor(std::vector<std::size_t> shape) {
+  nb::ndarray<nb::array_api> as_tensor(std::vector<std::size_t> shape) {
     if (!lease || !lease->valid()) raise(failed_precondition("lease already released"));
     if (lease->data() == nullptr) raise(failed_precondition("a lease on the NVMe tier has no memory to view"));
-    std::size_t n = 1;
-    for (std::size_t s : shape) n *= s;
     const std::size_t numel = lease->bytes() / dtype_size(dtype);
     if (shape.empty()) shape.push_back(numel);
+    std::size_t n = 1;
+    for (std::size_t s : shape) n *= s;
     if (n != numel) raise(invalid_argument(str("as_tensor: shape holds ", n, " elements, the tensor ", numel)));
     struct Keep {
       std::shared_ptr<Lease> lease;
@@ -109,8 +109,8 @@ struct PyLease {
     auto* keep = new Keep{lease, engine_ref};
     nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<Keep*>(p); });
     lease.reset();  // the view owns it now
-    return nb::ndarray<>(keep->lease->data(), shape.size(), shape.data(), owner, nullptr, dl_dtype(dtype), device_type,
-                         device_id);
+    return nb::ndarray<nb::array_api>(keep->lease->data(), shape.size(), shape.data(), owner, nullptr, dl_dtype(dtype),
+                                      device_type, device_id);
   }
 
   void release() {
@@ -202,8 +202,13 @@ nb::dict report_dict(const optim::StepReport& r) {
 }
 
 struct PyOptimizer {
+  nb::object engine_ref;  // the engine whose Counters the optimizer reports into: must outlive `opt`
   std::unique_ptr<optim::OffloadedOptimizer> opt;
-  nb::object engine_ref;  // the engine whose Counters the optimizer reports into
+
+  PyOptimizer() = default;
+  PyOptimizer(PyOptimizer&&) = default;
+  PyOptimizer& operator=(PyOptimizer&&) = default;
+  ~PyOptimizer() { opt.reset(); }
 
   optim::OffloadedOptimizer& get() {
     if (!opt) raise(failed_precondition("the optimizer was closed"));

@@ -27,15 +27,15 @@
 namespace tier::optim {
 
 struct LossScaleOptions {
-  bool enabled = false;         // fp16.enabled: scale gradients at all
-  bool dynamic = true;          // fp16.loss_scale == 0
-  double static_scale = 1.0;    // fp16.loss_scale when not dynamic
-  double initial_scale = 65536;  // 2^fp16.initial_scale_power
-  int window = 1000;            // fp16.loss_scale_window
-  int hysteresis = 2;           // fp16.hysteresis
+  bool enabled = false;                 // fp16.enabled: scale gradients at all
+  bool dynamic = true;                  // fp16.loss_scale == 0
+  double static_scale = 1.0;            // fp16.loss_scale when not dynamic
+  double initial_scale = 65536;         // 2^fp16.initial_scale_power
+  int window = 1000;                    // fp16.loss_scale_window
+  int hysteresis = 2;                   // fp16.hysteresis
   bool consecutive_hysteresis = false;  // fp16.consecutive_hysteresis
-  double min_scale = 1.0;       // fp16.min_loss_scale
-  double factor = 2.0;          // growth and backoff factor
+  double min_scale = 1.0;               // fp16.min_loss_scale
+  double factor = 2.0;                  // growth and backoff factor
 
   // The options DeepSpeed's fp16 section asks for (disabled when fp16.enabled is false).
   static LossScaleOptions from_config(const Fp16Config& fp16);
@@ -47,8 +47,8 @@ struct LossScaleOptions {
 // Everything that changes as steps go by: saved in checkpoints.
 struct LossScaleState {
   double scale = 1.0;
-  std::int64_t iteration = 0;           // update() calls so far
-  std::int64_t last_overflow = -1;      // iteration of the last overflow, -1 for none
+  std::int64_t iteration = 0;       // update() calls so far
+  std::int64_t last_overflow = -1;  // iteration of the last overflow, -1 for none
   int hysteresis_left = 1;
 };
 

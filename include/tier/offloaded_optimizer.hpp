@@ -76,7 +76,7 @@ const char* state_home_name(StateHome h) noexcept;  // "nvme", "host"
 enum class ParamOutput : std::uint8_t { kNone = 0, kF16 = 1, kBF16 = 2, kF32 = 3 };
 const char* param_output_name(ParamOutput o) noexcept;  // "none", "fp16", "bf16", "fp32"
 std::size_t param_output_size(ParamOutput o) noexcept;  // bytes per element: 0, 2, 2, 4
-DType param_output_dtype(ParamOutput o) noexcept;      // kF16, kBF16 or kF32 (kF32 for none)
+DType param_output_dtype(ParamOutput o) noexcept;       // kF16, kBF16 or kF32 (kF32 for none)
 
 // One of the three fp32 arrays of a partition's state.
 enum class StateKind : std::uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
@@ -184,14 +184,14 @@ struct StreamReport {
 };
 
 struct StepReport {
-  std::int64_t step = 0;     // group 0's step counter afterwards
-  bool applied = false;      // false: skipped (non-finite gradient)
-  bool overflow = false;     // some gradient was inf/nan
-  double grad_norm = 0;      // global L2 norm of the unscaled gradient (inf/nan on overflow)
+  std::int64_t step = 0;        // group 0's step counter afterwards
+  bool applied = false;         // false: skipped (non-finite gradient)
+  bool overflow = false;        // some gradient was inf/nan
+  double grad_norm = 0;         // global L2 norm of the unscaled gradient (inf/nan on overflow)
   double clip_coefficient = 1;  // factor applied for clipping (1: none)
-  double loss_scale = 1;     // the scale the gradients carried
+  double loss_scale = 1;        // the scale the gradients carried
   double next_loss_scale = 1;
-  double seconds = 0;        // wall time of step()
+  double seconds = 0;  // wall time of step()
   StreamReport read, update, write;
   double io_busy_seconds = 0;      // wall time with any transfer (read or write) in flight
   double update_wait_seconds = 0;  // time the updater waited for a chunk to arrive

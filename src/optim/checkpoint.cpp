@@ -175,8 +175,8 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
                                 im.parts.size(), "; it belongs to another model"));
   }
   if (groups.size() != im.groups.size()) {
-    return invalid_argument(str("checkpoint ", path, " holds ", groups.size(), " parameter groups but this optimizer has ",
-                                im.groups.size()));
+    return invalid_argument(str("checkpoint ", path, " holds ", groups.size(),
+                                " parameter groups but this optimizer has ", im.groups.size()));
   }
   for (std::size_t i = 0; i < parts.size(); ++i) {
     const json& p = parts[i];
@@ -209,8 +209,8 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
     hp.beta2 = j["beta2"].get<double>();
     hp.eps = j["eps"].get<double>();
     hp.weight_decay = j["weight_decay"].get<double>();
-    hp.decay_mode = j["decay_mode"].get<std::string>() == "l2" ? cpu::WeightDecayMode::kL2
-                                                               : cpu::WeightDecayMode::kDecoupled;
+    hp.decay_mode =
+        j["decay_mode"].get<std::string>() == "l2" ? cpu::WeightDecayMode::kL2 : cpu::WeightDecayMode::kDecoupled;
     hp.bias_correction = j["bias_correction"].get<bool>();
     if (Status s = hp.validate(); !s.ok()) return bad(str("parameter group ", g, ": ", s.message()));
     const auto step = j["step"].get<std::int64_t>();
@@ -259,8 +259,8 @@ class RecordReader {
         for (int s = 0; s < 3; ++s) {
           if (run_[s] != crc_[s]) {
             return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_, ", elements [",
-                                 offset_, ", ", offset_ + count_, ")) fails its ", state_kind_name(static_cast<StateKind>(s)),
-                                 " checksum; the file is corrupt"));
+                                 offset_, ", ", offset_ + count_, ")) fails its ",
+                                 state_kind_name(static_cast<StateKind>(s)), " checksum; the file is corrupt"));
           }
         }
       }
@@ -285,8 +285,8 @@ class RecordReader {
                            get<std::uint64_t>(t, 8), " records claimed, ", records_, " read)"));
     }
     if (pos_ + kTrailerBytes != size_) {
-      return data_loss(str("checkpoint ", path_, ": ", size_ - pos_ - kTrailerBytes,
-                           " unexpected bytes follow the trailer"));
+      return data_loss(
+          str("checkpoint ", path_, ": ", size_ - pos_ - kTrailerBytes, " unexpected bytes follow the trailer"));
     }
     return {};
   }
@@ -294,8 +294,8 @@ class RecordReader {
  private:
   Status next_record() {
     if (pos_ + kRecordBytes + kTrailerBytes > size_) {
-      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", expect_,
-                           " of ", im_.elements, "; it is truncated"));
+      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", expect_, " of ",
+                           im_.elements, "; it is truncated"));
     }
     std::uint8_t h[kRecordBytes];
     TIER_RETURN_IF_ERROR(read_exact(fd_, h, kRecordBytes, pos_, path_));
@@ -315,7 +315,8 @@ class RecordReader {
     payload_ = pos_ + kRecordBytes;
     pos_ = payload_ + 12 * count_;
     if (pos_ + kTrailerBytes > size_) {
-      return data_loss(str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
+      return data_loss(
+          str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
     }
     chain_ = crc32c_extend(chain_, h, kRecordBytes);
     ++records_;
@@ -455,7 +456,8 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   }
   const auto meta_bytes = get<std::uint64_t>(header, 16);
   if (meta_bytes > kMaxMetaBytes || kHeaderBytes + meta_bytes + kTrailerBytes > size) {
-    return data_loss(str("checkpoint ", path, ": the metadata (", meta_bytes, " bytes) does not fit in the file; it is "
+    return data_loss(str("checkpoint ", path, ": the metadata (", meta_bytes,
+                         " bytes) does not fit in the file; it is "
                          "truncated or corrupt"));
   }
   std::string meta(meta_bytes, '\0');

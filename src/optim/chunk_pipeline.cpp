@@ -200,8 +200,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 
 }  // namespace
 
-Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read,
-                    bool write, const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats) {
+Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
+                    const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats) {
   if (bufs.empty()) return internal_error("optimizer pipeline: no buffers");
   auto p = std::make_shared<Pipeline>(swap, chunks, bufs, read, write);
   return p->run(process, stats);

@@ -26,7 +26,7 @@ struct PipelineStats {
 };
 
 // process(i, buffer) handles chunk i in `buffer` (laid out with chunk i's stride).
-Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read,
-                    bool write, const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats);
+Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
+                    const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats);
 
 }  // namespace tier::optim::detail

@@ -49,7 +49,7 @@ std::uint32_t extend_table(std::uint32_t crc, const std::uint8_t* p, std::size_t
 
 #ifdef TIER_CRC32C_X86
 __attribute__((target("sse4.2"))) std::uint32_t extend_sse42(std::uint32_t crc, const std::uint8_t* p,
-                                                              std::size_t n) noexcept {
+                                                             std::size_t n) noexcept {
   std::uint64_t c = ~crc;
   while (n >= 8) {
     std::uint64_t w;

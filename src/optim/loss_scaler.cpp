@@ -29,7 +29,8 @@ Status LossScaleOptions::validate() const {
   TIER_RETURN_IF_ERROR(positive(static_scale, "static_scale (fp16.loss_scale)"));
   TIER_RETURN_IF_ERROR(positive(initial_scale, "initial_scale (2^fp16.initial_scale_power)"));
   TIER_RETURN_IF_ERROR(positive(min_scale, "min_scale (fp16.min_loss_scale)"));
-  if (window < 1) return invalid_argument(str("loss scale: window ", window, " must be at least 1 (fp16.loss_scale_window)"));
+  if (window < 1)
+    return invalid_argument(str("loss scale: window ", window, " must be at least 1 (fp16.loss_scale_window)"));
   if (hysteresis < 1) {
     return invalid_argument(str("loss scale: hysteresis ", hysteresis, " must be at least 1 (fp16.hysteresis)"));
   }

@@ -207,7 +207,8 @@ OffloadedOptimizer::~OffloadedOptimizer() {
 
 Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const OffloadedOptimizerOptions& options) {
   const OffloadedOptimizerOptions& o = options;
-  if (o.home != StateHome::kNvme && o.home != StateHome::kHost) return invalid_argument("optimizer: unknown state home");
+  if (o.home != StateHome::kNvme && o.home != StateHome::kHost)
+    return invalid_argument("optimizer: unknown state home");
   if (o.buffer_count < 1 || o.buffer_count > 1024) {
     return invalid_argument(str("optimizer: buffer_count ", o.buffer_count,
                                 " must be from 1 to 1024 (zero_optimization.offload_optimizer.buffer_count)"));
@@ -290,7 +291,8 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     auto block = im->arena->try_allocate(buf_bytes, align);
     if (!block.ok()) {
       return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", o.buffer_count, " (",
-                                             format_bytes(buf_bytes), " each; lower buffer_bytes or buffer_count, "
+                                             format_bytes(buf_bytes),
+                                             " each; lower buffer_bytes or buffer_count, "
                                              "or give an arena with room)"));
     }
     Buffer buf;
@@ -347,7 +349,8 @@ Status open_chunk(OffloadedOptimizer::Impl& im, PartitionId first) {
       Status s = b.pending.wait();
       b.pending = nvme::IoFuture();
       if (!s.ok()) {
-        im.poisoned = s.with_context("writing the initial state of a chunk during registration (create a new optimizer)");
+        im.poisoned =
+            s.with_context("writing the initial state of a chunk during registration (create a new optimizer)");
         return im.poisoned;
       }
     }
@@ -490,8 +493,8 @@ Status OffloadedOptimizer::add_grad(PartitionId id, cpu::ConstTensorRef grad, Gr
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("add_grad"));
   if (id >= im.parts.size()) {
-    return invalid_argument(str("optimizer add_grad: partition ", id, " does not exist (", im.parts.size(),
-                                " partitions)"));
+    return invalid_argument(
+        str("optimizer add_grad: partition ", id, " does not exist (", im.parts.size(), " partitions)"));
   }
   Partition& p = im.parts[id];
   if (grad.numel != p.numel) {
@@ -538,8 +541,8 @@ Status OffloadedOptimizer::add_grad(PartitionId id, cpu::ConstTensorRef grad, Gr
       im.report_resident(static_cast<std::int64_t>(bytes), 0);
     }
     double s = 0;
-    const Status st = detail::accumulate_grad(p.acc.get(), grad, p.contributions == 0, final ? &s : nullptr,
-                                              im.workers.get());
+    const Status st =
+        detail::accumulate_grad(p.acc.get(), grad, p.contributions == 0, final ? &s : nullptr, im.workers.get());
     if (!st.ok()) return st.with_context(str("optimizer add_grad: ", partition_label(id, p)));
     p.grad = p.acc.get();
     p.grad_dtype = DType::kF32;
@@ -682,8 +685,9 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   Status st;
   if (im.nvme()) {
     detail::PipelineStats ps;
-    st = detail::run_pipeline(*im.swap, im.chunks, im.bufs, true, true,
-                              [&](std::size_t i, Buffer& b) { return process(i, b.state, b.staging); }, &ps);
+    st = detail::run_pipeline(
+        *im.swap, im.chunks, im.bufs, true, true,
+        [&](std::size_t i, Buffer& b) { return process(i, b.state, b.staging); }, &ps);
     r.read = ps.read;
     r.write = ps.write;
     r.update = ps.update;
@@ -775,8 +779,8 @@ namespace {
 Status check_range(const OffloadedOptimizer::Impl& im, PartitionId id, std::uint64_t offset, std::uint64_t count,
                    const char* what) {
   if (id >= im.parts.size()) {
-    return invalid_argument(str("optimizer ", what, ": partition ", id, " does not exist (", im.parts.size(),
-                                " partitions)"));
+    return invalid_argument(
+        str("optimizer ", what, ": partition ", id, " does not exist (", im.parts.size(), " partitions)"));
   }
   const Partition& p = im.parts[id];
   if (offset > p.numel || count > p.numel - offset) {
@@ -839,26 +843,25 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
   TIER_RETURN_IF_ERROR(im.usable("write_state"));
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "write_state"));
   if (count > 0 && src == nullptr) return invalid_argument("optimizer write_state: null source");
-  return for_pieces(im, id, offset, count,
-                    [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
-                      Chunk& c = im.chunks[ci];
-                      if (!im.nvme()) {
-                        std::memcpy(Impl::section(c.host.get(), c, kind) + a, src + done, n * sizeof(float));
-                        return {};
-                      }
-                      // Read the whole chunk, patch it, write it to the shadow slot, switch over.
-                      float* buf = im.bufs[0].state;
-                      Status s = im.swap->read(c.slot[c.committed], buf, c.bytes()).wait();
-                      if (!s.ok()) return s.with_context(str("optimizer write_state: reading chunk ", ci));
-                      std::memcpy(Impl::section(buf, c, kind) + a, src + done, n * sizeof(float));
-                      s = im.swap->write(c.slot[1 - c.committed], buf, c.bytes()).wait();
-                      if (!s.ok()) {
-                        return s.with_context(
-                            str("optimizer write_state: writing chunk ", ci, " (its previous content is intact)"));
-                      }
-                      c.committed ^= 1;
-                      return {};
-                    });
+  return for_pieces(
+      im, id, offset, count, [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
+        Chunk& c = im.chunks[ci];
+        if (!im.nvme()) {
+          std::memcpy(Impl::section(c.host.get(), c, kind) + a, src + done, n * sizeof(float));
+          return {};
+        }
+        // Read the whole chunk, patch it, write it to the shadow slot, switch over.
+        float* buf = im.bufs[0].state;
+        Status s = im.swap->read(c.slot[c.committed], buf, c.bytes()).wait();
+        if (!s.ok()) return s.with_context(str("optimizer write_state: reading chunk ", ci));
+        std::memcpy(Impl::section(buf, c, kind) + a, src + done, n * sizeof(float));
+        s = im.swap->write(c.slot[1 - c.committed], buf, c.bytes()).wait();
+        if (!s.ok()) {
+          return s.with_context(str("optimizer write_state: writing chunk ", ci, " (its previous content is intact)"));
+        }
+        c.committed ^= 1;
+        return {};
+      });
 }
 
 Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
@@ -876,8 +879,9 @@ Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
   for (std::uint64_t off = 0; off < numel; off += im.chunk_elems) {
     const std::uint64_t n = std::min(im.chunk_elems, numel - off);
     TIER_RETURN_IF_ERROR(read_state(id, StateKind::kMaster, tmp, off, n));
-    TIER_RETURN_IF_ERROR(cpu::convert(cpu::ConstTensorRef(tmp, DType::kF32, n),
-                                      cpu::TensorRef{static_cast<std::byte*>(dst) + off * dtype_size(dtype), dtype, n}));
+    TIER_RETURN_IF_ERROR(
+        cpu::convert(cpu::ConstTensorRef(tmp, DType::kF32, n),
+                     cpu::TensorRef{static_cast<std::byte*>(dst) + off * dtype_size(dtype), dtype, n}));
   }
   return {};
 }
@@ -905,7 +909,8 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   TIER_RETURN_IF_ERROR(im.usable("measure_update_seconds"));
   std::vector<cpu::AdamStep> steps;
   for (const cpu::AdamGroup& g : im.groups) {
-    TIER_ASSIGN_OR_RETURN(cpu::AdamStep s, cpu::AdamStep::make(g.hyper_params(), std::max<std::int64_t>(1, g.step() + 1)));
+    TIER_ASSIGN_OR_RETURN(cpu::AdamStep s,
+                          cpu::AdamStep::make(g.hyper_params(), std::max<std::int64_t>(1, g.step() + 1)));
     steps.push_back(s);
   }
   // Chunks take turns over scratch slots in RAM that together exceed the CPU caches (256 MiB, or
@@ -917,8 +922,8 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
       1, std::min<std::uint64_t>(im.chunks.size(), ((256ull << 20) + slot_floats * 4 - 1) / (slot_floats * 4)));
   detail::FloatPtr scratch = alloc_floats(slots * slot_floats);
   if (!scratch) {
-    return resource_exhausted(str("optimizer measure_update_seconds: no memory for ", format_bytes(slots * slot_floats * 4),
-                                  " of scratch"));
+    return resource_exhausted(
+        str("optimizer measure_update_seconds: no memory for ", format_bytes(slots * slot_floats * 4), " of scratch"));
   }
   for (std::uint64_t k = 0; k < slots; ++k) {
     float* base = scratch.get() + k * slot_floats;
@@ -930,7 +935,8 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   for (std::size_t i = 0; i < im.chunks.size(); ++i) {
     // The chunk's own stride, inside the slot (stride <= chunk_elems).
     float* base = scratch.get() + (i % slots) * slot_floats;
-    TIER_RETURN_IF_ERROR(update_chunk(im, im.chunks[i], base, reinterpret_cast<std::byte*>(base + 3 * ce), steps, no_dest));
+    TIER_RETURN_IF_ERROR(
+        update_chunk(im, im.chunks[i], base, reinterpret_cast<std::byte*>(base + 3 * ce), steps, no_dest));
   }
   PassReport r;
   r.seconds = since(t0);

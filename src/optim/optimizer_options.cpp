@@ -18,8 +18,8 @@ Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const E
   o.buffer_bytes = config.tier.optimizer.buffer_bytes;
   o.chunk_elements = config.tier.optimizer.chunk_elements;
   // zero_optimization.sub_group_size bounds the elements one optimizer pass handles at a time.
-  const std::uint64_t cap =
-      std::max<std::uint64_t>(detail::kSectionAlign, config.sub_group_size / detail::kSectionAlign * detail::kSectionAlign);
+  const std::uint64_t cap = std::max<std::uint64_t>(
+      detail::kSectionAlign, config.sub_group_size / detail::kSectionAlign * detail::kSectionAlign);
   if (o.chunk_elements == 0) {
     const std::uint64_t budget = o.buffer_bytes ? o.buffer_bytes : (256ull << 20);
     const std::uint64_t auto_chunk = budget / o.buffer_count / 16 / detail::kSectionAlign * detail::kSectionAlign;

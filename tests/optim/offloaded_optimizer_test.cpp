@@ -166,8 +166,9 @@ TEST_P(OptimizerHome, MissingAndPartialGradients) {
     for (std::size_t i = 0; i < model.size(); ++i) {
       if (i == 3 || (i == 1 && micro == 1)) continue;
       auto g = test::make_grad(model[i].numel, DType::kF32, test::grad_seed(1, micro, i));
-      ASSERT_TRUE(rig->opt().add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF32,
-                                                                                        model[i].numel)).ok());
+      ASSERT_TRUE(rig->opt()
+                      .add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF32, model[i].numel))
+                      .ok());
       ref.add_grad(i, g.data(), DType::kF32);
     }
   }
@@ -198,13 +199,15 @@ TEST_P(OptimizerHome, Fp16OverflowSkipsTheStepAndBacksOffTheScale) {
   auto scaled_step = [&](std::uint64_t step, bool poison) -> Result<StepReport> {
     const double scale = rig->opt().loss_scale();
     for (std::size_t i = 0; i < model.size(); ++i) {
-      auto g = test::make_grad(model[i].numel, DType::kF16, test::grad_seed(step, 0, i), static_cast<float>(1e-3 * scale));
+      auto g =
+          test::make_grad(model[i].numel, DType::kF16, test::grad_seed(step, 0, i), static_cast<float>(1e-3 * scale));
       if (poison && i == 1) {
         const std::uint16_t inf = 0x7C00;
         std::memcpy(g.data() + 2 * 4321, &inf, 2);
       }
-      EXPECT_TRUE(rig->opt().add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF16,
-                                                                                        model[i].numel)).ok());
+      EXPECT_TRUE(rig->opt()
+                      .add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF16, model[i].numel))
+                      .ok());
       ref.add_grad(i, g.data(), DType::kF16);
     }
     EXPECT_EQ(ref.step(scale, 0), !poison);
@@ -273,7 +276,8 @@ TEST_P(OptimizerHome, SinkErrorStillAppliesTheStep) {
   for (std::size_t i = 0; i < model.size(); ++i) {
     if (model[i].output == ParamOutput::kNone) continue;
     std::vector<std::uint8_t> got(model[i].numel * 4);
-    ASSERT_TRUE(rig->opt().read_params(static_cast<PartitionId>(i), param_output_dtype(model[i].output), got.data()).ok());
+    ASSERT_TRUE(
+        rig->opt().read_params(static_cast<PartitionId>(i), param_output_dtype(model[i].output), got.data()).ok());
     EXPECT_EQ(std::memcmp(got.data(), ref.out(i).data(), model[i].numel * param_output_size(model[i].output)), 0)
         << "partition " << i;
   }

@@ -179,8 +179,8 @@ inline ::testing::AssertionResult same_bits(const float* a, const float* b, std:
   if (std::memcmp(a, b, n * sizeof(float)) == 0) return ::testing::AssertionSuccess();
   for (std::uint64_t i = 0; i < n; ++i) {
     if (std::memcmp(a + i, b + i, sizeof(float)) != 0) {
-      return ::testing::AssertionFailure() << what << ": element " << i << " is " << a[i] << " but the reference has "
-                                           << b[i];
+      return ::testing::AssertionFailure()
+             << what << ": element " << i << " is " << a[i] << " but the reference has " << b[i];
     }
   }
   return ::testing::AssertionFailure() << what << ": differs";
@@ -329,9 +329,9 @@ inline void feed(OffloadedOptimizer& opt, Reference& ref, std::uint64_t step, in
   for (int micro = 0; micro < micro_steps; ++micro) {
     for (std::size_t i = 0; i < ref.model().size(); ++i) {
       auto g = make_grad(ref.model()[i].numel, dtype, grad_seed(step, micro, i), scale);
-      ASSERT_TRUE(opt.add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), dtype, ref.model()[i].numel),
-                               mode)
-                      .ok());
+      ASSERT_TRUE(
+          opt.add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), dtype, ref.model()[i].numel), mode)
+              .ok());
       ref.add_grad(i, g.data(), dtype);
       if (keep) keep->push_back(std::move(g));
     }

@@ -98,10 +98,10 @@ TEST_P(OptimizerFaults, LastWriteOfTheStepFails) {
   good_step(1);
   // The step writes every chunk once; fail a request of the last one.
   const std::uint64_t chunks = rig_->opt().stats().chunks;
-  const std::uint64_t last_chunk_bytes = (test::total_elements(ref_->model()) - (chunks - 1) * 2048 + 1023) / 1024 *
-                                         1024 * 12;
-  const std::uint64_t requests = (chunks - 1) * (2048 * 12 / (16 << 10) + 1) + (last_chunk_bytes + (16 << 10) - 1) /
-                                                                                     (16 << 10);
+  const std::uint64_t last_chunk_bytes =
+      (test::total_elements(ref_->model()) - (chunks - 1) * 2048 + 1023) / 1024 * 1024 * 12;
+  const std::uint64_t requests =
+      (chunks - 1) * (2048 * 12 / (16 << 10) + 1) + (last_chunk_bytes + (16 << 10) - 1) / (16 << 10);
   rig_->faults()->fail_nth(requests, EIO, nvme::IoOp::kWrite);
   failing_step_then_retry(2, StatusCode::kIoError);
 }

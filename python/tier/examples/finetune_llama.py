@@ -37,15 +37,17 @@ def fmt_bytes(n):
     return f"{n:.1f} TiB"
 
 
-def corpus_bytes():
-    """Text shipped with tier: its own docs (installed package: its docstrings as a fallback)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+def corpus_bytes(where):
+    """Text shipped with tier: the Markdown files of its docs folder (``--corpus``), else the
+    package's own docstrings."""
     texts = []
-    for root in (os.path.join(here, "..", "..", "..", "docs"), os.path.join(here, "..", "..", "..", "README.md")):
-        for path in sorted(glob.glob(os.path.join(root, "*.md"))) if os.path.isdir(root) else [root]:
-            if os.path.isfile(path):
+    for root in (where, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "docs")):
+        if root and os.path.isdir(root):
+            for path in sorted(glob.glob(os.path.join(root, "*.md"))):
                 with open(path, "rb") as f:
                     texts.append(f.read())
+            if texts:
+                break
     if not texts:
         import tier.torch.engine as e
 
@@ -109,6 +111,7 @@ def main(argv=None):
     p.add_argument("--device-fraction", type=float, default=0.4, help="device budget as a fraction of the model")
     p.add_argument("--swap-dir", default=os.path.join(os.getcwd(), "tier-swap"))
     p.add_argument("--config", help="a DeepSpeed-format JSON config instead of the built-in one")
+    p.add_argument("--corpus", default="docs", help="folder of Markdown files to train on (default: ./docs)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
 
@@ -123,7 +126,7 @@ def main(argv=None):
           f"{fmt_bytes(s0['tiers']['device']['budget_bytes'])}; params and optimizer state on NVMe in {args.swap_dir} "
           f"({s0['info'].get('io_engine', '?')})", flush=True)
 
-    data = corpus_bytes()
+    data = corpus_bytes(args.corpus)
     g = torch.Generator().manual_seed(args.seed)
     tokens_per_step = args.batch * args.seq * args.gas
     history = []

@@ -219,9 +219,11 @@ class TierEngine(torch.nn.Module):
             self._hook_handles.append(
                 mod.register_full_backward_pre_hook(lambda m, grad_out, r=ref: r()._fetch_for_backward(m))
             )
-            self._hook_handles.append(
-                mod.register_full_backward_hook(lambda m, gin, gout, r=ref: r()._after_module_backward(m))
-            )
+            if any(not s.trainable for s in owned):
+                # Only parameters without gradients need the end of the module's backward.
+                self._hook_handles.append(
+                    mod.register_full_backward_hook(lambda m, gin, gout, r=ref: r()._after_module_backward(m))
+                )
         for slot in self._slots:
             if slot.trainable:
                 ref = weakref.ref(self)
