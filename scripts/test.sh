@@ -13,7 +13,8 @@ start=$(date +%s)
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 (cd build-asan && ctest --output-on-failure -j "$(nproc)" -LE lint)
 
-if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
-  .venv/bin/python -m pytest -q tests/python
-fi
+# The Python package as users get it: `pip install .` from the repo root, then its tests, run from
+# outside the source tree so that the installed package is the one imported.
+.venv/bin/python -m pip install -q --disable-pip-version-check .
+(cd tests/python && ../../.venv/bin/python -m pytest -q -p no:cacheprovider .)
 echo "test.sh: every test passed in $(( $(date +%s) - start )) s"

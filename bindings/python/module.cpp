@@ -12,8 +12,11 @@
 #include <cstring>
 
 #include "tier/config.hpp"
+#include "tier/cpu_kernels.hpp"
 #include "tier/device.hpp"
 #include "tier/engine.hpp"
+#include "tier/offloaded_optimizer.hpp"
+#include "tier/stats.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -91,13 +94,13 @@ struct PyLease {
   std::uintptr_t data_ptr() const { return lease ? reinterpret_cast<std::uintptr_t>(lease->data()) : 0; }
   std::uint64_t nbytes() const { return lease ? lease->bytes() : 0; }
 
-  nb::ndarray<> as_tensor(std::vector<std::size_t> shape) {
+  nb::ndarray<nb::array_api> as_tensor(std::vector<std::size_t> shape) {
     if (!lease || !lease->valid()) raise(failed_precondition("lease already released"));
     if (lease->data() == nullptr) raise(failed_precondition("a lease on the NVMe tier has no memory to view"));
-    std::size_t n = 1;
-    for (std::size_t s : shape) n *= s;
     const std::size_t numel = lease->bytes() / dtype_size(dtype);
     if (shape.empty()) shape.push_back(numel);
+    std::size_t n = 1;
+    for (std::size_t s : shape) n *= s;
     if (n != numel) raise(invalid_argument(str("as_tensor: shape holds ", n, " elements, the tensor ", numel)));
     struct Keep {
       std::shared_ptr<Lease> lease;
@@ -106,8 +109,8 @@ struct PyLease {
     auto* keep = new Keep{lease, engine_ref};
     nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<Keep*>(p); });
     lease.reset();  // the view owns it now
-    return nb::ndarray<>(keep->lease->data(), shape.size(), shape.data(), owner, nullptr, dl_dtype(dtype), device_type,
-                         device_id);
+    return nb::ndarray<nb::array_api>(keep->lease->data(), shape.size(), shape.data(), owner, nullptr, dl_dtype(dtype),
+                                      device_type, device_id);
   }
 
   void release() {
@@ -115,6 +118,116 @@ struct PyLease {
     lease.reset();
   }
 };
+
+DType dtype_of(const nb::dlpack::dtype& d) {
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 32) return DType::kF32;
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16) return DType::kF16;
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) return DType::kBF16;
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 64) return DType::kF64;
+  raise(invalid_argument("expected a float32, float16 or bfloat16 array"));
+}
+
+optim::ParamOutput output_of(const std::string& s) {
+  if (s == "none") return optim::ParamOutput::kNone;
+  if (s == "fp16") return optim::ParamOutput::kF16;
+  if (s == "bf16") return optim::ParamOutput::kBF16;
+  if (s == "fp32") return optim::ParamOutput::kF32;
+  raise(invalid_argument(str("output dtype '", s, "' is not one of: none, fp16, bf16, fp32")));
+}
+
+// Writes the updated low-precision params of each partition into its engine tensor: a host write
+// lease per partition, opened at its first piece and released after its last (pieces arrive in
+// order), so the host holds at most one parameter's worth beyond the optimizer's own buffers.
+class EngineParamSink {
+ public:
+  EngineParamSink(Engine& e, const std::vector<std::int64_t>& tensors, const optim::OffloadedOptimizer& opt)
+      : engine_(e), tensors_(tensors), opt_(opt) {}
+
+  Status on_output(const optim::OutputChunk& c) {
+    if (c.partition >= tensors_.size() || tensors_[c.partition] < 0) return Status::Ok();
+    if (!open_ || current_ != c.partition) {
+      TIER_RETURN_IF_ERROR(close());
+      TIER_ASSIGN_OR_RETURN(
+          lease_, engine_.acquire_now(static_cast<TensorId>(tensors_[c.partition]), Tier::kHost, Access::kWrite));
+      open_ = true;
+      current_ = c.partition;
+      written_ = 0;
+    }
+    const std::size_t esize = optim::param_output_size(c.dtype);
+    if ((c.offset + c.numel) * esize > lease_.bytes()) {
+      return internal_error(str("partition ", c.partition, ": output past the end of its tensor"));
+    }
+    std::memcpy(static_cast<char*>(lease_.data()) + c.offset * esize, c.data, c.numel * esize);
+    written_ += c.numel;
+    if (written_ == opt_.partition_numel(c.partition)) return close();
+    return Status::Ok();
+  }
+
+  Status close() {
+    if (!open_) return Status::Ok();
+    open_ = false;
+    return lease_.release();
+  }
+
+ private:
+  Engine& engine_;
+  const std::vector<std::int64_t>& tensors_;
+  const optim::OffloadedOptimizer& opt_;
+  Lease lease_;
+  bool open_ = false;
+  optim::PartitionId current_ = 0;
+  std::uint64_t written_ = 0;
+};
+
+nb::dict report_dict(const optim::StepReport& r) {
+  nb::dict d;
+  d["step"] = r.step;
+  d["applied"] = r.applied;
+  d["overflow"] = r.overflow;
+  d["grad_norm"] = r.grad_norm;
+  d["clip_coefficient"] = r.clip_coefficient;
+  d["loss_scale"] = r.loss_scale;
+  d["next_loss_scale"] = r.next_loss_scale;
+  d["seconds"] = r.seconds;
+  d["read_bytes"] = r.read.bytes;
+  d["write_bytes"] = r.write.bytes;
+  d["read_busy_seconds"] = r.read.busy_seconds;
+  d["write_busy_seconds"] = r.write.busy_seconds;
+  d["update_busy_seconds"] = r.update.busy_seconds;
+  d["io_busy_seconds"] = r.io_busy_seconds;
+  d["update_wait_seconds"] = r.update_wait_seconds;
+  d["output_seconds"] = r.output_seconds;
+  d["chunks"] = r.chunks;
+  return d;
+}
+
+struct PyOptimizer {
+  nb::object engine_ref;  // the engine whose Counters the optimizer reports into: must outlive `opt`
+  std::unique_ptr<optim::OffloadedOptimizer> opt;
+
+  PyOptimizer() = default;
+  PyOptimizer(PyOptimizer&&) = default;
+  PyOptimizer& operator=(PyOptimizer&&) = default;
+  ~PyOptimizer() { opt.reset(); }
+
+  optim::OffloadedOptimizer& get() {
+    if (!opt) raise(failed_precondition("the optimizer was closed"));
+    return *opt;
+  }
+};
+
+cpu::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, double wd, bool decoupled,
+                           bool bias_correction) {
+  cpu::AdamHyperParams hp;
+  hp.lr = lr;
+  hp.beta1 = beta1;
+  hp.beta2 = beta2;
+  hp.eps = eps;
+  hp.weight_decay = wd;
+  hp.decay_mode = decoupled ? cpu::WeightDecayMode::kDecoupled : cpu::WeightDecayMode::kL2;
+  hp.bias_correction = bias_correction;
+  return hp;
+}
 
 }  // namespace
 
@@ -201,8 +314,12 @@ NB_MODULE(_tier, m) {
             const Tier h = unwrap(parse_tier(home));
             const void* src = nullptr;
             if (!initial.is_none()) src = host_view(initial, d.bytes(), str("register '", name, "'").c_str()).data;
-            nb::gil_scoped_release unlocked;
-            return unwrap(e.register_tensor(d, h, src));
+            Result<TensorId> id{Status(StatusCode::kInternal, "not registered")};
+            {
+              nb::gil_scoped_release unlocked;
+              id = e.register_tensor(d, h, src);
+            }
+            return unwrap(std::move(id));
           },
           "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host", "initial"_a = nb::none())
       .def("unregister", [](Engine& e, TensorId id) { check(e.unregister_tensor(id)); })
@@ -246,8 +363,12 @@ NB_MODULE(_tier, m) {
                                        info.desc.bytes(), " bytes")));
             }
             void* dst = a.data();
-            nb::gil_scoped_release unlocked;
-            check(e.read(id, dst));
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = e.read(id, dst);
+            }
+            check(s);
           },
           "id"_a, "out"_a)
       .def(
@@ -255,8 +376,12 @@ NB_MODULE(_tier, m) {
           [](Engine& e, TensorId id, nb::handle src) {
             auto info = unwrap(e.info(id));
             const void* p = host_view(src, info.desc.bytes(), str("write '", info.desc.name, "'").c_str()).data;
-            nb::gil_scoped_release unlocked;
-            check(e.write(id, p));
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = e.write(id, p);
+            }
+            check(s);
           },
           "id"_a, "src"_a)
       .def("flush",
@@ -292,8 +417,197 @@ NB_MODULE(_tier, m) {
       .def(
           "stats_json", [](const Engine& e, int indent) { return e.stats().to_json(indent); }, "indent"_a = -1)
       .def("check_invariants", [](const Engine& e) { check(e.check_invariants()); })
+      .def(
+          "note_transfer",
+          [](Engine& e, const std::string& link, std::uint64_t bytes, double seconds) {
+            Link l;
+            if (link == "device_to_host") {
+              l = Link::kDeviceToHost;
+            } else if (link == "host_to_device") {
+              l = Link::kHostToDevice;
+            } else if (link == "nvme_to_host") {
+              l = Link::kNvmeToHost;
+            } else if (link == "host_to_nvme") {
+              l = Link::kHostToNvme;
+            } else {
+              raise(invalid_argument(str("link '", link,
+                                         "' is not one of: device_to_host, host_to_device, "
+                                         "nvme_to_host, host_to_nvme")));
+            }
+            e.counters().record(l, bytes, seconds);
+          },
+          "link"_a, "bytes"_a, "seconds"_a)
+      .def_prop_ro("device_id", [](Engine& e) { return e.device().info().device_id; })
       .def_prop_ro("device_name", [](Engine& e) { return e.device().info().name; })
       .def_prop_ro("device_kind", [](Engine& e) { return device_kind_name(e.device().info().kind); });
+
+  nb::class_<PyOptimizer>(m, "Optimizer", "The offloaded Adam/AdamW optimizer (state on NVMe or in host memory).")
+      .def_static(
+          "create",
+          [](const EngineConfig& cfg, std::uint64_t max_elements, nb::object engine) {
+            Counters* counters = nullptr;
+            if (!engine.is_none()) counters = &nb::cast<Engine&>(engine).counters();
+            auto options = unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, counters));
+            PyOptimizer out;
+            Result<std::unique_ptr<optim::OffloadedOptimizer>> r{Status(StatusCode::kInternal, "not created")};
+            {
+              nb::gil_scoped_release unlocked;
+              r = optim::OffloadedOptimizer::create(options);
+            }
+            out.opt = unwrap(std::move(r));
+            out.engine_ref = engine;
+            return out;
+          },
+          "config"_a, "max_elements"_a, "engine"_a = nb::none())
+      .def(
+          "add_partition",
+          [](PyOptimizer& o, std::uint64_t numel, int group, const std::string& output, nb::handle initial,
+             const std::string& name) {
+            optim::PartitionSpec spec;
+            spec.numel = numel;
+            spec.group = group;
+            spec.output = output_of(output);
+            spec.name = name;
+            if (!initial.is_none()) {
+              spec.initial = static_cast<const float*>(host_view(initial, numel * 4, "add_partition").data);
+            }
+            Result<optim::PartitionId> id{Status(StatusCode::kInternal, "not added")};
+            {
+              nb::gil_scoped_release unlocked;
+              id = o.get().add_partition(spec);
+            }
+            return unwrap(std::move(id));
+          },
+          "numel"_a, "group"_a = 0, "output"_a = "none", "initial"_a = nb::none(), "name"_a = "")
+      .def("finish_registration",
+           [](PyOptimizer& o) {
+             Status s;
+             {
+               nb::gil_scoped_release unlocked;
+               s = o.get().finish_registration();
+             }
+             check(s);
+           })
+      .def(
+          "add_group",
+          [](PyOptimizer& o, double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+             bool bias_correction) {
+            return unwrap(o.get().add_group(hyper(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction)));
+          },
+          "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8, "weight_decay"_a = 0.0, "decoupled"_a = true,
+          "bias_correction"_a = true)
+      .def(
+          "set_group",
+          [](PyOptimizer& o, int group, double lr, double beta1, double beta2, double eps, double weight_decay) {
+            auto hp = unwrap(o.get().hyper_params(group));
+            hp.lr = lr;
+            hp.beta1 = beta1;
+            hp.beta2 = beta2;
+            hp.eps = eps;
+            hp.weight_decay = weight_decay;
+            check(o.get().set_hyper_params(group, hp));
+          },
+          "group"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a)
+      .def(
+          "add_grad",
+          [](PyOptimizer& o, optim::PartitionId id, nb::handle grad) {
+            nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> a;
+            if (!nb::try_cast(grad, a))
+              raise(invalid_argument("add_grad: expected a C-contiguous CPU array or tensor"));
+            const DType d = dtype_of(a.dtype());
+            cpu::ConstTensorRef ref(a.data(), d, a.nbytes() / dtype_size(d));
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = o.get().add_grad(id, ref);
+            }
+            check(s);
+          },
+          "partition"_a, "grad"_a)
+      .def("clear_grads", [](PyOptimizer& o) { o.get().clear_grads(); })
+      .def(
+          "step_into",
+          [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors) {
+            EngineParamSink sink(engine, tensors, o.get());
+            optim::StepOptions so;
+            so.on_output = [&](const optim::OutputChunk& c) { return sink.on_output(c); };
+            Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
+            Status closed;
+            {
+              nb::gil_scoped_release unlocked;
+              r = o.get().step(so);
+              closed = sink.close();
+            }
+            auto report = unwrap(std::move(r));
+            check(closed);
+            return report_dict(report);
+          },
+          "engine"_a, "tensors"_a,
+          "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none).")
+      .def("set_lr", [](PyOptimizer& o, int group, double lr) { check(o.get().set_lr(group, lr)); })
+      .def("lr", [](PyOptimizer& o, int group) { return unwrap(o.get().hyper_params(group)).lr; })
+      .def("group_step", [](PyOptimizer& o, int group) { return unwrap(o.get().group_step(group)); })
+      .def_prop_ro("group_count", [](PyOptimizer& o) { return o.get().group_count(); })
+      .def_prop_ro("partition_count", [](PyOptimizer& o) { return o.get().partition_count(); })
+      .def_prop_ro("loss_scale", [](PyOptimizer& o) { return o.get().loss_scale(); })
+      .def(
+          "read_params",
+          [](PyOptimizer& o, optim::PartitionId id, const std::string& dtype, nb::handle out) {
+            const DType d = unwrap(parse_dtype(dtype));
+            nb::ndarray<nb::c_contig, nb::device::cpu> a;
+            if (!nb::try_cast(out, a) || a.nbytes() != o.get().partition_numel(id) * dtype_size(d)) {
+              raise(invalid_argument(str("read_params: out must be a writable C-contiguous CPU array of ",
+                                         o.get().partition_numel(id) * dtype_size(d), " bytes")));
+            }
+            void* dst = a.data();
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = o.get().read_params(id, d, dst);
+            }
+            check(s);
+          },
+          "partition"_a, "dtype"_a, "out"_a)
+      .def("save_checkpoint",
+           [](PyOptimizer& o, const std::string& path) {
+             Status s;
+             {
+               nb::gil_scoped_release unlocked;
+               s = o.get().save_checkpoint(path);
+             }
+             check(s);
+           })
+      .def("load_checkpoint",
+           [](PyOptimizer& o, const std::string& path) {
+             Status s;
+             {
+               nb::gil_scoped_release unlocked;
+               s = o.get().load_checkpoint(path);
+             }
+             check(s);
+           })
+      .def("stats",
+           [](PyOptimizer& o) {
+             const auto st = o.get().stats();
+             nb::dict d;
+             d["home"] = optim::state_home_name(st.home);
+             d["partitions"] = st.partitions;
+             d["elements"] = st.elements;
+             d["chunks"] = st.chunks;
+             d["chunk_elements"] = st.chunk_elements;
+             d["buffer_count"] = st.buffer_count;
+             d["pinned_bytes"] = st.pinned_bytes;
+             d["accumulator_bytes"] = st.accumulator_bytes;
+             d["host_state_bytes"] = st.host_state_bytes;
+             d["nvme_bytes"] = st.nvme_bytes;
+             d["step"] = st.step;
+             d["steps_skipped"] = st.steps_skipped;
+             return d;
+           })
+      .def("close", [](PyOptimizer& o) {
+        nb::gil_scoped_release unlocked;
+        o.opt.reset();
+      });
 }
 
 }  // namespace tier::python

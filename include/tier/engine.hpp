@@ -168,6 +168,9 @@ class Engine {
 
   Device& device();
   HostArena& host_arena();
+  // The counters every tier and link of this engine reports into; other components (an offloaded
+  // optimizer, an adapter's own copies) may report into it too, so one snapshot shows everything.
+  Counters& counters();
   const EngineConfig& config() const;
 
   // Internal: the state machine (src/engine/engine_impl.hpp).

@@ -81,6 +81,10 @@ class Counters {
     Link link_ = Link::kNvmeToHost;
   };
   Transfer begin(Link link) noexcept;
+  // Counts a transfer made and timed elsewhere (e.g. by a framework's own copy): `bytes` and one
+  // operation, and `seconds` of busy time (added as is: overlap with other transfers on the link
+  // is not known here).
+  void record(Link link, std::uint64_t bytes, double seconds) noexcept;
 
   void set_info(const std::string& key, const std::string& value);
   void add_metric(const std::string& key, double delta);

@@ -59,6 +59,14 @@ Counters::Transfer Counters::begin(Link link) noexcept {
   return Transfer(this, link);
 }
 
+void Counters::record(Link link, std::uint64_t bytes, double seconds) noexcept {
+  LinkState& s = links_[static_cast<int>(link)];
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.bytes += bytes;
+  ++s.ops;
+  if (seconds > 0) s.busy += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 void Counters::end_transfer(Link link, std::uint64_t bytes, bool ok) noexcept {
   LinkState& s = links_[static_cast<int>(link)];
   std::lock_guard<std::mutex> lock(s.mu);

@@ -1065,6 +1065,9 @@ Device& Engine::device() {
 HostArena& Engine::host_arena() {
   return *impl_->be.arena;
 }
+Counters& Engine::counters() {
+  return *impl_->counters;
+}
 const EngineConfig& Engine::config() const {
   return impl_->cfg;
 }

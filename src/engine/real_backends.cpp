@@ -14,6 +14,12 @@
 
 namespace tier {
 
+namespace detail {
+std::uint64_t padded(std::uint64_t bytes) {
+  return (bytes + 4095) & ~std::uint64_t{4095};
+}
+}  // namespace detail
+
 namespace {
 
 using detail::Buffer;
@@ -78,7 +84,7 @@ class NvmeStore : public detail::TierStore {
  public:
   NvmeStore(nvme::SwapSpace* s, std::uint64_t capacity) : s_(s), capacity_(capacity) {}
   Result<Buffer> allocate(std::uint64_t bytes) override {
-    auto e = s_->allocate(bytes);
+    auto e = s_->allocate(detail::padded(bytes));
     if (!e.ok()) return e.status();
     auto holder = std::make_shared<nvme::SwapExtent>(std::move(e).value());
     Buffer out;
@@ -106,12 +112,14 @@ class RealMover : public detail::Mover {
       keep_dst.reset();
       done(s);
     };
+    // NVMe transfers move whole 4 KiB sectors (O_DIRECT): extents and host blocks are both
+    // padded to 4 KiB, and the padding carries no tensor bytes.
     if (from == Tier::kNvme && to == Tier::kHost) {
       auto* ext = static_cast<nvme::SwapExtent*>(src.holder.get());
-      s_->read(*ext, dst.ptr, bytes).on_complete(finish);
+      s_->read(*ext, dst.ptr, detail::padded(bytes)).on_complete(finish);
     } else if (from == Tier::kHost && to == Tier::kNvme) {
       auto* ext = static_cast<nvme::SwapExtent*>(dst.holder.get());
-      s_->write(*ext, src.ptr, bytes).on_complete(finish);
+      s_->write(*ext, src.ptr, detail::padded(bytes)).on_complete(finish);
     } else if (from == Tier::kHost && to == Tier::kDevice) {
       auto* buf = static_cast<DeviceBuffer*>(dst.holder.get());
       auto ev = d_->copy_to_device(*buf, 0, src.ptr, bytes);

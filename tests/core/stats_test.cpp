@@ -66,6 +66,16 @@ TEST(Counters, ConcurrentTransfersFromManyThreads) {
   EXPECT_EQ(s.link(Link::kDeviceToHost).in_flight, 0u);
 }
 
+TEST(Counters, RecordCountsTransfersTimedElsewhere) {
+  Counters c;
+  c.record(Link::kDeviceToHost, 1000, 0.5);
+  c.record(Link::kDeviceToHost, 500, 0.25);
+  auto s = c.snapshot();
+  EXPECT_EQ(s.link(Link::kDeviceToHost).bytes, 1500u);
+  EXPECT_EQ(s.link(Link::kDeviceToHost).ops, 2u);
+  EXPECT_NEAR(s.link(Link::kDeviceToHost).busy_seconds, 0.75, 1e-6);
+}
+
 TEST(StatsSnapshot, SinceSubtractsLinkCounters) {
   Counters c;
   c.begin(Link::kNvmeToHost).finish(100);

@@ -1,0 +1,205 @@
+"""Fine-tune a small Llama-architecture model with everything offloaded: tier's main job.
+
+The model is built from a ``transformers`` LlamaConfig (random init, nothing downloaded) and
+trained, byte by byte, on text shipped with tier (its own documentation). Parameters and
+optimizer state live on NVMe under ``--swap-dir``; the device (a GPU, or the emulated device when
+there is none) gets a budget smaller than the model, so layers stream in and out every step.
+
+    python -m tier.examples.finetune_llama [--steps 30] [--config ds_config.json] [--json]
+
+Each step prints the loss, tokens/s, the bytes moved on every link and the memory per tier; a
+summary ends the run.
+"""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+import transformers
+
+import tier
+import tier.torch
+
+LINKS = [("nvme_to_host", "nvme>host"), ("host_to_device", "host>dev"), ("device_to_host", "dev>host"),
+         ("host_to_nvme", "host>nvme")]
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} TiB"
+
+
+def corpus_bytes(where):
+    """Text shipped with tier: the Markdown files of its docs folder (``--corpus``), else the
+    package's own docstrings."""
+    texts = []
+    for root in (where, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "docs")):
+        if root and os.path.isdir(root):
+            for path in sorted(glob.glob(os.path.join(root, "*.md"))):
+                with open(path, "rb") as f:
+                    texts.append(f.read())
+            if texts:
+                break
+    if not texts:
+        import tier.torch.engine as e
+
+        texts = [(__doc__ or "").encode(), (e.__doc__ or "").encode(), (tier.__doc__ or "").encode()]
+    data = b"\n\n".join(texts)
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def make_model(args):
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64 or 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 2),
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(args.seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def default_config(args, model):
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * 4
+    total = sum(p.numel() for p in model.parameters()) * 4
+    device_budget = max(int(total * args.device_fraction), 3 * largest)
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": args.gas,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": args.lr,
+                                                      "warmup_num_steps": max(1, args.steps // 10), "warmup_type": "linear"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": args.swap_dir, "pin_memory": True},
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.swap_dir, "pin_memory": True},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 16},
+        "tier": {"budgets": {"device": device_budget, "host": max(64 << 20, 2 * total), "nvme": max(256 << 20, 8 * total)}},
+    }
+
+
+def bar(frac, width=24):
+    n = int(round(frac * width))
+    return "[" + "#" * n + "." * (width - n) + "]"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
+    p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device-fraction", type=float, default=0.4, help="device budget as a fraction of the model")
+    p.add_argument("--swap-dir", default=os.path.join(os.getcwd(), "tier-swap"))
+    p.add_argument("--config", help="a DeepSpeed-format JSON config instead of the built-in one")
+    p.add_argument("--corpus", default="docs", help="folder of Markdown files to train on (default: ./docs)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = p.parse_args(argv)
+
+    os.makedirs(args.swap_dir, exist_ok=True)
+    model = make_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    config = args.config or default_config(args, model)
+    engine = tier.torch.initialize(model, config)
+    s0 = engine.stats()
+    print(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * 4)} fp32), "
+          f"{args.layers} layers; device: {s0['info'].get('device', '?')}, budget "
+          f"{fmt_bytes(s0['tiers']['device']['budget_bytes'])}; params and optimizer state on NVMe in {args.swap_dir} "
+          f"({s0['info'].get('io_engine', '?')})", flush=True)
+
+    data = corpus_bytes(args.corpus)
+    g = torch.Generator().manual_seed(args.seed)
+    tokens_per_step = args.batch * args.seq * args.gas
+    history = []
+    t_start = time.perf_counter()
+    prev = engine.stats()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        losses = []
+        for _ in range(args.gas):
+            starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=g)
+            ids = torch.stack([data[s:s + args.seq] for s in starts]).to(engine.device)
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        dt = time.perf_counter() - t0
+        now = engine.stats()
+        moved = {k: now["links"][k]["bytes"] - prev["links"][k]["bytes"] for k, _ in LINKS}
+        prev = now
+        loss = sum(losses) / len(losses)
+        history.append({"step": step + 1, "loss": loss, "seconds": dt, "tokens_per_second": tokens_per_step / dt,
+                        "bytes": moved, "grad_norm": (engine.last_report or {}).get("grad_norm")})
+        tiers = now["tiers"]
+        print(f"step {step + 1:>3}/{args.steps} {bar((step + 1) / args.steps)} loss {loss:6.3f} | "
+              f"{tokens_per_step / dt:8.0f} tok/s | "
+              + " ".join(f"{short} {fmt_bytes(moved[k])}" for k, short in LINKS)
+              + f" | dev {fmt_bytes(tiers['device']['resident_bytes'])}/{fmt_bytes(tiers['device']['budget_bytes'])}"
+              f" host {fmt_bytes(tiers['host']['resident_bytes'])} nvme {fmt_bytes(tiers['nvme']['resident_bytes'])}",
+              flush=True)
+
+    total = time.perf_counter() - t_start
+    s = engine.stats()
+    summary = {
+        "parameters": n_params,
+        "steps": args.steps,
+        "seconds": total,
+        "tokens_per_second": tokens_per_step * args.steps / total,
+        "first_loss": history[0]["loss"],
+        "last_loss": history[-1]["loss"],
+        "device": s["info"].get("device"),
+        "io_engine": s["info"].get("io_engine"),
+        "links": {k: s["links"][k]["bytes"] for k, _ in LINKS},
+        "peak_bytes": {t: s["tiers"][t]["peak_bytes"] for t in ("device", "host", "nvme")},
+        "device_budget": s["tiers"]["device"]["budget_bytes"],
+        "stall_seconds": s["metrics"].get("engine.stall_seconds", 0.0),
+        "prefetch_hits": s["metrics"].get("prefetch.hits", 0.0),
+        "acquires": s["metrics"].get("engine.acquires", 0.0),
+        "optimizer_pinned_bytes": s["optimizer"]["pinned_bytes"],
+        "skipped_steps": engine.skipped_steps,
+    }
+    if args.json:
+        print(json.dumps({"summary": summary, "history": history}, indent=1))
+    else:
+        print()
+        print("summary")
+        print(f"  {args.steps} steps in {total:.1f} s, {summary['tokens_per_second']:.0f} tokens/s; "
+              f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
+        print("  moved: " + ", ".join(f"{short} {fmt_bytes(summary['links'][k])}" for k, short in LINKS))
+        print(f"  peak: device {fmt_bytes(summary['peak_bytes']['device'])} of a {fmt_bytes(summary['device_budget'])} "
+              f"budget (model {fmt_bytes(n_params * 4)}), host {fmt_bytes(summary['peak_bytes']['host'])}, "
+              f"nvme {fmt_bytes(summary['peak_bytes']['nvme'])}; optimizer pinned buffers "
+              f"{fmt_bytes(summary['optimizer_pinned_bytes'])}")
+        print(f"  prefetch: {summary['prefetch_hits']:.0f} hits of {summary['acquires']:.0f} acquires, "
+              f"stalled {summary['stall_seconds']:.2f} s in total")
+    ok = history[-1]["loss"] < history[0]["loss"]
+    engine.close()
+    del engine
+    shutil.rmtree(args.swap_dir, ignore_errors=True)
+    if not ok:
+        print("tier: the loss did not go down", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

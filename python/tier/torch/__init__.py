@@ -1,0 +1,4 @@
+"""tier.torch: train PyTorch (and Hugging Face ``transformers``) models with parameters and
+optimizer state offloaded to host memory and NVMe, in the manner of ``deepspeed.initialize``."""
+
+from .engine import TierEngine, initialize  # noqa: F401
