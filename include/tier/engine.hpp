@@ -83,6 +83,10 @@ class Lease {
   // must have finished using data() (on a GPU: synchronized the stream that used it). Errors:
   // kFailedPrecondition for an empty lease.
   Status release();
+  // Ends a write lease without publishing it: the tensor keeps the contents it had before the
+  // acquire. Only for a lease whose memory was not written (e.g. a consumer that never used it);
+  // for a read lease it is the same as release().
+  Status abandon();
 
  private:
   friend class Engine;

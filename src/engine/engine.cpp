@@ -45,7 +45,7 @@ const char* copy_state_name(const Engine::Impl::Copy& c, bool home_valid) {
 // ----------------------------------------------------------------------------------------------
 // Lease, LeaseState, AcquireFuture
 
-void detail::LeaseState::end() noexcept {
+void detail::LeaseState::end(bool abandon) noexcept {
   if (released.exchange(true)) return;
   if (engine == nullptr) return;
   Engine::Impl* e = engine;
@@ -53,7 +53,7 @@ void detail::LeaseState::end() noexcept {
   const Tier t = tier;
   const Access a = access;
   const std::uint64_t g = generation;
-  e->post([e, id, t, a, g] { e->on_release(id, t, a, g); });
+  e->post([e, id, t, a, g, abandon] { e->on_release(id, t, a, g, abandon); });
 }
 
 Lease::Lease(Lease&& o) noexcept : state_(std::move(o.state_)) {}
@@ -86,6 +86,13 @@ TensorId Lease::tensor() const noexcept {
 Status Lease::release() {
   if (!state_) return failed_precondition("release of an empty lease");
   state_->end();
+  state_.reset();
+  return Status::Ok();
+}
+
+Status Lease::abandon() {
+  if (!state_) return failed_precondition("abandon of an empty lease");
+  state_->end(/*abandon=*/true);
   state_.reset();
   return Status::Ok();
 }
@@ -129,7 +136,7 @@ Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
 // Impl: construction and the scheduler thread
 
 Engine::Impl::Impl(const EngineConfig& c, detail::Backends backends, std::shared_ptr<Counters> ctr)
-    : cfg(c), be(std::move(backends)), counters(std::move(ctr)) {
+    : cfg(c), counters(std::move(ctr)), be(std::move(backends)) {
   const std::uint64_t configured[kNumTiers] = {cfg.tier.device_budget, cfg.tier.host_budget, cfg.tier.nvme_budget};
   for (int i = 0; i < kNumTiers; ++i) {
     if (!be.stores[i]) continue;
@@ -674,7 +681,7 @@ void Engine::Impl::start_writeback(TensorId id, Tier from) {
 // ----------------------------------------------------------------------------------------------
 // Release and waking
 
-void Engine::Impl::on_release(TensorId id, Tier tier, Access access, std::uint64_t gen) {
+void Engine::Impl::on_release(TensorId id, Tier tier, Access access, std::uint64_t gen, bool abandon) {
   if (id >= tensors.size() || tensors[id].generation != gen) return;
   TensorRec& t = tensors[id];
   Copy& c = t.copies[static_cast<int>(tier)];
@@ -682,6 +689,17 @@ void Engine::Impl::on_release(TensorId id, Tier tier, Access access, std::uint64
   c.last_use = ++clock;
   if (access == Access::kRead) {
     if (t.readers > 0) --t.readers;
+  } else if (abandon) {
+    // Nothing was written: the other copies stay the valid ones. A fresh reservation holds no
+    // data and goes (home storage stays, stale); a valid copy written in place is unchanged.
+    t.writer = false;
+    if (c.state == CopyState::kReserved) {
+      if (tier == t.home) {
+        c.state = CopyState::kStale;
+      } else {
+        drop_copy(t, tier);
+      }
+    }
   } else {
     t.writer = false;
     c.state = CopyState::kValid;

@@ -43,7 +43,8 @@ struct LeaseState {
   std::uint64_t generation = 0;  // the tensor registration it belongs to
   std::atomic<bool> released{false};
   // Ends the lease once (from Lease::release, the Lease's destructor, or an abandoned future).
-  void end() noexcept;
+  // `abandon`: a write lease ends without publishing its copy (nothing was written).
+  void end(bool abandon = false) noexcept;
   ~LeaseState() { end(); }
 };
 
@@ -116,7 +117,7 @@ struct Engine::Impl {
   void serve_room_waiters(Tier tier);
   void drop_copy(TensorRec& t, Tier tier);
   void start_writeback(TensorId id, Tier from);
-  void on_release(TensorId id, Tier tier, Access access, std::uint64_t generation);
+  void on_release(TensorId id, Tier tier, Access access, std::uint64_t generation, bool abandon = false);
   void complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, int counted, Status s);
   void wake_blocked(TensorRec& t);
   void issue_prefetches();
@@ -130,11 +131,12 @@ struct Engine::Impl {
 
   // ---- configuration and backends
   EngineConfig cfg;
+  // Declared before the backends: their worker threads report into it until they are joined.
+  std::shared_ptr<Counters> counters;
   detail::Backends be;
   std::array<std::uint64_t, kNumTiers> budget{};
   std::array<std::uint64_t, kNumTiers> used{};
   std::array<std::uint64_t, kNumTiers> freeing{};  // bytes of write-backs in flight per tier
-  std::shared_ptr<Counters> counters;
 
   // ---- state
   std::vector<TensorRec> tensors;

@@ -118,6 +118,23 @@ TEST(Engine, WriteLeaseMakesTheNewestCopyAndFlushWritesHome) {
   EXPECT_TRUE(m.engine->check_invariants().ok());
 }
 
+TEST(Engine, AbandonedWriteLeaseKeepsTheOldContents) {
+  auto m = make(1 << 20, 1 << 20, 1 << 20);
+  auto id = m.engine->register_tensor(desc("w", 512), Tier::kNvme, pattern(512, 9).data());
+  ASSERT_TRUE(id.ok());
+  auto lease = m.engine->acquire_now(*id, Tier::kDevice, Access::kWrite);
+  ASSERT_TRUE(lease.ok());
+  ASSERT_TRUE(lease->abandon().ok());
+  EXPECT_EQ(read_all(*m.engine, *id, 512), pattern(512, 9));
+  auto info = m.engine->info(*id);
+  EXPECT_STREQ(info->copy_state[0], "absent") << "the fresh reservation held no data";
+  EXPECT_STREQ(info->copy_state[2], "valid_clean");
+  EXPECT_TRUE(m.engine->check_invariants().ok());
+  // The tensor is free for the next writer.
+  auto again = m.engine->acquire_now(*id, Tier::kHost, Access::kWrite);
+  ASSERT_TRUE(again.ok());
+}
+
 TEST(Engine, ReadWriteLeaseSeesOldContents) {
   auto m = make(1 << 20, 1 << 20, 1 << 20);
   auto id = m.engine->register_tensor(desc("w", 256), Tier::kNvme, pattern(256, 3).data());
