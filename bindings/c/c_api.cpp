@@ -165,6 +165,16 @@ Result<std::size_t> output_size(const T* out, std::size_t v1_size, const char* a
   return std::min(size, sizeof(T));
 }
 
+// The integer in a C enum object. C callers may store any int there; in C++ loading an enum
+// outside its values' range is undefined (UBSan's -fsanitize=enum flags it), so read the bytes.
+template <class E>
+int enum_value(const E& e) noexcept {
+  static_assert(std::is_enum_v<E> && sizeof(E) == sizeof(int));
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
 Status check_tier(int v, const char* arg) {
   if (v < 0 || v >= tier::kNumTiers) {
     return tier::invalid_argument(
@@ -230,14 +240,15 @@ class ProducerTensor {
 enum class SourceKind { kHost, kHostAfterStream, kCuda };
 
 Result<SourceKind> source_kind(const DLDevice& d) {
-  switch (d.device_type) {
+  const int type = enum_value(d.device_type);
+  switch (type) {
     case kDLCPU: return SourceKind::kHost;
     case kDLCUDAHost:
     case kDLCUDAManaged: return SourceKind::kHostAfterStream;
     case kDLCUDA: return SourceKind::kCuda;
     default: break;
   }
-  return tier::unsupported(str("src->dl_tensor.device.device_type is ", static_cast<int>(d.device_type),
+  return tier::unsupported(str("src->dl_tensor.device.device_type is ", type,
                                "; tier registers tensors from kDLCPU (1), kDLCUDA (2), kDLCUDAHost (3) and "
                                "kDLCUDAManaged (13) memory"));
 }
@@ -371,8 +382,9 @@ const char* tier_version_string(void) {
 }
 
 const char* tier_status_string(tier_status_t code) {
-  if (static_cast<int>(code) < 0 || static_cast<int>(code) > TIER_ERROR_INTERNAL) return "unknown";
-  return tier::status_code_name(static_cast<StatusCode>(code));
+  const int v = enum_value(code);
+  if (v < 0 || v > TIER_ERROR_INTERNAL) return "unknown";
+  return tier::status_code_name(static_cast<StatusCode>(v));
 }
 
 const char* tier_last_error(void) {
@@ -498,8 +510,8 @@ tier_status_t tier_tensor_register(tier_engine_t* engine, const char* name, DLMa
       TIER_ASSIGN_OR_RETURN(opt, read_versioned(options, defaults, kTensorOptionsV1, "options", "tier_tensor_options_t",
                                                 "TIER_TENSOR_OPTIONS_INIT"));
     }
-    TIER_RETURN_IF_ERROR(check_tier(opt.home, "options->home"));
-    TIER_RETURN_IF_ERROR(check_role(opt.role, "options->role"));
+    TIER_RETURN_IF_ERROR(check_tier(enum_value(opt.home), "options->home"));
+    TIER_RETURN_IF_ERROR(check_role(enum_value(opt.role), "options->role"));
     TIER_ASSIGN_OR_RETURN(tier::capi::SourceLayout layout, tier::capi::inspect_source(src->dl_tensor));
     EngineCore& core = core_of(engine);
     TIER_ASSIGN_OR_RETURN(TensorId id, register_source(core.engine(), name, src->dl_tensor, layout, opt));
@@ -624,14 +636,14 @@ tier_status_t tier_tensor_acquire(tier_engine_t* engine, tier_tensor_t tensor, t
     TIER_C_REQUIRE(out_ticket);
     *out_ticket = nullptr;
     TIER_C_REQUIRE(engine);
-    TIER_RETURN_IF_ERROR(check_tier(where, "where"));
-    if (where == TIER_TIER_NVME) {
+    TIER_RETURN_IF_ERROR(check_tier(enum_value(where), "where"));
+    if (enum_value(where) == TIER_TIER_NVME) {
       return tier::invalid_argument(
           "argument 'where' is TIER_TIER_NVME; a DLPack tensor needs addressable memory: acquire on "
           "TIER_TIER_DEVICE or TIER_TIER_HOST");
     }
-    if (static_cast<int>(access) < 0 || static_cast<int>(access) > TIER_ACCESS_READ_WRITE) {
-      return tier::invalid_argument(str("argument 'access' is ", static_cast<int>(access),
+    if (enum_value(access) < 0 || enum_value(access) > TIER_ACCESS_READ_WRITE) {
+      return tier::invalid_argument(str("argument 'access' is ", enum_value(access),
                                         "; use TIER_ACCESS_READ (0), TIER_ACCESS_WRITE (1) or "
                                         "TIER_ACCESS_READ_WRITE (2)"));
     }

@@ -1,5 +1,6 @@
 #include "dlpack_convert.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -103,31 +104,75 @@ Result<SourceLayout> inspect_source(const DLTensor& t) {
   return l;
 }
 
+namespace {
+
+// Copies one R x C plane whose elements sit at src + (i * sr + j * sc) * sizeof(T) into dst in
+// row-major order. With a unit column stride rows are contiguous runs; otherwise the plane goes in
+// square tiles, so a transposed source is read a few cache lines at a time instead of one element
+// per line.
+template <class T>
+void gather_plane(const std::uint8_t* src, std::int64_t rows, std::int64_t cols, std::int64_t sr, std::int64_t sc,
+                  std::uint8_t* dst) noexcept {
+  auto* out = reinterpret_cast<T*>(dst);
+  if (sc == 1) {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      std::memcpy(out + i * cols, src + i * sr * static_cast<std::int64_t>(sizeof(T)),
+                  static_cast<std::size_t>(cols) * sizeof(T));
+    }
+    return;
+  }
+  constexpr std::int64_t kTile = 16;  // measured best of 8..64 for a 4096x4096 fp32 transpose
+  for (std::int64_t i0 = 0; i0 < rows; i0 += kTile) {
+    const std::int64_t i1 = std::min(rows, i0 + kTile);
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
+      const std::int64_t j1 = std::min(cols, j0 + kTile);
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const std::uint8_t* row = src + i * sr * static_cast<std::int64_t>(sizeof(T));
+        for (std::int64_t j = j0; j < j1; ++j) {
+          T v;
+          std::memcpy(&v, row + j * sc * static_cast<std::int64_t>(sizeof(T)), sizeof(T));
+          out[i * cols + j] = v;
+        }
+      }
+    }
+  }
+}
+
+void gather_plane(std::size_t esize, const std::uint8_t* src, std::int64_t rows, std::int64_t cols, std::int64_t sr,
+                  std::int64_t sc, std::uint8_t* dst) noexcept {
+  switch (esize) {
+    case 1: return gather_plane<std::uint8_t>(src, rows, cols, sr, sc, dst);
+    case 2: return gather_plane<std::uint16_t>(src, rows, cols, sr, sc, dst);
+    case 4: return gather_plane<std::uint32_t>(src, rows, cols, sr, sc, dst);
+    default: return gather_plane<std::uint64_t>(src, rows, cols, sr, sc, dst);
+  }
+}
+
+}  // namespace
+
 void gather_row_major(const DLTensor& t, const SourceLayout& l, void* dst) noexcept {
   auto* out = static_cast<std::uint8_t*>(dst);
   if (l.compact || t.strides == nullptr) {
     std::memcpy(out, l.base, l.bytes);
     return;
   }
-  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(l.dtype));
-  const int last = l.ndim - 1;  // ndim >= 1 here: a 0-d tensor is always compact
-  const std::int64_t inner = l.shape[static_cast<std::size_t>(last)];
-  const std::int64_t inner_stride = t.strides[last];
+  const std::size_t esize = dtype_size(l.dtype);
+  // The last two dimensions form planes (a 1-d tensor is one plane of one row); the dimensions
+  // before them are walked like an odometer.
+  const int nd = l.ndim;  // >= 1 here: a 0-d tensor is always compact
+  const std::int64_t rows = nd >= 2 ? l.shape[static_cast<std::size_t>(nd - 2)] : 1;
+  const std::int64_t cols = l.shape[static_cast<std::size_t>(nd - 1)];
+  const std::int64_t sr = nd >= 2 ? t.strides[nd - 2] : 0;
+  const std::int64_t sc = t.strides[nd - 1];
+  const int outer = std::max(nd - 2, 0);
+  const std::size_t plane_bytes = static_cast<std::size_t>(rows * cols) * esize;
   std::array<std::int64_t, TIER_MAX_NDIM> index{};
   for (;;) {
-    std::int64_t offset = 0;  // in elements, of index[0..last-1] with index[last] = 0
-    for (int i = 0; i < last; ++i) offset += index[static_cast<std::size_t>(i)] * t.strides[i];
-    const std::uint8_t* row = l.base + offset * esize;
-    if (inner_stride == 1) {
-      std::memcpy(out, row, static_cast<std::size_t>(inner * esize));
-      out += inner * esize;
-    } else {
-      for (std::int64_t j = 0; j < inner; ++j) {
-        std::memcpy(out, row + j * inner_stride * esize, static_cast<std::size_t>(esize));
-        out += esize;
-      }
-    }
-    int d = last - 1;
+    std::int64_t offset = 0;  // in elements
+    for (int i = 0; i < outer; ++i) offset += index[static_cast<std::size_t>(i)] * t.strides[i];
+    gather_plane(esize, l.base + offset * static_cast<std::int64_t>(esize), rows, cols, sr, sc, out);
+    out += plane_bytes;
+    int d = outer - 1;
     for (; d >= 0; --d) {
       if (++index[static_cast<std::size_t>(d)] < l.shape[static_cast<std::size_t>(d)]) break;
       index[static_cast<std::size_t>(d)] = 0;

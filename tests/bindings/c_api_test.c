@@ -476,6 +476,34 @@ static int test_register_strided(void) {
   const int32_t cwant[6] = {0, 2, 4, 6, 8, 10};
   CHECK(memcmp(cback, cwant, sizeof cwant) == 0);
 
+  /* A transpose larger than the gather's tiles, with partial tiles at both edges: 37 x 53 viewed
+   * from a row-major 53 x 37 buffer. */
+  const int64_t shape4[2] = {37, 53};
+  const int64_t strides4[2] = {1, 37};
+  DLManagedTensor* wide = make_tensor(kI32, 2, shape4, strides4, 37 * 53 * sizeof(int32_t), &deleted);
+  for (int i = 0; i < 37 * 53; ++i) ((int32_t*)wide->dl_tensor.data)[i] = i;
+  CHECK_OK(tier_tensor_register(f.engine, "wide", wide, NULL, &t));
+  static int32_t wide_back[37 * 53];
+  CHECK_OK(tier_tensor_read(f.engine, t, wide_back, sizeof wide_back));
+  for (int i = 0; i < 37; ++i) {
+    for (int j = 0; j < 53; ++j) CHECK(wide_back[i * 53 + j] == i + 37 * j);
+  }
+
+  /* Three dimensions, permuted: shape {2, 3, 4} over a row-major {4, 2, 3} buffer (b, i, j) ->
+   * element (i, j, b) at b * 6 + i * 3 + j, i.e. strides {3, 1, 6}. */
+  const int64_t shape5[3] = {2, 3, 4};
+  const int64_t strides5[3] = {3, 1, 6};
+  DLManagedTensor* perm = make_tensor(kI32, 3, shape5, strides5, 24 * sizeof(int32_t), &deleted);
+  for (int i = 0; i < 24; ++i) ((int32_t*)perm->dl_tensor.data)[i] = 1000 + i;
+  CHECK_OK(tier_tensor_register(f.engine, "permuted", perm, NULL, &t));
+  int32_t perm_back[24];
+  CHECK_OK(tier_tensor_read(f.engine, t, perm_back, sizeof perm_back));
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 3; ++j) {
+      for (int b = 0; b < 4; ++b) CHECK(perm_back[(i * 3 + j) * 4 + b] == 1000 + b * 6 + i * 3 + j);
+    }
+  }
+
   /* Explicit row-major strides, with an odd stride on a dimension of extent 1: compact. */
   const int64_t shape3[2] = {1, 4};
   const int64_t strides3[2] = {999, 1};
@@ -485,7 +513,7 @@ static int test_register_strided(void) {
   int32_t row_back[4];
   CHECK_OK(tier_tensor_read(f.engine, t, row_back, sizeof row_back));
   for (int i = 0; i < 4; ++i) CHECK(row_back[i] == 7 * i);
-  CHECK(deleted == 4);
+  CHECK(deleted == 6);
 
   CHECK_OK(tier_engine_check(f.engine));
   teardown(&f);
@@ -577,6 +605,10 @@ static int test_register_errors(void) {
   DLManagedTensor* vulkan = make_f32(4, 0, &deleted);
   vulkan->dl_tensor.device.device_type = kDLVulkan;
   if (expect_register_fails(f.engine, "x", vulkan, NULL, TIER_ERROR_UNSUPPORTED, "device_type", &deleted)) return 1;
+  DLManagedTensor* made_up = make_f32(4, 0, &deleted);
+  made_up->dl_tensor.device.device_type = (DLDeviceType)99;
+  if (expect_register_fails(f.engine, "x", made_up, NULL, TIER_ERROR_UNSUPPORTED, "device_type is 99", &deleted))
+    return 1;
 
   /* A CUDA tensor: with no GPU (or no CUDA in the build) it fails, saying why; this pointer is
    * host memory, so on a GPU the copy fails too. Either way nothing stays registered. */
