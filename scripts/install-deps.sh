@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   liburing-dev libaio-dev libtbb-dev libhwy-dev nlohmann-json3-dev
+  libdlpack-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy fio
   python3 python3-venv python3-pip

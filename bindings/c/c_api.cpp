@@ -1,0 +1,709 @@
+// The C ABI (include/tier/tier.h) over tier::Engine. Every entry point validates its arguments,
+// runs its body inside guarded(), which turns a Status into a code plus the thread's last error and
+// catches every C++ exception, and never lets one out.
+#include "tier/tier.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include "cuda_copy.hpp"
+#include "dlpack_convert.hpp"
+#include "engine_core.hpp"
+#include "tier/config.hpp"
+#include "tier/device.hpp"
+#include "tier/engine.hpp"
+#include "tier/log.hpp"
+
+using tier::Access;
+using tier::DType;
+using tier::Engine;
+using tier::Lease;
+using tier::Result;
+using tier::Role;
+using tier::Status;
+using tier::StatusCode;
+using tier::str;
+using tier::TensorId;
+using tier::Tier;
+using tier::capi::EngineCore;
+using tier::capi::ExportedTensor;
+using tier::capi::TensorMeta;
+
+// The codes mirror tier::StatusCode value for value.
+static_assert(TIER_OK == static_cast<int>(StatusCode::kOk));
+static_assert(TIER_ERROR_INVALID_ARGUMENT == static_cast<int>(StatusCode::kInvalidArgument));
+static_assert(TIER_ERROR_NOT_FOUND == static_cast<int>(StatusCode::kNotFound));
+static_assert(TIER_ERROR_ALREADY_EXISTS == static_cast<int>(StatusCode::kAlreadyExists));
+static_assert(TIER_ERROR_OUT_OF_RANGE == static_cast<int>(StatusCode::kOutOfRange));
+static_assert(TIER_ERROR_RESOURCE_EXHAUSTED == static_cast<int>(StatusCode::kResourceExhausted));
+static_assert(TIER_ERROR_TIMED_OUT == static_cast<int>(StatusCode::kTimedOut));
+static_assert(TIER_ERROR_CANCELLED == static_cast<int>(StatusCode::kCancelled));
+static_assert(TIER_ERROR_IO == static_cast<int>(StatusCode::kIoError));
+static_assert(TIER_ERROR_NO_SPACE == static_cast<int>(StatusCode::kNoSpace));
+static_assert(TIER_ERROR_UNSUPPORTED == static_cast<int>(StatusCode::kUnsupported));
+static_assert(TIER_ERROR_FAILED_PRECONDITION == static_cast<int>(StatusCode::kFailedPrecondition));
+static_assert(TIER_ERROR_DATA_LOSS == static_cast<int>(StatusCode::kDataLoss));
+static_assert(TIER_ERROR_DEVICE == static_cast<int>(StatusCode::kDeviceError));
+static_assert(TIER_ERROR_INTERNAL == static_cast<int>(StatusCode::kInternal));
+static_assert(TIER_TIER_DEVICE == static_cast<int>(Tier::kDevice) && TIER_TIER_HOST == static_cast<int>(Tier::kHost) &&
+              TIER_TIER_NVME == static_cast<int>(Tier::kNvme) && TIER_NUM_TIERS == tier::kNumTiers);
+static_assert(TIER_ACCESS_READ == static_cast<int>(Access::kRead) &&
+              TIER_ACCESS_WRITE == static_cast<int>(Access::kWrite) &&
+              TIER_ACCESS_READ_WRITE == static_cast<int>(Access::kReadWrite));
+static_assert(TIER_ROLE_PARAM == static_cast<int>(Role::kParam) && TIER_ROLE_USER == static_cast<int>(Role::kUser) &&
+              TIER_ROLE_USER + 1 == tier::kNumRoles);
+// The header's version is the project's (CMake passes PROJECT_VERSION in).
+static_assert(TIER_VERSION_MAJOR == TIER_PROJECT_VERSION_MAJOR && TIER_VERSION_MINOR == TIER_PROJECT_VERSION_MINOR &&
+                  TIER_VERSION_PATCH == TIER_PROJECT_VERSION_PATCH,
+              "include/tier/tier.h: TIER_VERSION_* differ from project(tier VERSION ...) in CMakeLists.txt");
+
+namespace {
+
+// The size of version 1 of each versioned struct: the smallest struct_size ever valid. A later
+// version appends fields and keeps these numbers.
+constexpr std::size_t kEngineConfigV1 = sizeof(tier_engine_config_t);
+constexpr std::size_t kTensorOptionsV1 = sizeof(tier_tensor_options_t);
+constexpr std::size_t kTensorInfoV1 = sizeof(tier_tensor_info_t);
+
+// ---- errors
+
+thread_local std::string t_last_error;
+
+// Records the message of a failed call; never throws (an allocation failure keeps a short text).
+tier_status_t fail(const char* fn, tier_status_t code, const char* message) noexcept {
+  try {
+    t_last_error.assign(fn).append(": ").append(tier_status_string(code)).append(": ").append(message);
+  } catch (...) {
+    t_last_error.clear();  // noexcept; then the short text fits the string's own storage
+    t_last_error.append("out of memory");
+  }
+  return code;
+}
+
+tier_status_t fail(const char* fn, const Status& s) noexcept {
+  try {
+    t_last_error = str(fn, ": ", s.to_string());
+  } catch (...) {
+    t_last_error.clear();
+    t_last_error.append("out of memory");
+  }
+  return static_cast<tier_status_t>(s.code());
+}
+
+// Runs an entry point's body: a Status becomes a code plus the last error, an exception becomes
+// TIER_ERROR_RESOURCE_EXHAUSTED (allocation) or TIER_ERROR_INTERNAL. Nothing escapes.
+template <class F>
+tier_status_t guarded(const char* fn, F&& body) noexcept {
+  try {
+    Status s = body();
+    return s.ok() ? TIER_OK : fail(fn, s);
+  } catch (const std::bad_alloc&) {
+    return fail(fn, TIER_ERROR_RESOURCE_EXHAUSTED, "out of host memory");
+  } catch (const std::exception& e) {
+    try {
+      return fail(fn, TIER_ERROR_INTERNAL, str("unexpected C++ exception: ", e.what()).c_str());
+    } catch (...) {
+      return fail(fn, TIER_ERROR_INTERNAL, "unexpected C++ exception");
+    }
+  } catch (...) {
+    return fail(fn, TIER_ERROR_INTERNAL, "unexpected exception of unknown type");
+  }
+}
+
+Status null_argument(const char* name) {
+  return tier::invalid_argument(str("argument '", name, "' is NULL"));
+}
+
+#define TIER_C_REQUIRE(arg) \
+  if ((arg) == nullptr) return null_argument(#arg)
+
+// Reads a size-versioned input struct: the fields the caller's version has, defaults for the rest;
+// a larger struct (a newer header) is accepted when the fields this library does not know are 0.
+template <class T>
+Result<T> read_versioned(const T* in, T defaults, std::size_t v1_size, const char* arg, const char* type,
+                         const char* init) {
+  std::size_t size = 0;
+  std::memcpy(&size, in, sizeof size);
+  if (size < v1_size) {
+    return tier::invalid_argument(str(arg, "->struct_size is ", size, "; set it to sizeof(", type, ") (", sizeof(T),
+                                      " in this library), best with ", init));
+  }
+  if (size > sizeof(T)) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(in);
+    for (std::size_t i = sizeof(T); i < size; ++i) {
+      if (bytes[i] != 0) {
+        return tier::invalid_argument(str(arg, "->struct_size is ", size, " but this library's ", type, " has ",
+                                          sizeof(T),
+                                          " bytes, and the fields it does not know are set; use the "
+                                          "libtier that matches your tier.h"));
+      }
+    }
+  }
+  T out = defaults;
+  std::memcpy(static_cast<void*>(&out), in, std::min(size, sizeof(T)));
+  return out;
+}
+
+// Checks an output struct's struct_size; returns how many bytes to write (the caller's version's).
+template <class T>
+Result<std::size_t> output_size(const T* out, std::size_t v1_size, const char* arg, const char* type,
+                                const char* init) {
+  std::size_t size = 0;
+  std::memcpy(&size, out, sizeof size);
+  if (size < v1_size) {
+    return tier::invalid_argument(str(arg, "->struct_size is ", size, "; set it to sizeof(", type,
+                                      ") before the "
+                                      "call, best with ",
+                                      init));
+  }
+  return std::min(size, sizeof(T));
+}
+
+// The integer in a C enum object. C callers may store any int there; in C++ loading an enum
+// outside its values' range is undefined (UBSan's -fsanitize=enum flags it), so read the bytes.
+template <class E>
+int enum_value(const E& e) noexcept {
+  static_assert(std::is_enum_v<E> && sizeof(E) == sizeof(int));
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
+Status check_tier(int v, const char* arg) {
+  if (v < 0 || v >= tier::kNumTiers) {
+    return tier::invalid_argument(
+        str("argument '", arg, "' is ", v, "; use TIER_TIER_DEVICE (0), TIER_TIER_HOST (1) or TIER_TIER_NVME (2)"));
+  }
+  return Status::Ok();
+}
+
+Status check_role(int v, const char* arg) {
+  if (v < 0 || v >= tier::kNumRoles) {
+    return tier::invalid_argument(
+        str("argument '", arg, "' is ", v, "; use one of TIER_ROLE_* (0 to ", tier::kNumRoles - 1, ")"));
+  }
+  return Status::Ok();
+}
+
+EngineCore& core_of(tier_engine_t* engine) {
+  return *engine->core;
+}
+
+// Copies `text` into malloc'ed storage the caller frees with tier_string_free.
+Status hand_out_string(const std::string& text, char** out) {
+  char* p = static_cast<char*>(std::malloc(text.size() + 1));
+  if (p == nullptr) return tier::resource_exhausted(str("out of host memory for a ", text.size(), "-byte string"));
+  std::memcpy(p, text.c_str(), text.size() + 1);
+  *out = p;
+  return Status::Ok();
+}
+
+// ---- the producer's tensor given to tier_tensor_register
+
+// Calls the producer's deleter exactly once: finish() reports a throwing deleter, the destructor
+// covers every path that did not reach finish().
+class ProducerTensor {
+ public:
+  explicit ProducerTensor(DLManagedTensor* t) noexcept : t_(t) {}
+  ~ProducerTensor() {
+    try {
+      finish().ignore();
+    } catch (...) {
+    }
+  }
+  ProducerTensor(const ProducerTensor&) = delete;
+  ProducerTensor& operator=(const ProducerTensor&) = delete;
+
+  Status finish() noexcept {
+    DLManagedTensor* t = t_;
+    t_ = nullptr;
+    if (t == nullptr || t->deleter == nullptr) return Status::Ok();
+    try {
+      t->deleter(t);
+      return Status::Ok();
+    } catch (...) {
+      return Status(StatusCode::kInternal, "the source tensor's DLPack deleter threw a C++ exception");
+    }
+  }
+
+ private:
+  DLManagedTensor* t_;
+};
+
+// Where a source tensor's bytes can be read from.
+enum class SourceKind { kHost, kHostAfterStream, kCuda };
+
+Result<SourceKind> source_kind(const DLDevice& d) {
+  const int type = enum_value(d.device_type);
+  switch (type) {
+    case kDLCPU: return SourceKind::kHost;
+    case kDLCUDAHost:
+    case kDLCUDAManaged: return SourceKind::kHostAfterStream;
+    case kDLCUDA: return SourceKind::kCuda;
+    default: break;
+  }
+  return tier::unsupported(str("src->dl_tensor.device.device_type is ", type,
+                               "; tier registers tensors from kDLCPU (1), kDLCUDA (2), kDLCUDAHost (3) and "
+                               "kDLCUDAManaged (13) memory"));
+}
+
+// Registers `src` with the engine and copies its contents in; returns the engine's id.
+Result<TensorId> register_source(Engine& e, const char* name, const DLTensor& src,
+                                 const tier::capi::SourceLayout& layout, const tier_tensor_options_t& opt) {
+  TIER_ASSIGN_OR_RETURN(SourceKind kind, source_kind(src.device));
+  if (kind == SourceKind::kCuda && !layout.compact) {
+    return tier::unsupported(
+        "src: a CUDA tensor must be compact row-major (strides NULL or row-major); make it contiguous first");
+  }
+  const tier::TensorDesc desc{name, layout.dtype, layout.numel, static_cast<Role>(opt.role), opt.group};
+  TIER_RETURN_IF_ERROR(desc.validate());
+  const Tier home = static_cast<Tier>(opt.home);
+  if (kind == SourceKind::kHostAfterStream) TIER_RETURN_IF_ERROR(tier::capi::sync_cuda_stream(opt.stream));
+  if (kind != SourceKind::kCuda && layout.compact) return e.register_tensor(desc, home, layout.base);
+
+  // Strided or CUDA source: register, then fill the host copy through a write lease (gathering the
+  // elements, or one copy from the GPU straight into pinned memory), then make the home copy hold it.
+  TIER_ASSIGN_OR_RETURN(TensorId id, e.register_tensor(desc, home, nullptr));
+  Status filled = [&]() -> Status {
+    TIER_ASSIGN_OR_RETURN(Lease lease, e.acquire_now(id, Tier::kHost, Access::kWrite));
+    if (kind == SourceKind::kCuda) {
+      TIER_RETURN_IF_ERROR(
+          tier::capi::copy_from_cuda(lease.data(), layout.base, layout.bytes, src.device.device_id, opt.stream));
+    } else {
+      tier::capi::gather_row_major(src, layout, lease.data());
+    }
+    TIER_RETURN_IF_ERROR(lease.release());
+    if (home != Tier::kHost) {
+      TIER_ASSIGN_OR_RETURN(Lease at_home, e.acquire_now(id, home, Access::kRead));
+      TIER_RETURN_IF_ERROR(at_home.release());
+    }
+    return Status::Ok();
+  }();
+  if (!filled.ok()) {
+    // Leases are released by now (they end with their scope), so the tensor is idle.
+    e.unregister_tensor(id).ignore();
+    return filled.with_context(str("register '", name, "'"));
+  }
+  return id;
+}
+
+// ---- DLPack tensors handed out by tickets
+
+void exported_deleter(DLManagedTensor* self) noexcept {
+  if (self == nullptr) return;
+  std::unique_ptr<ExportedTensor> ctx(static_cast<ExportedTensor*>(self->manager_ctx));
+  try {
+    std::shared_ptr<EngineCore> core = std::move(ctx->core);
+    core->release_after(std::move(ctx->lease), ctx->stream);
+    ctx.reset();
+    core.reset();  // may be the last reference: the engine goes here, on the consumer's thread
+  } catch (...) {
+    // release_after does not throw; destroying the engine does not either. Nothing escapes.
+  }
+}
+
+DLDevice device_of(Engine& e, Tier where, const void* data, std::uint64_t bytes) {
+  tier::Device& d = e.device();
+  const bool cuda = d.info().kind == tier::DeviceKind::kCuda;
+  if (where == Tier::kDevice) {
+    return cuda ? DLDevice{kDLCUDA, d.info().device_id} : DLDevice{kDLCPU, 0};
+  }
+  // Host copies live in the pinned arena; say kDLCUDAHost only when CUDA really has it registered.
+  return cuda && d.is_registered(data, bytes) ? DLDevice{kDLCUDAHost, 0} : DLDevice{kDLCPU, 0};
+}
+
+Status wait_ticket(tier_ticket_t* ticket, const std::chrono::milliseconds* timeout, DLManagedTensor** out) {
+  if (ticket->handed_out) {
+    return tier::failed_precondition(
+        "this ticket was already waited on to completion (its tensor was handed out, or its "
+        "acquire failed); acquire again for another");
+  }
+  Result<Lease> lease = timeout ? ticket->future.wait_for(*timeout) : ticket->future.wait();
+  if (!lease.ok()) {
+    if (lease.status().code() != StatusCode::kTimedOut) ticket->handed_out = true;
+    return lease.status();
+  }
+  ticket->handed_out = true;
+  auto ctx = std::make_unique<ExportedTensor>();
+  ctx->core = ticket->core;
+  ctx->stream = ticket->stream;
+  ctx->shape = ticket->meta.shape;
+  ctx->strides = tier::capi::row_major_strides(ctx->shape, ticket->meta.ndim);
+  DLTensor& t = ctx->managed.dl_tensor;
+  t.data = lease->data();
+  t.device = device_of(ctx->core->engine(), ticket->where, lease->data(), lease->bytes());
+  t.ndim = ticket->meta.ndim;
+  t.dtype = tier::capi::to_dl_dtype(ticket->meta.dtype);
+  t.shape = ctx->shape.data();
+  t.strides = ctx->strides.data();
+  t.byte_offset = 0;
+  ctx->lease = std::move(lease).value();
+  ctx->managed.manager_ctx = ctx.get();
+  ctx->managed.deleter = &exported_deleter;
+  *out = &ctx.release()->managed;
+  return Status::Ok();
+}
+
+std::optional<tier_copy_state_t> copy_state_from(const char* name) {
+  static constexpr std::pair<const char*, tier_copy_state_t> kNames[] = {{"absent", TIER_COPY_ABSENT},
+                                                                         {"loading", TIER_COPY_LOADING},
+                                                                         {"valid_clean", TIER_COPY_VALID_CLEAN},
+                                                                         {"valid_dirty", TIER_COPY_VALID_DIRTY},
+                                                                         {"writing_back", TIER_COPY_WRITING_BACK},
+                                                                         {"reserved", TIER_COPY_RESERVED},
+                                                                         {"stale", TIER_COPY_STALE}};
+  for (const auto& [n, v] : kNames) {
+    if (name != nullptr && std::strcmp(name, n) == 0) return v;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Version, status, errors (the definitions take C linkage from their declarations in tier.h)
+
+int tier_version(void) {
+  return TIER_VERSION;
+}
+
+const char* tier_version_string(void) {
+#define TIER_C_STR2(x) #x
+#define TIER_C_STR(x) TIER_C_STR2(x)
+  return TIER_C_STR(TIER_VERSION_MAJOR) "." TIER_C_STR(TIER_VERSION_MINOR) "." TIER_C_STR(TIER_VERSION_PATCH);
+#undef TIER_C_STR
+#undef TIER_C_STR2
+}
+
+const char* tier_status_string(tier_status_t code) {
+  const int v = enum_value(code);
+  if (v < 0 || v > TIER_ERROR_INTERNAL) return "unknown";
+  return tier::status_code_name(static_cast<StatusCode>(v));
+}
+
+const char* tier_last_error(void) {
+  return t_last_error.c_str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine
+
+tier_status_t tier_engine_create(const tier_engine_config_t* config, tier_engine_t** out_engine) {
+  return guarded("tier_engine_create", [&]() -> Status {
+    TIER_C_REQUIRE(out_engine);
+    *out_engine = nullptr;
+    TIER_C_REQUIRE(config);
+    const tier_engine_config_t defaults = TIER_ENGINE_CONFIG_INIT;
+    TIER_ASSIGN_OR_RETURN(tier_engine_config_t c, read_versioned(config, defaults, kEngineConfigV1, "config",
+                                                                 "tier_engine_config_t", "TIER_ENGINE_CONFIG_INIT"));
+    if (c.json != nullptr && c.json_path != nullptr) {
+      return tier::invalid_argument("config: set json or json_path, not both");
+    }
+    tier::ConfigOptions options;
+    options.strict = c.strict != 0;
+    options.apply_env = c.ignore_env == 0;
+    Result<tier::EngineConfig> cfg =
+        c.json_path != nullptr
+            ? tier::EngineConfig::from_file(c.json_path, options)
+            : tier::EngineConfig::from_json(c.json != nullptr && *c.json != '\0' ? c.json : "{}", options);
+    if (!cfg.ok()) return cfg.status().with_context("config");
+    TIER_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(*cfg));
+    auto handle = std::make_unique<tier_engine>();
+    handle->core = std::make_shared<EngineCore>(std::move(engine));
+    *out_engine = handle.release();
+    return Status::Ok();
+  });
+}
+
+void tier_engine_destroy(tier_engine_t* engine) {
+  try {
+    delete engine;
+  } catch (...) {
+    // Destructors here do not throw; the ABI must not let anything through regardless.
+  }
+}
+
+tier_status_t tier_engine_device(tier_engine_t* engine, DLDevice* out_device) {
+  return guarded("tier_engine_device", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    TIER_C_REQUIRE(out_device);
+    const tier::DeviceInfo& info = core_of(engine).engine().device().info();
+    *out_device = info.kind == tier::DeviceKind::kCuda ? DLDevice{kDLCUDA, info.device_id} : DLDevice{kDLCPU, 0};
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_engine_flush(tier_engine_t* engine) {
+  return guarded("tier_engine_flush", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    return core_of(engine).engine().flush();
+  });
+}
+
+tier_status_t tier_engine_begin_step(tier_engine_t* engine) {
+  return guarded("tier_engine_begin_step", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    core_of(engine).engine().begin_step();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_engine_end_step(tier_engine_t* engine) {
+  return guarded("tier_engine_end_step", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    core_of(engine).engine().end_step();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_engine_stats_json(tier_engine_t* engine, char** out_json) {
+  return guarded("tier_engine_stats_json", [&]() -> Status {
+    TIER_C_REQUIRE(out_json);
+    *out_json = nullptr;
+    TIER_C_REQUIRE(engine);
+    return hand_out_string(core_of(engine).engine().stats().to_json(), out_json);
+  });
+}
+
+tier_status_t tier_engine_config_json(tier_engine_t* engine, char** out_json) {
+  return guarded("tier_engine_config_json", [&]() -> Status {
+    TIER_C_REQUIRE(out_json);
+    *out_json = nullptr;
+    TIER_C_REQUIRE(engine);
+    return hand_out_string(core_of(engine).engine().config().to_json(), out_json);
+  });
+}
+
+tier_status_t tier_engine_check(tier_engine_t* engine) {
+  return guarded("tier_engine_check", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    return core_of(engine).engine().check_invariants();
+  });
+}
+
+void tier_string_free(char* s) {
+  std::free(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors
+
+tier_status_t tier_tensor_register(tier_engine_t* engine, const char* name, DLManagedTensor* src,
+                                   const tier_tensor_options_t* options, tier_tensor_t* out_tensor) {
+  // tier owns `src` from here on: its deleter runs exactly once before this call returns.
+  ProducerTensor producer(src);
+  return guarded("tier_tensor_register", [&]() -> Status {
+    TIER_C_REQUIRE(out_tensor);
+    out_tensor->id = 0;
+    TIER_C_REQUIRE(engine);
+    TIER_C_REQUIRE(name);
+    TIER_C_REQUIRE(src);
+    const tier_tensor_options_t defaults = TIER_TENSOR_OPTIONS_INIT;
+    tier_tensor_options_t opt = defaults;
+    if (options != nullptr) {
+      TIER_ASSIGN_OR_RETURN(opt, read_versioned(options, defaults, kTensorOptionsV1, "options", "tier_tensor_options_t",
+                                                "TIER_TENSOR_OPTIONS_INIT"));
+    }
+    TIER_RETURN_IF_ERROR(check_tier(enum_value(opt.home), "options->home"));
+    TIER_RETURN_IF_ERROR(check_role(enum_value(opt.role), "options->role"));
+    TIER_ASSIGN_OR_RETURN(tier::capi::SourceLayout layout, tier::capi::inspect_source(src->dl_tensor));
+    EngineCore& core = core_of(engine);
+    TIER_ASSIGN_OR_RETURN(TensorId id, register_source(core.engine(), name, src->dl_tensor, layout, opt));
+    // The contents are in: give the source back now, and count a throwing deleter as a failure.
+    if (Status s = producer.finish(); !s.ok()) {
+      core.engine().unregister_tensor(id).ignore();
+      return s.with_context(str("register '", name, "'"));
+    }
+    TensorMeta meta;
+    meta.dtype = layout.dtype;
+    meta.ndim = layout.ndim;
+    meta.shape = layout.shape;
+    out_tensor->id = core.add_tensor(id, meta);
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_tensor_unregister(tier_engine_t* engine, tier_tensor_t tensor) {
+  return guarded("tier_tensor_unregister", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    return core_of(engine).remove_tensor(tensor.id);
+  });
+}
+
+tier_status_t tier_tensor_find(tier_engine_t* engine, const char* name, tier_tensor_t* out_tensor) {
+  return guarded("tier_tensor_find", [&]() -> Status {
+    TIER_C_REQUIRE(out_tensor);
+    out_tensor->id = 0;
+    TIER_C_REQUIRE(engine);
+    TIER_C_REQUIRE(name);
+    TIER_ASSIGN_OR_RETURN(out_tensor->id, core_of(engine).find(name));
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_tensor_info(tier_engine_t* engine, tier_tensor_t tensor, tier_tensor_info_t* info) {
+  return guarded("tier_tensor_info", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    TIER_C_REQUIRE(info);
+    TIER_ASSIGN_OR_RETURN(std::size_t size,
+                          output_size(info, kTensorInfoV1, "info", "tier_tensor_info_t", "TIER_TENSOR_INFO_INIT"));
+    EngineCore& core = core_of(engine);
+    tier_tensor_info_t out = TIER_TENSOR_INFO_INIT;
+    TIER_RETURN_IF_ERROR(core.with_tensor(tensor.id, [&](TensorId id, const TensorMeta& meta) -> Status {
+      TIER_ASSIGN_OR_RETURN(tier::TensorInfo ti, core.engine().info(id));
+      out.dtype = tier::capi::to_dl_dtype(meta.dtype);
+      out.ndim = meta.ndim;
+      for (int i = 0; i < meta.ndim; ++i) out.shape[i] = meta.shape[static_cast<std::size_t>(i)];
+      out.numel = ti.desc.numel;
+      out.nbytes = ti.desc.bytes();
+      out.home = static_cast<tier_tier_t>(ti.home);
+      out.role = static_cast<tier_role_t>(ti.desc.role);
+      out.group = ti.desc.group;
+      for (int t = 0; t < tier::kNumTiers; ++t) {
+        const char* state = ti.copy_state[static_cast<std::size_t>(t)];
+        const std::optional<tier_copy_state_t> c = copy_state_from(state);
+        if (!c) {
+          return tier::internal_error(
+              str("tensor '", ti.desc.name, "': copy state '", state ? state : "(null)", "' has no C name"));
+        }
+        out.copies[t] = *c;
+      }
+      out.readers = ti.readers;
+      out.writer = ti.writer ? 1 : 0;
+      return Status::Ok();
+    }));
+    out.struct_size = info->struct_size;
+    std::memcpy(static_cast<void*>(info), &out, size);
+    return Status::Ok();
+  });
+}
+
+namespace {
+
+// Acquires the tensor on the host tier for a blocking read or write of all its bytes.
+Result<Lease> host_lease(tier_engine_t* engine, tier_tensor_t tensor, std::size_t bytes, Access access,
+                         const char* buffer_arg) {
+  EngineCore& core = core_of(engine);
+  tier::AcquireFuture future;
+  TIER_RETURN_IF_ERROR(core.with_tensor(tensor.id, [&](TensorId id, const TensorMeta& meta) -> Status {
+    std::uint64_t numel = 1;
+    for (int i = 0; i < meta.ndim; ++i) numel *= static_cast<std::uint64_t>(meta.shape[static_cast<std::size_t>(i)]);
+    const std::uint64_t want = numel * tier::dtype_size(meta.dtype);
+    if (bytes != want) {
+      return tier::invalid_argument(str("argument 'bytes' is ", bytes, " but the tensor holds ", want, " bytes; ",
+                                        buffer_arg, " must cover all of it"));
+    }
+    future = core.engine().acquire(id, Tier::kHost, access);
+    return Status::Ok();
+  }));
+  return future.wait();
+}
+
+}  // namespace
+
+tier_status_t tier_tensor_read(tier_engine_t* engine, tier_tensor_t tensor, void* dst, size_t bytes) {
+  return guarded("tier_tensor_read", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    TIER_C_REQUIRE(dst);
+    TIER_ASSIGN_OR_RETURN(Lease lease, host_lease(engine, tensor, bytes, Access::kRead, "dst"));
+    std::memcpy(dst, lease.data(), bytes);
+    return lease.release();
+  });
+}
+
+tier_status_t tier_tensor_write(tier_engine_t* engine, tier_tensor_t tensor, const void* src, size_t bytes) {
+  return guarded("tier_tensor_write", [&]() -> Status {
+    TIER_C_REQUIRE(engine);
+    TIER_C_REQUIRE(src);
+    TIER_ASSIGN_OR_RETURN(Lease lease, host_lease(engine, tensor, bytes, Access::kWrite, "src"));
+    std::memcpy(lease.data(), src, bytes);
+    return lease.release();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acquire and tickets
+
+tier_status_t tier_tensor_acquire(tier_engine_t* engine, tier_tensor_t tensor, tier_tier_t where, tier_access_t access,
+                                  void* stream, tier_ticket_t** out_ticket) {
+  return guarded("tier_tensor_acquire", [&]() -> Status {
+    TIER_C_REQUIRE(out_ticket);
+    *out_ticket = nullptr;
+    TIER_C_REQUIRE(engine);
+    TIER_RETURN_IF_ERROR(check_tier(enum_value(where), "where"));
+    if (enum_value(where) == TIER_TIER_NVME) {
+      return tier::invalid_argument(
+          "argument 'where' is TIER_TIER_NVME; a DLPack tensor needs addressable memory: acquire on "
+          "TIER_TIER_DEVICE or TIER_TIER_HOST");
+    }
+    if (enum_value(access) < 0 || enum_value(access) > TIER_ACCESS_READ_WRITE) {
+      return tier::invalid_argument(str("argument 'access' is ", enum_value(access),
+                                        "; use TIER_ACCESS_READ (0), TIER_ACCESS_WRITE (1) or "
+                                        "TIER_ACCESS_READ_WRITE (2)"));
+    }
+    const auto& core = engine->core;
+    auto ticket = std::make_unique<tier_ticket>();
+    ticket->core = core;
+    ticket->where = static_cast<Tier>(where);
+    ticket->access = static_cast<Access>(access);
+    ticket->stream = stream;
+    TIER_RETURN_IF_ERROR(core->with_tensor(tensor.id, [&](TensorId id, const TensorMeta& meta) -> Status {
+      ticket->meta = meta;
+      ticket->future = core->engine().acquire(id, static_cast<Tier>(where), static_cast<Access>(access));
+      return Status::Ok();
+    }));
+    *out_ticket = ticket.release();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_ticket_poll(tier_ticket_t* ticket, int* out_ready) {
+  return guarded("tier_ticket_poll", [&]() -> Status {
+    TIER_C_REQUIRE(out_ready);
+    *out_ready = 0;
+    TIER_C_REQUIRE(ticket);
+    *out_ready = ticket->handed_out || ticket->future.ready() ? 1 : 0;
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_ticket_wait(tier_ticket_t* ticket, DLManagedTensor** out_tensor) {
+  return guarded("tier_ticket_wait", [&]() -> Status {
+    TIER_C_REQUIRE(out_tensor);
+    *out_tensor = nullptr;
+    TIER_C_REQUIRE(ticket);
+    return wait_ticket(ticket, nullptr, out_tensor);
+  });
+}
+
+tier_status_t tier_ticket_wait_for(tier_ticket_t* ticket, uint64_t timeout_ms, DLManagedTensor** out_tensor) {
+  return guarded("tier_ticket_wait_for", [&]() -> Status {
+    TIER_C_REQUIRE(out_tensor);
+    *out_tensor = nullptr;
+    TIER_C_REQUIRE(ticket);
+    // Beyond ~35 years a deadline would overflow the clock: that is waiting without a limit.
+    if (timeout_ms >= (std::uint64_t{1} << 40)) return wait_ticket(ticket, nullptr, out_tensor);
+    const std::chrono::milliseconds timeout(static_cast<std::int64_t>(timeout_ms));
+    return wait_ticket(ticket, &timeout, out_tensor);
+  });
+}
+
+void tier_ticket_destroy(tier_ticket_t* ticket) {
+  try {
+    if (ticket != nullptr && !ticket->handed_out && ticket->access == Access::kWrite) {
+      // The engine cannot abandon a write lease: ending it publishes the memory reserved for the
+      // writer, which nobody wrote. Say so where it happens.
+      TIER_LOG(kWarn,
+               "tier_ticket_destroy: a TIER_ACCESS_WRITE ticket was dropped before its tensor was taken; "
+               "once granted, its lease ends and the unwritten memory becomes the tensor's contents");
+    }
+    delete ticket;
+  } catch (...) {
+  }
+}

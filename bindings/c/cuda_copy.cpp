@@ -1,0 +1,63 @@
+#include "cuda_copy.hpp"
+
+#include <cuda_runtime_api.h>
+
+namespace tier::capi {
+
+namespace {
+
+Status cuda_failure(cudaError_t err, const char* what) {
+  cudaGetLastError();  // clear a non-sticky error so the caller's next CUDA call starts clean
+  return device_error(str(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+// Makes `id` the current device for the guard's lifetime, then puts the caller's back.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int id) : id_(id) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    err_ = prev_ == id ? cudaSuccess : cudaSetDevice(id);
+  }
+  ~CurrentDevice() {
+    if (prev_ >= 0 && prev_ != id_ && err_ == cudaSuccess) cudaSetDevice(prev_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+  cudaError_t status() const noexcept { return err_; }
+
+ private:
+  int id_;
+  int prev_ = -1;
+  cudaError_t err_ = cudaSuccess;
+};
+
+}  // namespace
+
+bool cuda_built() noexcept {
+  return true;
+}
+
+Status copy_from_cuda(void* dst, const void* src, std::uint64_t bytes, int device_id, void* stream) {
+  CurrentDevice guard(device_id);
+  if (cudaError_t err = guard.status(); err != cudaSuccess) {
+    return cuda_failure(err, str("cudaSetDevice(", device_id, ") for the source tensor").c_str());
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s); err != cudaSuccess) {
+    return cuda_failure(
+        err, str("cudaMemcpyAsync of ", bytes, " bytes from the source tensor on device ", device_id).c_str());
+  }
+  if (cudaError_t err = cudaStreamSynchronize(s); err != cudaSuccess) {
+    return cuda_failure(err, "cudaStreamSynchronize of the source tensor's stream");
+  }
+  return Status::Ok();
+}
+
+Status sync_cuda_stream(void* stream) {
+  if (cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); err != cudaSuccess) {
+    return cuda_failure(err, "cudaStreamSynchronize of the source tensor's stream");
+  }
+  return Status::Ok();
+}
+
+}  // namespace tier::capi

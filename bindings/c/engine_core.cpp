@@ -1,0 +1,154 @@
+#include "engine_core.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tier/device.hpp"
+#include "tier/log.hpp"
+
+namespace tier::capi {
+
+namespace {
+
+std::uint32_t next_generation() {
+  static std::atomic<std::uint32_t> counter{0};
+  std::uint32_t g;
+  do {
+    g = counter.fetch_add(1, std::memory_order_relaxed) + 1;
+  } while (g == 0);  // id 0 is never a tensor
+  return g;
+}
+
+}  // namespace
+
+EngineCore::~EngineCore() {
+  {
+    std::unique_lock<std::mutex> lock(release_mu_);
+    release_cv_.wait(lock, [&] { return pending_releases_ == 0; });
+  }
+  quiesce();
+  engine_.reset();
+}
+
+void EngineCore::quiesce() noexcept {
+  using Clock = std::chrono::steady_clock;
+  try {
+    std::vector<std::uint64_t> handles;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, meta] : meta_) handles.push_back((static_cast<std::uint64_t>(meta.generation) << 32) | id);
+    }
+    // No C handle is left, so nothing holds a lease; only the engine's own transfers (prefetches,
+    // write-backs) can make a tensor busy for a moment.
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    for (std::uint64_t h : handles) {
+      while (remove_tensor(h).code() == StatusCode::kFailedPrecondition && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    // Storage comes back on the worker that completed its last transfer: wait until NVMe extents
+    // and device bytes are all returned (the device reports into the Counters last).
+    while (Clock::now() < deadline) {
+      const StatsSnapshot s = engine_->stats();
+      const auto extents = s.metrics.find("nvme.swap.live_extents");
+      const bool nvme_idle = extents == s.metrics.end() || extents->second == 0;
+      if (nvme_idle && s.tier(Tier::kDevice).resident_bytes == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    TIER_LOG(kDebug, "engine teardown: storage still held after 5 s; destroying the engine anyway");
+  } catch (...) {
+    // Best effort: the engine is destroyed next either way.
+  }
+}
+
+std::uint64_t EngineCore::add_tensor(TensorId id, TensorMeta meta) {
+  meta.generation = next_generation();
+  const std::uint64_t handle = (static_cast<std::uint64_t>(meta.generation) << 32) | id;
+  std::lock_guard<std::mutex> lock(mu_);
+  meta_[id] = meta;
+  return handle;
+}
+
+Result<const TensorMeta*> EngineCore::lookup(std::uint64_t handle) const {
+  const auto id = static_cast<TensorId>(handle & 0xffffffffu);
+  const auto gen = static_cast<std::uint32_t>(handle >> 32);
+  auto it = meta_.find(id);
+  if (handle == 0 || it == meta_.end() || it->second.generation != gen) {
+    return not_found(str("tensor handle 0x", std::hex, handle,
+                         " names no registered tensor of this engine (unregistered, never registered, or from "
+                         "another engine)"));
+  }
+  return &it->second;
+}
+
+Status EngineCore::remove_tensor(std::uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TIER_ASSIGN_OR_RETURN(const TensorMeta* meta, lookup(handle));
+  (void)meta;
+  const auto id = static_cast<TensorId>(handle & 0xffffffffu);
+  TIER_RETURN_IF_ERROR(engine_->unregister_tensor(id));
+  meta_.erase(id);
+  return Status::Ok();
+}
+
+Result<std::uint64_t> EngineCore::find(std::string_view name) {
+  TIER_ASSIGN_OR_RETURN(TensorId id, engine_->find(name));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = meta_.find(id);
+  if (it == meta_.end()) return not_found(str("no tensor named '", name, "' (its registration has not completed)"));
+  return (static_cast<std::uint64_t>(it->second.generation) << 32) | id;
+}
+
+void EngineCore::release_after(Lease lease, DeviceStream stream) noexcept {
+  try {
+    Device& device = engine_->device();
+    if (!device.has(DeviceCap::kGpuStreams)) {
+      lease.release().ignore();  // fails only for an empty lease
+      return;
+    }
+    auto event = device.record_event(stream);
+    if (!event.ok()) {
+      // The consumer's stream is unusable (a bad handle or a failed context): nothing can be
+      // ordered after it. End the lease now rather than never; say so loudly.
+      TIER_LOG(kError, "DLPack deleter: could not record an event on the consumer's stream (",
+               event.status().to_string(), "); the lease ends without waiting for that stream's work");
+      lease.release().ignore();
+      return;
+    }
+    auto held = std::make_shared<Lease>(std::move(lease));
+    DeviceEvent::Callback end_lease = [this, held](const Status& s) {
+      try {
+        if (!s.ok()) {
+          TIER_LOG(kError, "DLPack deleter: the consumer's stream failed (", s.to_string(),
+                   ") before the lease ended; its memory may hold partial writes");
+        }
+        held->release().ignore();
+      } catch (...) {
+        // Only logging can throw; the lease has ended (or ends with `held`).
+      }
+      std::lock_guard<std::mutex> lock(release_mu_);
+      --pending_releases_;
+      release_cv_.notify_all();
+    };
+    {
+      std::lock_guard<std::mutex> lock(release_mu_);
+      ++pending_releases_;
+    }
+    try {
+      event->on_complete(std::move(end_lease));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(release_mu_);
+      --pending_releases_;
+      release_cv_.notify_all();
+      throw;
+    }
+  } catch (...) {
+    // Out of memory while deferring: the lease ends as `lease` (or `held`) goes out of scope, i.e.
+    // now. Nothing may escape a DLPack deleter.
+  }
+}
+
+}  // namespace tier::capi

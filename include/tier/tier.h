@@ -1,0 +1,348 @@
+/* tier/tier.h — the C ABI of tier: engines, tensors and pending acquires behind opaque handles,
+ * with DLPack tensors as the way bytes come in and go out.
+ *
+ * The C++ API (tier/engine.hpp) is the reference; this header exposes the same engine to C and to
+ * any framework that speaks DLPack, from one shared library (libtier.so, CMake target tier::c).
+ * It includes no C++ header and no CUDA header; it compiles as C99/C11 and as C++.
+ *
+ * Errors. Every call that can fail returns a tier_status_t: TIER_OK (0) or one of the
+ * TIER_ERROR_* codes, which mirror tier::StatusCode value for value. tier_last_error() gives the
+ * message of the last failed call on the calling thread; it names the function, the argument or
+ * object that was wrong and, where there is one, the fix. No C++ exception crosses this ABI: an
+ * unexpected one becomes TIER_ERROR_INTERNAL (TIER_ERROR_RESOURCE_EXHAUSTED for an allocation
+ * failure) with its text in tier_last_error().
+ *
+ * Versioning. Structs passed in or out start with `size_t struct_size`, which the caller sets to
+ * sizeof(the struct as its header declares it), best through the *_INIT macro. A newer library
+ * reads an older caller's struct (missing fields take their defaults) and writes only the bytes
+ * the caller's struct has; an older library accepts a newer caller's larger struct when the fields
+ * it does not know are zero (zero is every new field's default). Functions and enum values are
+ * only ever added. TIER_VERSION is the version of this header, tier_version() that of the library.
+ *
+ * Ownership, in one line each (docs/c_api.md has the details):
+ *  - tier_engine_t*: from tier_engine_create, given back with tier_engine_destroy. Tickets and
+ *    DLPack tensors keep the engine alive, so destroying the handle first is allowed.
+ *  - tier_tensor_t: a value (an id); it stays valid until tier_tensor_unregister. Stale ids are
+ *    detected and answered with TIER_ERROR_NOT_FOUND.
+ *  - tier_ticket_t*: from tier_tensor_acquire, given back with tier_ticket_destroy.
+ *  - DLManagedTensor* given to tier_tensor_register: owned by tier from the call on; its deleter
+ *    is called exactly once, before the call returns, whether it succeeds or not.
+ *  - DLManagedTensor* from tier_ticket_wait: owned by the caller, who calls its deleter exactly
+ *    once; the deleter ends the lease.
+ *  - char* from tier_engine_stats_json / tier_engine_config_json: owned by the caller, freed with
+ *    tier_string_free.
+ *
+ * Thread safety. Engine functions may be called from any thread, concurrently. A ticket is used by
+ * one thread at a time (any thread). A DLPack tensor's deleter may be called from any thread.
+ * tier_last_error() is per thread.
+ */
+#ifndef TIER_TIER_H_
+#define TIER_TIER_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define TIER_API __attribute__((visibility("default")))
+#define TIER_CHECK_RESULT __attribute__((warn_unused_result))
+#else
+#define TIER_API
+#define TIER_CHECK_RESULT
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Version */
+
+#define TIER_VERSION_MAJOR 0
+#define TIER_VERSION_MINOR 1
+#define TIER_VERSION_PATCH 0
+/* major * 10000 + minor * 100 + patch. */
+#define TIER_VERSION (TIER_VERSION_MAJOR * 10000 + TIER_VERSION_MINOR * 100 + TIER_VERSION_PATCH)
+
+/* The version of the loaded library, as TIER_VERSION encodes it. */
+TIER_API int tier_version(void);
+/* "0.1.0". Static storage. */
+TIER_API const char* tier_version_string(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes and errors */
+
+typedef enum tier_status {
+  TIER_OK = 0,
+  TIER_ERROR_INVALID_ARGUMENT = 1,     /* bad input: a NULL handle, a wrong struct_size, a bad value */
+  TIER_ERROR_NOT_FOUND = 2,            /* no such tensor (name or handle), file or key */
+  TIER_ERROR_ALREADY_EXISTS = 3,       /* a tensor name taken twice */
+  TIER_ERROR_OUT_OF_RANGE = 4,         /* an offset or index past the end */
+  TIER_ERROR_RESOURCE_EXHAUSTED = 5,   /* a tier's budget (or host memory) cannot hold the request */
+  TIER_ERROR_TIMED_OUT = 6,            /* waited longer than allowed */
+  TIER_ERROR_CANCELLED = 7,            /* the operation was cancelled (engine shutting down, ...) */
+  TIER_ERROR_IO = 8,                   /* a read or write failed */
+  TIER_ERROR_NO_SPACE = 9,             /* the file system is full */
+  TIER_ERROR_UNSUPPORTED = 10,         /* a capability is missing (device type, kernel, file system) */
+  TIER_ERROR_FAILED_PRECONDITION = 11, /* the object is in the wrong state for the call */
+  TIER_ERROR_DATA_LOSS = 12,           /* stored data is corrupt or incomplete */
+  TIER_ERROR_DEVICE = 13,              /* the accelerator runtime reported an error */
+  TIER_ERROR_INTERNAL = 14             /* a bug in tier, or an unexpected exception inside it */
+} tier_status_t;
+
+/* Short stable name of a code ("ok", "invalid_argument", ...; "unknown" for other values).
+ * Static storage. */
+TIER_API const char* tier_status_string(tier_status_t code);
+
+/* The message of the last call on this thread that failed, e.g.
+ * "tier_tensor_acquire: resource_exhausted: acquire 'w' (4.0 MiB) on device: larger than the
+ * device budget (1.0 MiB); raise tier.budgets.device". "" when no call on this thread has failed.
+ * Successful calls leave it alone. The string belongs to tier and stays valid until the next
+ * failing tier call on this thread. */
+TIER_API const char* tier_last_error(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Nouns */
+
+/* Where a copy of a tensor lives, fastest first (tier::Tier). */
+typedef enum tier_tier { TIER_TIER_DEVICE = 0, TIER_TIER_HOST = 1, TIER_TIER_NVME = 2 } tier_tier_t;
+#define TIER_NUM_TIERS 3
+
+/* How a lease uses the tensor (tier::Access). Several readers at once; a writer is exclusive.
+ * TIER_ACCESS_WRITE does not load the old contents (the caller overwrites all of them). */
+typedef enum tier_access { TIER_ACCESS_READ = 0, TIER_ACCESS_WRITE = 1, TIER_ACCESS_READ_WRITE = 2 } tier_access_t;
+
+/* What a tensor is to the training step (tier::Role). */
+typedef enum tier_role {
+  TIER_ROLE_PARAM = 0,
+  TIER_ROLE_GRAD = 1,
+  TIER_ROLE_MASTER = 2,
+  TIER_ROLE_EXP_AVG = 3,
+  TIER_ROLE_EXP_AVG_SQ = 4,
+  TIER_ROLE_USER = 5
+} tier_role_t;
+
+/* The state of one tensor's copy on one tier. */
+typedef enum tier_copy_state {
+  TIER_COPY_ABSENT = 0,
+  TIER_COPY_LOADING = 1,
+  TIER_COPY_VALID_CLEAN = 2,  /* valid, and the home copy holds the same bytes */
+  TIER_COPY_VALID_DIRTY = 3,  /* valid and newer than the home copy */
+  TIER_COPY_WRITING_BACK = 4, /* valid, being written one tier toward home */
+  TIER_COPY_RESERVED = 5,     /* storage held for a writer */
+  TIER_COPY_STALE = 6         /* the home copy's storage, holding older bytes */
+} tier_copy_state_t;
+
+/* Tensors registered through this ABI have at most this many dimensions. */
+#define TIER_MAX_NDIM 16
+
+/* An engine. Opaque. */
+typedef struct tier_engine tier_engine_t;
+/* A pending acquire: a future of a DLPack tensor. Opaque. */
+typedef struct tier_ticket tier_ticket_t;
+/* A registered tensor: a value handle, copied freely. id 0 is never a tensor. */
+typedef struct tier_tensor {
+  uint64_t id;
+} tier_tensor_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Engine */
+
+/* How to build an engine. The configuration is DeepSpeed's JSON plus tier's "tier" section
+ * (docs/configuration.md), given as text or as a file; with neither, every key takes its
+ * default. */
+typedef struct tier_engine_config {
+  size_t struct_size;    /* sizeof(tier_engine_config_t); set by TIER_ENGINE_CONFIG_INIT */
+  const char* json;      /* the configuration as JSON text, or NULL */
+  const char* json_path; /* or a path to a JSON file, or NULL; giving both is an error */
+  int32_t strict;        /* nonzero: keys neither tier nor DeepSpeed knows are errors */
+  int32_t ignore_env;    /* nonzero: do not apply the TIER_* environment overrides */
+} tier_engine_config_t;
+#define TIER_ENGINE_CONFIG_INIT \
+  { sizeof(tier_engine_config_t), NULL, NULL, 0, 0 }
+
+/* Builds an engine: the device tier (CUDA, or the emulated device where there is no GPU), the
+ * pinned host arena and, when any tensor may live on NVMe, the swap space. On success
+ * *out_engine is a new engine owned by the caller (tier_engine_destroy); on failure it is set to
+ * NULL. Errors: TIER_ERROR_INVALID_ARGUMENT (NULL argument, wrong struct_size, a bad key or value:
+ * the message names it), TIER_ERROR_NOT_FOUND (json_path), and whatever building a tier reports
+ * (TIER_ERROR_UNSUPPORTED for "cuda" without a GPU, TIER_ERROR_IO for a swap path, ...). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_create(const tier_engine_config_t* config,
+                                                            tier_engine_t** out_engine);
+
+/* Gives the handle back. The engine itself (its threads, memory and swap files) goes when the
+ * handle and every ticket and DLPack tensor from it are gone; the last of them waits for the
+ * engine's transfers to finish. NULL is ignored. The handle must not be used afterwards, and no
+ * other call may be using it concurrently. */
+TIER_API void tier_engine_destroy(tier_engine_t* engine);
+
+/* Where device-tier tensors live: {kDLCUDA, id} on a GPU, {kDLCPU, 0} on the emulated device
+ * (its memory is host memory). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_device(tier_engine_t* engine, DLDevice* out_device);
+
+/* Writes every dirty tensor to its home tier and makes NVMe durable (fdatasync). Tensors under an
+ * open write lease are written after their release, by a later flush. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_flush(tier_engine_t* engine);
+
+/* Bracket one training step: the order of acquires in the first step is recorded and prefetched in
+ * the following ones. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_begin_step(tier_engine_t* engine);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_end_step(tier_engine_t* engine);
+
+/* The engine's statistics as one JSON object: resident/peak bytes and budget per tier, bytes,
+ * operations and busy time per link, backend names, scheduler metrics. *out_json is a
+ * NUL-terminated string owned by the caller: free it with tier_string_free. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_stats_json(tier_engine_t* engine, char** out_json);
+
+/* The resolved configuration (every key, defaults filled in) as JSON; free with tier_string_free. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_config_json(tier_engine_t* engine, char** out_json);
+
+/* Checks every invariant of the engine (each tensor has a valid copy, budgets hold, counts add
+ * up); TIER_ERROR_INTERNAL naming the first violation. For tests and debugging. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_engine_check(tier_engine_t* engine);
+
+/* Frees a string returned by tier. NULL is ignored. */
+TIER_API void tier_string_free(char* s);
+
+/* ---------------------------------------------------------------------------------------------
+ * Tensors */
+
+/* How a tensor is registered. */
+typedef struct tier_tensor_options {
+  size_t struct_size; /* sizeof(tier_tensor_options_t); set by TIER_TENSOR_OPTIONS_INIT */
+  tier_tier_t home;   /* where its durable copy lives; default TIER_TIER_HOST */
+  tier_role_t role;   /* default TIER_ROLE_USER */
+  int32_t group;      /* layer or parameter group; default 0 */
+  /* For a CUDA source (kDLCUDA, kDLCUDAHost, kDLCUDAManaged): the cudaStream_t on which the
+   * source's contents are (being) produced. tier copies after the work queued there so far and
+   * waits for the copy before returning. NULL is the legacy default stream. Ignored for CPU
+   * sources. */
+  void* stream;
+} tier_tensor_options_t;
+#define TIER_TENSOR_OPTIONS_INIT \
+  { sizeof(tier_tensor_options_t), TIER_TIER_HOST, TIER_ROLE_USER, 0, NULL }
+
+/* Registers a tensor named `name` (unique in the engine) with the dtype, shape and contents of
+ * `src`, homed on options->home (options may be NULL: the defaults).
+ *
+ * Ownership: tier owns `src` from the call on and calls its deleter exactly once (when it is not
+ * NULL) before returning, on success and on every error alike; the contents are copied in first.
+ *
+ * Accepted sources: dtypes float16/32/64, bfloat16, int8/32/64, uint8 (lanes 1); 0 to
+ * TIER_MAX_NDIM dimensions with at least one element; on kDLCPU, kDLCUDAHost and kDLCUDAManaged
+ * any strides (the elements are gathered in row-major order); on kDLCUDA compact row-major
+ * layout only (strides NULL or row-major), copied with the CUDA runtime when the library was built
+ * with CUDA. Other device types are TIER_ERROR_UNSUPPORTED.
+ *
+ * Errors: TIER_ERROR_INVALID_ARGUMENT (NULL argument, bad options, shape or dtype),
+ * TIER_ERROR_UNSUPPORTED (device type, layout), TIER_ERROR_ALREADY_EXISTS (name taken),
+ * TIER_ERROR_RESOURCE_EXHAUSTED (the home tier's budget, or the host tier that stages the copy,
+ * cannot hold it), TIER_ERROR_DEVICE (the CUDA copy failed), TIER_ERROR_INTERNAL (the deleter
+ * threw a C++ exception). On error nothing stays registered and *out_tensor is {0}. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_register(tier_engine_t* engine, const char* name,
+                                                              DLManagedTensor* src,
+                                                              const tier_tensor_options_t* options,
+                                                              tier_tensor_t* out_tensor);
+
+/* Drops every copy of an idle tensor; its handle goes stale. TIER_ERROR_FAILED_PRECONDITION while
+ * a lease, ticket or transfer uses it. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_unregister(tier_engine_t* engine, tier_tensor_t tensor);
+
+/* The tensor registered as `name`; TIER_ERROR_NOT_FOUND if there is none. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_find(tier_engine_t* engine, const char* name,
+                                                          tier_tensor_t* out_tensor);
+
+/* What tier knows about a tensor, filled in by tier_tensor_info. */
+typedef struct tier_tensor_info {
+  size_t struct_size; /* sizeof(tier_tensor_info_t); set by TIER_TENSOR_INFO_INIT */
+  DLDataType dtype;
+  int32_t ndim;
+  int64_t shape[TIER_MAX_NDIM]; /* the first ndim entries */
+  uint64_t numel;
+  uint64_t nbytes;
+  tier_tier_t home;
+  tier_role_t role;
+  int32_t group;
+  tier_copy_state_t copies[TIER_NUM_TIERS]; /* indexed by tier_tier_t */
+  uint32_t readers;                         /* read leases and internal transfers reading it */
+  int32_t writer;                           /* nonzero while a write lease is held or pending */
+} tier_tensor_info_t;
+/* Every field spelled out: C's -Wmissing-field-initializers and C++17 (no designators) both accept it. */
+#define TIER_TENSOR_INFO_INIT \
+  { sizeof(tier_tensor_info_t), {0, 0, 0}, 0, {0}, 0, 0, TIER_TIER_HOST, TIER_ROLE_USER, 0, {TIER_COPY_ABSENT}, 0, 0 }
+
+/* Fills *info (whose struct_size the caller has set) with a snapshot of the tensor's state. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_info(tier_engine_t* engine, tier_tensor_t tensor,
+                                                          tier_tensor_info_t* info);
+
+/* Copies the tensor's contents (row-major, `bytes` == its size) into host memory `dst`, or
+ * replaces them from `src`. Through a host-tier lease; blocking. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_read(tier_engine_t* engine, tier_tensor_t tensor, void* dst,
+                                                          size_t bytes);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_write(tier_engine_t* engine, tier_tensor_t tensor, const void* src,
+                                                           size_t bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Acquire: tickets and DLPack tensors */
+
+/* Starts acquiring `tensor` on `where` (TIER_TIER_DEVICE or TIER_TIER_HOST: a DLPack tensor needs
+ * addressable memory) for `access`, and returns at once with a ticket owned by the caller
+ * (tier_ticket_destroy). The copy is brought in the background; the ticket hands out the lease as
+ * a DLPack tensor.
+ *
+ * `stream` is the consumer's stream (a cudaStream_t; NULL is the legacy default stream) on which
+ * it will use the tensor. The contents are complete before the ticket is ready, so work queued on
+ * any stream after the wait sees them. When the tensor's deleter is called, tier records an event
+ * on `stream` and ends the lease only once that event has completed: everything queued on
+ * `stream` before the deleter call has finished reading (or, for a write lease, writing) the
+ * memory before tier copies it anywhere, drops it or hands it to another lease. Work on other
+ * streams is the consumer's to order before `stream`. On the emulated device streams do not
+ * exist; the lease ends inside the deleter.
+ *
+ * Errors here: TIER_ERROR_INVALID_ARGUMENT (NULL argument, bad enum, TIER_TIER_NVME),
+ * TIER_ERROR_NOT_FOUND (stale or foreign handle). Errors of the acquire itself (budget too small,
+ * I/O) are reported by the wait. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_acquire(tier_engine_t* engine, tier_tensor_t tensor,
+                                                             tier_tier_t where, tier_access_t access, void* stream,
+                                                             tier_ticket_t** out_ticket);
+
+/* *out_ready = 1 when the acquire has completed (successfully or not), 0 while it is pending.
+ * Never blocks. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_poll(tier_ticket_t* ticket, int* out_ready);
+
+/* Waits for the acquire and hands out its lease as a DLPack tensor, once per ticket:
+ *  - data: the copy on the tier asked for, dl_tensor.byte_offset 0, compact row-major strides;
+ *  - device: {kDLCUDA, id} for the device tier on a GPU, {kDLCUDAHost, 0} for the host tier when
+ *    its pinned memory is registered with CUDA, {kDLCPU, 0} otherwise;
+ *  - dtype and shape as registered.
+ * The caller owns the tensor and calls its deleter exactly once, from any thread, after its last
+ * use (see tier_tensor_acquire for streams). The deleter ends the lease: for a write lease, the
+ * memory's contents become the tensor's contents then. Writing through a read lease is not
+ * allowed (DLPack 0.6 has no read-only flag to say so): other copies would not see the change.
+ * Errors: the acquire's (TIER_ERROR_RESOURCE_EXHAUSTED when the tensor is larger than the tier's
+ * budget, TIER_ERROR_TIMED_OUT when no room came free within tier.acquire_timeout_ms,
+ * TIER_ERROR_IO, ...), TIER_ERROR_FAILED_PRECONDITION for a ticket already waited on. On error
+ * *out_tensor is NULL. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_wait(tier_ticket_t* ticket, DLManagedTensor** out_tensor);
+
+/* As tier_ticket_wait, giving up after `timeout_ms` with TIER_ERROR_TIMED_OUT; the acquire stays
+ * pending and may be waited on again. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_wait_for(tier_ticket_t* ticket, uint64_t timeout_ms,
+                                                              DLManagedTensor** out_tensor);
+
+/* Gives the ticket back. A DLPack tensor already handed out is unaffected. A pending acquire is
+ * not aborted: it completes in the background and its lease ends at once, so writers queued behind
+ * it are not held up. NULL is ignored.
+ * Caution: ending a lease that was never handed out is ending it unused. For TIER_ACCESS_READ and
+ * TIER_ACCESS_READ_WRITE that leaves the contents as they were; for TIER_ACCESS_WRITE, which does
+ * not load the old contents, the memory reserved for the writer becomes the tensor's contents
+ * (the engine cannot abandon a write lease yet). Wait on write tickets and fill their tensor;
+ * dropping one logs a warning. */
+TIER_API void tier_ticket_destroy(tier_ticket_t* ticket);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TIER_TIER_H_ */

@@ -1,0 +1,348 @@
+// The C ABI from C++ (the header's extern "C" guards), where C cannot reach: producer deleters that
+// throw, deleters and leases under concurrency, and — on a GPU — the consumer's stream ordering the
+// end of a write lease. Links only libtier.so (and the CUDA runtime for the GPU cases).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tier/tier.h"
+
+#ifdef TIER_TEST_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path = fs::temp_directory_path() / ("tier-c-api-cxx-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+std::string config_json(const fs::path& dir, const char* device = "emulated") {
+  return std::string(R"({"tier": {"device": ")") + device +
+         R"(", "budgets": {"device": 4194304, "host": 8388608, "nvme": 33554432}, "swap_paths": [")" + dir.string() +
+         R"("], "huge_pages": "off", "acquire_timeout_ms": 20000, "log_level": "warn",)"
+         R"( "io": {"bounce_unaligned": true}}})";
+}
+
+tier_engine_t* make_engine(const fs::path& dir, tier_status_t* status = nullptr, const char* device = "emulated") {
+  const std::string json = config_json(dir, device);
+  tier_engine_config_t config = TIER_ENGINE_CONFIG_INIT;
+  config.json = json.c_str();
+  config.ignore_env = 1;
+  tier_engine_t* e = nullptr;
+  const tier_status_t s = tier_engine_create(&config, &e);
+  if (status != nullptr) *status = s;
+  return e;
+}
+
+// A host tensor whose deleter counts its calls and may throw.
+struct Producer {
+  DLManagedTensor managed{};
+  std::vector<float> data;
+  std::int64_t shape[1];
+  std::atomic<int>* deleted;
+  bool throws;
+
+  static DLManagedTensor* make(std::size_t n, float seed, std::atomic<int>* deleted, bool throws = false) {
+    auto* p = new Producer;
+    p->data.resize(n);
+    for (std::size_t i = 0; i < n; ++i) p->data[i] = seed + static_cast<float>(i);
+    p->shape[0] = static_cast<std::int64_t>(n);
+    p->deleted = deleted;
+    p->throws = throws;
+    DLTensor& t = p->managed.dl_tensor;
+    t.data = p->data.data();
+    t.device = {kDLCPU, 0};
+    t.ndim = 1;
+    t.dtype = {kDLFloat, 32, 1};
+    t.shape = p->shape;
+    p->managed.manager_ctx = p;
+    p->managed.deleter = [](DLManagedTensor* self) {
+      auto* me = static_cast<Producer*>(self->manager_ctx);
+      const bool throws = me->throws;
+      ++*me->deleted;
+      delete me;
+      if (throws) throw std::runtime_error("producer deleter failed");
+    };
+    return &p->managed;
+  }
+};
+
+TEST(CApiCxx, ThrowingProducerDeleterIsReportedAndNothingStaysRegistered) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  std::atomic<int> deleted{0};
+  tier_tensor_t t{7};
+  EXPECT_EQ(tier_tensor_register(e, "x", Producer::make(64, 0, &deleted, true), nullptr, &t), TIER_ERROR_INTERNAL);
+  EXPECT_EQ(deleted.load(), 1);
+  EXPECT_EQ(t.id, 0u);
+  EXPECT_NE(std::strstr(tier_last_error(), "deleter threw"), nullptr) << tier_last_error();
+  tier_tensor_t found{};
+  EXPECT_EQ(tier_tensor_find(e, "x", &found), TIER_ERROR_NOT_FOUND);
+
+  // On an error path (no engine), the throwing deleter runs once and nothing escapes either.
+  EXPECT_EQ(tier_tensor_register(nullptr, "x", Producer::make(64, 0, &deleted, true), nullptr, &t),
+            TIER_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(deleted.load(), 2);
+
+  // The name is free again.
+  EXPECT_EQ(tier_tensor_register(e, "x", Producer::make(64, 0, &deleted), nullptr, &t), TIER_OK) << tier_last_error();
+  EXPECT_EQ(deleted.load(), 3);
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
+// Many threads register, acquire on both tiers, hand the DLPack tensors to another thread whose
+// deleter ends them, and unregister: every producer deleter and every lease runs exactly once
+// (a lease that never ended would block the unregister; one that ended twice would break the
+// engine's reader counts, which check() verifies).
+TEST(CApiCxx, DeletersRunExactlyOnceUnderConcurrency) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 40;
+  constexpr std::size_t kElems = 4096;  // 16 KiB
+  std::vector<std::atomic<int>> deleted(kThreads * kRounds);
+  std::mutex handoff_mu;
+  std::vector<DLManagedTensor*> handoff;
+  std::atomic<bool> done{false};
+  std::atomic<int> failures{0};
+  std::atomic<int> freed{0};
+
+  std::thread releaser([&] {
+    for (;;) {
+      std::vector<DLManagedTensor*> batch;
+      {
+        std::lock_guard<std::mutex> lock(handoff_mu);
+        batch.swap(handoff);
+      }
+      for (DLManagedTensor* t : batch) {
+        t->deleter(t);
+        ++freed;
+      }
+      if (batch.empty()) {
+        if (done.load()) return;
+        std::this_thread::yield();
+      }
+    }
+  });
+
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kThreads; ++w) {
+    workers.emplace_back([&, w] {
+      for (int r = 0; r < kRounds; ++r) {
+        const int k = w * kRounds + r;
+        char name[32];
+        std::snprintf(name, sizeof name, "t%d", k);
+        tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+        opt.home = r % 2 ? TIER_TIER_NVME : TIER_TIER_HOST;
+        tier_tensor_t t{};
+        if (tier_tensor_register(e, name, Producer::make(kElems, static_cast<float>(k), &deleted[k]), &opt, &t) !=
+            TIER_OK) {
+          ++failures;
+          continue;
+        }
+        for (tier_tier_t where : {TIER_TIER_DEVICE, TIER_TIER_HOST}) {
+          tier_ticket_t* ticket = nullptr;
+          DLManagedTensor* dl = nullptr;
+          if (tier_tensor_acquire(e, t, where, TIER_ACCESS_READ, nullptr, &ticket) != TIER_OK ||
+              tier_ticket_wait(ticket, &dl) != TIER_OK) {
+            ++failures;
+            tier_ticket_destroy(ticket);
+            continue;
+          }
+          tier_ticket_destroy(ticket);
+          const float* d = static_cast<const float*>(dl->dl_tensor.data);
+          if (d[0] != static_cast<float>(k) || d[kElems - 1] != static_cast<float>(k) + (kElems - 1)) ++failures;
+          std::lock_guard<std::mutex> lock(handoff_mu);
+          handoff.push_back(dl);
+        }
+        // Unregister once both leases have ended on the releaser thread.
+        tier_status_t s;
+        int tries = 0;
+        while ((s = tier_tensor_unregister(e, t)) == TIER_ERROR_FAILED_PRECONDITION && tries++ < 20000) {
+          std::this_thread::yield();
+        }
+        if (s != TIER_OK) ++failures;
+      }
+    });
+  }
+  for (auto& t : workers) t.join();
+  done = true;
+  releaser.join();
+  EXPECT_EQ(failures.load(), 0) << tier_last_error();
+  EXPECT_EQ(freed.load(), kThreads * kRounds * 2);
+  for (int k = 0; k < kThreads * kRounds; ++k) EXPECT_EQ(deleted[k].load(), 1) << "producer " << k;
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
+// Read-modify-write leases from several threads are exclusive: no increment is lost.
+TEST(CApiCxx, ReadWriteLeasesAreExclusive) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  std::atomic<int> deleted{0};
+  tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+  opt.home = TIER_TIER_NVME;
+  tier_tensor_t t{};
+  ASSERT_EQ(tier_tensor_register(e, "counter", Producer::make(16, 0, &deleted), &opt, &t), TIER_OK)
+      << tier_last_error();
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 50;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kThreads; ++w) {
+    threads.emplace_back([&, w] {
+      for (int r = 0; r < kRounds; ++r) {
+        tier_ticket_t* ticket = nullptr;
+        DLManagedTensor* dl = nullptr;
+        const tier_tier_t where = (w + r) % 2 ? TIER_TIER_DEVICE : TIER_TIER_HOST;
+        if (tier_tensor_acquire(e, t, where, TIER_ACCESS_READ_WRITE, nullptr, &ticket) != TIER_OK ||
+            tier_ticket_wait(ticket, &dl) != TIER_OK) {
+          ++failures;
+          tier_ticket_destroy(ticket);
+          continue;
+        }
+        tier_ticket_destroy(ticket);
+        static_cast<float*>(dl->dl_tensor.data)[0] += 1.0f;
+        dl->deleter(dl);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0) << tier_last_error();
+  float back[16];
+  ASSERT_EQ(tier_tensor_read(e, t, back, sizeof back), TIER_OK) << tier_last_error();
+  EXPECT_EQ(back[0], static_cast<float>(kThreads * kRounds));
+  EXPECT_EQ(back[15], 15.0f);
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
+// ---- CUDA: run only where a GPU is usable.
+
+#ifdef TIER_TEST_WITH_CUDA
+tier_engine_t* cuda_engine_or_skip(const TempDir& dir, std::string* why) {
+  tier_status_t s = TIER_OK;
+  tier_engine_t* e = make_engine(dir.path, &s, "cuda");
+  if (e == nullptr) *why = tier_last_error();
+  return e;
+}
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+// A write lease released through its deleter while the consumer's stream still has work queued
+// that writes it: the engine must not take the memory (copy it home, hand it to a reader) before
+// that work has run. The stream is held up by a host function that sleeps, then a memset writes
+// the lease's memory; the deleter is called right after queueing them.
+TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAWriteLease) {
+  TempDir dir;
+  std::string why;
+  tier_engine_t* e = cuda_engine_or_skip(dir, &why);
+  if (e == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  DLDevice device{};
+  ASSERT_EQ(tier_engine_device(e, &device), TIER_OK);
+  EXPECT_EQ(device.device_type, kDLCUDA);
+  std::atomic<int> deleted{0};
+  constexpr std::size_t kElems = 1 << 18;  // 1 MiB
+  tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+  opt.home = TIER_TIER_NVME;
+  tier_tensor_t t{};
+  ASSERT_EQ(tier_tensor_register(e, "w", Producer::make(kElems, 0, &deleted), &opt, &t), TIER_OK) << tier_last_error();
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  tier_ticket_t* ticket = nullptr;
+  DLManagedTensor* dl = nullptr;
+  ASSERT_EQ(tier_tensor_acquire(e, t, TIER_TIER_DEVICE, TIER_ACCESS_WRITE, stream, &ticket), TIER_OK);
+  ASSERT_EQ(tier_ticket_wait(ticket, &dl), TIER_OK) << tier_last_error();
+  tier_ticket_destroy(ticket);
+  EXPECT_EQ(dl->dl_tensor.device.device_type, kDLCUDA);
+  CUDA_OK(cudaLaunchHostFunc(
+      stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr));
+  CUDA_OK(cudaMemsetAsync(dl->dl_tensor.data, 0x5a, kElems * sizeof(float), stream));
+  dl->deleter(dl);  // returns at once; the lease ends after the memset
+
+  std::vector<unsigned char> back(kElems * sizeof(float));
+  ASSERT_EQ(tier_tensor_read(e, t, back.data(), back.size()), TIER_OK) << tier_last_error();
+  for (std::size_t i = 0; i < back.size(); i += 4093) ASSERT_EQ(back[i], 0x5a) << "byte " << i;
+  EXPECT_EQ(back.back(), 0x5a);
+
+  // The host tier's pinned memory says so.
+  ASSERT_EQ(tier_tensor_acquire(e, t, TIER_TIER_HOST, TIER_ACCESS_READ, stream, &ticket), TIER_OK);
+  ASSERT_EQ(tier_ticket_wait(ticket, &dl), TIER_OK) << tier_last_error();
+  tier_ticket_destroy(ticket);
+  EXPECT_EQ(dl->dl_tensor.device.device_type, kDLCUDAHost);
+  dl->deleter(dl);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
+// A kDLCUDA source is copied in after the work on the producer's stream.
+TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
+  TempDir dir;
+  std::string why;
+  tier_engine_t* e = cuda_engine_or_skip(dir, &why);
+  if (e == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  constexpr std::size_t kBytes = 1 << 20;
+  void* dev = nullptr;
+  CUDA_OK(cudaMalloc(&dev, kBytes));
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaLaunchHostFunc(
+      stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }, nullptr));
+  CUDA_OK(cudaMemsetAsync(dev, 0x3c, kBytes, stream));
+
+  std::int64_t shape[1] = {static_cast<std::int64_t>(kBytes)};
+  DLManagedTensor src{};
+  src.dl_tensor.data = dev;
+  src.dl_tensor.device = {kDLCUDA, 0};
+  src.dl_tensor.ndim = 1;
+  src.dl_tensor.dtype = {kDLUInt, 8, 1};
+  src.dl_tensor.shape = shape;
+  tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+  opt.stream = stream;
+  tier_tensor_t t{};
+  ASSERT_EQ(tier_tensor_register(e, "from_gpu", &src, &opt, &t), TIER_OK) << tier_last_error();
+  std::vector<unsigned char> back(kBytes);
+  ASSERT_EQ(tier_tensor_read(e, t, back.data(), back.size()), TIER_OK) << tier_last_error();
+  for (std::size_t i = 0; i < kBytes; i += 4093) ASSERT_EQ(back[i], 0x3c) << "byte " << i;
+  CUDA_OK(cudaStreamDestroy(stream));
+  CUDA_OK(cudaFree(dev));
+  tier_engine_destroy(e);
+}
+#else
+TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAWriteLease) {
+  GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
+}
+TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
+  GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
+}
+#endif
+
+}  // namespace

@@ -1,0 +1,13 @@
+# The cases `c_api_test --list` prints are exactly the ones CMake registered (-DCASES).
+execute_process(COMMAND ${PROGRAM} --list RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${PROGRAM} --list failed (${rc})")
+endif()
+string(STRIP "${out}" out)
+string(REPLACE "\n" ";" listed "${out}")
+list(SORT listed)
+set(registered ${CASES})
+list(SORT registered)
+if(NOT listed STREQUAL registered)
+  message(FATAL_ERROR "c_api_test has cases\n  ${listed}\nbut tests/bindings/CMakeLists.txt registers\n  ${registered}")
+endif()
