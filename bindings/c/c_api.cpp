@@ -696,13 +696,9 @@ tier_status_t tier_ticket_wait_for(tier_ticket_t* ticket, uint64_t timeout_ms, D
 
 void tier_ticket_destroy(tier_ticket_t* ticket) {
   try {
-    if (ticket != nullptr && !ticket->handed_out && ticket->access == Access::kWrite) {
-      // The engine cannot abandon a write lease: ending it publishes the memory reserved for the
-      // writer, which nobody wrote. Say so where it happens.
-      TIER_LOG(kWarn,
-               "tier_ticket_destroy: a TIER_ACCESS_WRITE ticket was dropped before its tensor was taken; "
-               "once granted, its lease ends and the unwritten memory becomes the tensor's contents");
-    }
+    // A ticket dropped before its tensor was taken gives the acquire up: its lease ends unused and
+    // a write lease is abandoned, so the tensor keeps its contents.
+    if (ticket != nullptr && !ticket->handed_out) ticket->future.cancel();
     delete ticket;
   } catch (...) {
   }

@@ -29,39 +29,7 @@ EngineCore::~EngineCore() {
     std::unique_lock<std::mutex> lock(release_mu_);
     release_cv_.wait(lock, [&] { return pending_releases_ == 0; });
   }
-  quiesce();
   engine_.reset();
-}
-
-void EngineCore::quiesce() noexcept {
-  using Clock = std::chrono::steady_clock;
-  try {
-    std::vector<std::uint64_t> handles;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [id, meta] : meta_) handles.push_back((static_cast<std::uint64_t>(meta.generation) << 32) | id);
-    }
-    // No C handle is left, so nothing holds a lease; only the engine's own transfers (prefetches,
-    // write-backs) can make a tensor busy for a moment.
-    const auto deadline = Clock::now() + std::chrono::seconds(5);
-    for (std::uint64_t h : handles) {
-      while (remove_tensor(h).code() == StatusCode::kFailedPrecondition && Clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    }
-    // Storage comes back on the worker that completed its last transfer: wait until NVMe extents
-    // and device bytes are all returned (the device reports into the Counters last).
-    while (Clock::now() < deadline) {
-      const StatsSnapshot s = engine_->stats();
-      const auto extents = s.metrics.find("nvme.swap.live_extents");
-      const bool nvme_idle = extents == s.metrics.end() || extents->second == 0;
-      if (nvme_idle && s.tier(Tier::kDevice).resident_bytes == 0) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    TIER_LOG(kDebug, "engine teardown: storage still held after 5 s; destroying the engine anyway");
-  } catch (...) {
-    // Best effort: the engine is destroyed next either way.
-  }
 }
 
 std::uint64_t EngineCore::add_tensor(TensorId id, TensorMeta meta) {

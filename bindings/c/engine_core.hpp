@@ -67,12 +67,6 @@ class EngineCore {
 
  private:
   Result<const TensorMeta*> lookup(std::uint64_t handle) const;
-  // Before the engine goes: unregisters every tensor and waits (bounded) until the backends have
-  // given back all their storage. Works around an engine teardown race — Engine::Impl destroys its
-  // Counters before its backends, whose worker threads may still be releasing a transfer's
-  // buffers (and reporting that into the Counters) right after the engine saw the transfer
-  // complete. Remove once the engine keeps its Counters alive until the backends are gone.
-  void quiesce() noexcept;
 
   std::unique_ptr<Engine> engine_;
   std::mutex mu_;

@@ -106,6 +106,10 @@ class AcquireFuture {
   Result<Lease> wait();
   // As wait(), but gives up after `timeout` with kTimedOut (the acquire stays pending).
   Result<Lease> wait_for(std::chrono::milliseconds timeout);
+  // Gives the acquire up: once it is granted (or now, if it was), its lease ends unused — a write
+  // lease is abandoned (Lease::abandon), so the tensor keeps its contents. A later wait() reports
+  // kCancelled.
+  void cancel();
 
  private:
   friend class Engine;

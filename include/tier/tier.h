@@ -331,14 +331,10 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_wait(tier_ticket_t* ticket,
 TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_wait_for(tier_ticket_t* ticket, uint64_t timeout_ms,
                                                               DLManagedTensor** out_tensor);
 
-/* Gives the ticket back. A DLPack tensor already handed out is unaffected. A pending acquire is
- * not aborted: it completes in the background and its lease ends at once, so writers queued behind
- * it are not held up. NULL is ignored.
- * Caution: ending a lease that was never handed out is ending it unused. For TIER_ACCESS_READ and
- * TIER_ACCESS_READ_WRITE that leaves the contents as they were; for TIER_ACCESS_WRITE, which does
- * not load the old contents, the memory reserved for the writer becomes the tensor's contents
- * (the engine cannot abandon a write lease yet). Wait on write tickets and fill their tensor;
- * dropping one logs a warning. */
+/* Gives the ticket back. A DLPack tensor already handed out is unaffected. An acquire whose
+ * tensor was not taken yet is given up: once granted (or at once, if it was), its lease ends
+ * unused and a write lease is abandoned, so the tensor keeps the contents it had and writers
+ * queued behind it are not held up. NULL is ignored. */
 TIER_API void tier_ticket_destroy(tier_ticket_t* ticket);
 
 #ifdef __cplusplus

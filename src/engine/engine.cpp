@@ -107,9 +107,26 @@ Result<Lease> AcquireFuture::wait() {
   return wait_for(std::chrono::milliseconds::max());
 }
 
+void AcquireFuture::cancel() {
+  if (!state_) return;
+  std::shared_ptr<detail::LeaseState> granted;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->taken || state_->cancelled) return;
+    state_->cancelled = true;
+    if (state_->done) granted = std::move(state_->lease);
+    state_->done = true;
+    state_->taken = true;
+    state_->status = cancelled("the acquire was cancelled");
+    state_->cv.notify_all();
+  }
+  if (granted) granted->end(/*abandon=*/true);
+}
+
 Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
   if (!state_) return failed_precondition("wait on an empty acquire future");
   std::unique_lock<std::mutex> lock(state_->mu);
+  if (state_->cancelled) return state_->status;
   if (state_->taken) return failed_precondition("the lease of this acquire was already taken");
   if (!state_->done) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -327,7 +344,13 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
   lease->data = c.buf.ptr;
   lease->bytes = t.desc.bytes();
   lease->generation = t.generation;
-  std::lock_guard<std::mutex> lock(st->mu);
+  std::unique_lock<std::mutex> lock(st->mu);
+  if (st->cancelled) {  // nobody will take it: end it unused
+    lock.unlock();
+    lease->released = true;
+    on_release(id, tier, access, lease->generation, /*abandon=*/true);
+    return;
+  }
   st->lease = std::move(lease);
   st->done = true;
   st->cv.notify_all();

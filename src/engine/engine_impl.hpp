@@ -28,6 +28,7 @@ struct AcquireState {
   std::condition_variable cv;
   bool done = false;
   bool taken = false;
+  bool cancelled = false;
   Status status;
   std::shared_ptr<LeaseState> lease;
   tier::Engine::Impl* engine = nullptr;

@@ -849,6 +849,16 @@ static int test_tickets(void) {
   held->deleter(held);
   tier_ticket_destroy(t2);
 
+  /* A write ticket dropped before its tensor was taken is abandoned: the contents stay. */
+  tier_ticket_t* dropped_writer = NULL;
+  CHECK_OK(tier_tensor_acquire(f.engine, a, TIER_TIER_DEVICE, TIER_ACCESS_WRITE, NULL, &dropped_writer));
+  tier_ticket_destroy(dropped_writer);
+  CHECK_OK(tier_tensor_acquire(f.engine, a, TIER_TIER_HOST, TIER_ACCESS_READ, NULL, &t2));
+  CHECK_OK(tier_ticket_wait_for(t2, 5000, &held));
+  if (expect_f32((const float*)held->dl_tensor.data, 256, 2)) return 1;
+  held->deleter(held);
+  tier_ticket_destroy(t2);
+
   /* A failed acquire reports through the wait: larger than the device budget (1 MiB). */
   tier_tensor_t big = {0};
   if (register_f32(f.engine, "big", (2 << 20) / 4, 0, TIER_TIER_HOST, &big)) return 1;

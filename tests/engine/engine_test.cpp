@@ -135,6 +135,22 @@ TEST(Engine, AbandonedWriteLeaseKeepsTheOldContents) {
   ASSERT_TRUE(again.ok());
 }
 
+TEST(Engine, CancelledWriteAcquireLeavesTheTensorAsItWas) {
+  auto m = make(1 << 20, 1 << 20, 1 << 20);
+  auto id = m.engine->register_tensor(desc("w", 256), Tier::kNvme, pattern(256, 4).data());
+  ASSERT_TRUE(id.ok());
+  auto reader = m.engine->acquire_now(*id, Tier::kHost, Access::kRead);
+  ASSERT_TRUE(reader.ok());
+  auto pending = m.engine->acquire(*id, Tier::kDevice, Access::kWrite);  // waits for the reader
+  pending.cancel();
+  EXPECT_EQ(pending.wait().status().code(), StatusCode::kCancelled);
+  ASSERT_TRUE(reader->release().ok());
+  auto granted = m.engine->acquire(*id, Tier::kHost, Access::kWrite);
+  ASSERT_TRUE(granted.wait_for(std::chrono::milliseconds(5000)).ok()) << "the cancelled writer let go";
+  ASSERT_TRUE(m.engine->check_invariants().ok());
+  EXPECT_EQ(read_all(*m.engine, *id, 256), pattern(256, 4));
+}
+
 TEST(Engine, ReadWriteLeaseSeesOldContents) {
   auto m = make(1 << 20, 1 << 20, 1 << 20);
   auto id = m.engine->register_tensor(desc("w", 256), Tier::kNvme, pattern(256, 3).data());
