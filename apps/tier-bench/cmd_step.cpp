@@ -173,11 +173,13 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   std::vector<std::uint8_t> outputs(window * std::max<std::size_t>(1, optim::param_output_size(spec.out)) + 64);
   std::vector<std::uint64_t> where(sizes.size());
   {
-    std::uint64_t flat = 0;
+    // Packed one after another, starting over at 0 when the window is full: partitions that share
+    // a chunk (far smaller than the window) never share output bytes.
+    std::uint64_t cursor = 0;
     for (std::size_t i = 0; i < sizes.size(); ++i) {
-      const std::uint64_t at = flat % window;
-      where[i] = at + sizes[i] <= window ? at : 0;
-      flat += sizes[i];
+      if (cursor + sizes[i] > window) cursor = 0;
+      where[i] = cursor;
+      cursor += sizes[i];
     }
   }
   auto give_grads = [&]() -> Result<double> {

@@ -109,7 +109,7 @@ struct OffloadedOptimizerOptions {
   // null: the optimizer maps its own arena of exactly the buffers' size.
   HostArena* arena = nullptr;
   // Chunk buffers of the pipeline (offload_optimizer.buffer_count): 3 or more let reads, updates
-  // and writes overlap fully; 1 and 2 work but serialize.
+  // and writes overlap fully; 1 and 2 work but serialize. Host home uses one (output staging).
   unsigned buffer_count = 4;
   // Pinned bytes for all buffers together; chunk_elements is derived from it when 0. 0: 256 MiB.
   // Each buffer holds 12 bytes of state and up to 4 bytes of low-precision staging per element.

@@ -283,14 +283,16 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   im->arena = o.arena;
   if (im->arena == nullptr) {
     HostArenaOptions ao;
-    ao.bytes = detail::round_up(buf_bytes, align) * o.buffer_count;
+    ao.bytes = detail::round_up(buf_bytes, align) * (o.home == StateHome::kHost ? 1 : o.buffer_count);
     TIER_ASSIGN_OR_RETURN(im->own_arena, HostArena::create(ao));
     im->arena = im->own_arena.get();
   }
-  for (unsigned b = 0; b < o.buffer_count; ++b) {
+  // Host home moves no chunks: one buffer serves as the output staging and scratch.
+  const unsigned nbufs = o.home == StateHome::kHost ? 1 : o.buffer_count;
+  for (unsigned b = 0; b < nbufs; ++b) {
     auto block = im->arena->try_allocate(buf_bytes, align);
     if (!block.ok()) {
-      return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", o.buffer_count, " (",
+      return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", nbufs, " (",
                                              format_bytes(buf_bytes),
                                              " each; lower buffer_bytes or buffer_count, "
                                              "or give an arena with room)"));
