@@ -310,9 +310,11 @@ class OffloadedOptimizer {
   Status load_checkpoint(const std::string& path);
 
   // ------------------------------------------------------------------ diagnostics
-  // The I/O of one step without the update: reads every chunk's committed slot and writes it back
-  // to the shadow slot through the same buffers, swap space and pipeline depth (a mixed
-  // read/write pass at the step's 1:1 ratio). The state is unchanged. NVMe home only.
+  // The I/O of one step without the update: reads every chunk's committed slot and writes it to
+  // the shadow slot through the same buffers, swap space and pipeline depth (a mixed read/write
+  // pass at the step's 1:1 ratio). Each written 512-byte sector is stamped first, so that the
+  // disk sees new data as in a step (no deduplication of bytes it already holds). The committed
+  // state is unchanged. NVMe home only.
   Result<PassReport> measure_io_seconds();
   // The update of one step without I/O: runs the Adam kernel over every chunk's partitions, with
   // their current gradients (zeros where there are none) and outputs, with `threads` threads, on
