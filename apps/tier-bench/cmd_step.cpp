@@ -5,10 +5,12 @@
 //    mixed read/write pass at the step's 1:1 ratio);
 //  - compute_bound_seconds: the step's CPU Adam alone on data in RAM (measure_update_seconds: the
 //    same partitions, gradients, outputs and threads, no I/O).
-// I/O passes and steps alternate so that both see the same disk (a shared virtual disk drifts);
-// the medians are reported. Gradients (bf16 by default) and the low-precision outputs live in host
-// memory windows that partitions share, so the benchmark's own host memory stays small whatever
-// --params is; every element still reads its gradient and writes its output once per step.
+// After one untimed I/O pass (first writes of the shadow slots), I/O passes and steps alternate
+// (io, step, step, io, io, step, ...) so that both see the same disk (a shared virtual disk drifts)
+// and neither always follows the other; the medians are reported.
+// Gradients (bf16 by default) and the low-precision outputs live in host memory windows that
+// partitions share, so the benchmark's own host memory stays small whatever --params is; every
+// element still reads its gradient and writes its output once per step.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -171,11 +173,13 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   std::vector<std::uint8_t> outputs(window * std::max<std::size_t>(1, optim::param_output_size(spec.out)) + 64);
   std::vector<std::uint64_t> where(sizes.size());
   {
-    std::uint64_t flat = 0;
+    // Packed one after another, starting over at 0 when the window is full: partitions that share
+    // a chunk (far smaller than the window) never share output bytes.
+    std::uint64_t cursor = 0;
     for (std::size_t i = 0; i < sizes.size(); ++i) {
-      const std::uint64_t at = flat % window;
-      where[i] = at + sizes[i] <= window ? at : 0;
-      flat += sizes[i];
+      if (cursor + sizes[i] > window) cursor = 0;
+      where[i] = cursor;
+      cursor += sizes[i];
     }
   }
   auto give_grads = [&]() -> Result<double> {
@@ -203,14 +207,15 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
 
   std::vector<double> intake;
   std::vector<optim::StepReport> reports;
-  for (unsigned s = 0; s < spec.steps; ++s) {
-    if (!spec.host) {
-      const std::string label = str("io bound pass ", s + 1, "/", spec.steps);
-      if (spec.progress) std::fprintf(stderr, "%s ...\n", label.c_str());
-      TIER_ASSIGN_OR_RETURN(auto io, opt->measure_io_seconds());
-      res.io_seconds.push_back(io.seconds);
-      if (spec.progress) std::fprintf(stderr, "  %s\n", format_seconds(io.seconds).c_str());
-    }
+  auto io_pass = [&](bool timed) -> Status {
+    if (spec.host) return {};
+    if (spec.progress) std::fprintf(stderr, "%s ...\n", timed ? "io bound pass" : "warm-up pass (untimed)");
+    TIER_ASSIGN_OR_RETURN(auto io, opt->measure_io_seconds());
+    if (timed) res.io_seconds.push_back(io.seconds);
+    if (spec.progress) std::fprintf(stderr, "  %s\n", format_seconds(io.seconds).c_str());
+    return {};
+  };
+  auto one_step = [&](unsigned s) -> Status {
     TIER_ASSIGN_OR_RETURN(const double in, give_grads());
     intake.push_back(in);
     if (spec.progress) std::fprintf(stderr, "step %u/%u ...\n", s + 1, spec.steps);
@@ -218,6 +223,20 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
     res.step_seconds.push_back(r.seconds);
     reports.push_back(r);
     if (spec.progress) std::fprintf(stderr, "  %s\n", format_seconds(r.seconds).c_str());
+    return {};
+  };
+  // One untimed pass writes every shadow slot once (a file system may convert preallocated
+  // extents on their first write); then I/O passes and steps alternate in the order io, step,
+  // step, io, io, step, ... so that neither always runs right after the other.
+  TIER_RETURN_IF_ERROR(io_pass(false));
+  for (unsigned s = 0; s < spec.steps; ++s) {
+    if (s % 2 == 0) {
+      TIER_RETURN_IF_ERROR(io_pass(true));
+      TIER_RETURN_IF_ERROR(one_step(s));
+    } else {
+      TIER_RETURN_IF_ERROR(one_step(s));
+      TIER_RETURN_IF_ERROR(io_pass(true));
+    }
   }
   res.step_median = median(res.step_seconds);
   res.io_median = median(res.io_seconds);
@@ -384,7 +403,7 @@ const CommandRegistrar kRegister(
      "  --params N            parameters (default 100M; K/M/G = 1e3/1e6/1e9)\n"
      "  --nvme DIR[,DIR...]   directories for the state (on the SSD); several stripe (required for --home nvme)\n"
      "  --home nvme|host      where the state lives (default nvme)\n"
-     "  --steps N             timed steps, each after an I/O-bound pass; medians are reported (default 3)\n"
+     "  --steps N             timed steps, alternating with as many I/O-bound passes; medians (default 3)\n"
      "  --buffer-count N      pinned chunk buffers (default 8)\n"
      "  --buffer-bytes N      pinned bytes for all buffers (default 1G)\n"
      "  --chunk-elements N    elements per chunk (default: from the buffers and the model size)\n"

@@ -109,7 +109,7 @@ struct OffloadedOptimizerOptions {
   // null: the optimizer maps its own arena of exactly the buffers' size.
   HostArena* arena = nullptr;
   // Chunk buffers of the pipeline (offload_optimizer.buffer_count): 3 or more let reads, updates
-  // and writes overlap fully; 1 and 2 work but serialize.
+  // and writes overlap fully; 1 and 2 work but serialize. Host home uses one (output staging).
   unsigned buffer_count = 4;
   // Pinned bytes for all buffers together; chunk_elements is derived from it when 0. 0: 256 MiB.
   // Each buffer holds 12 bytes of state and up to 4 bytes of low-precision staging per element.
@@ -310,9 +310,11 @@ class OffloadedOptimizer {
   Status load_checkpoint(const std::string& path);
 
   // ------------------------------------------------------------------ diagnostics
-  // The I/O of one step without the update: reads every chunk's committed slot and writes it back
-  // to the shadow slot through the same buffers, swap space and pipeline depth (a mixed
-  // read/write pass at the step's 1:1 ratio). The state is unchanged. NVMe home only.
+  // The I/O of one step without the update: reads every chunk's committed slot and writes it to
+  // the shadow slot through the same buffers, swap space and pipeline depth (a mixed read/write
+  // pass at the step's 1:1 ratio). Each written 512-byte sector is stamped first, so that the
+  // disk sees new data as in a step (no deduplication of bytes it already holds). The committed
+  // state is unchanged. NVMe home only.
   Result<PassReport> measure_io_seconds();
   // The update of one step without I/O: runs the Adam kernel over every chunk's partitions, with
   // their current gradients (zeros where there are none) and outputs, with `threads` threads, on

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -283,14 +284,16 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   im->arena = o.arena;
   if (im->arena == nullptr) {
     HostArenaOptions ao;
-    ao.bytes = detail::round_up(buf_bytes, align) * o.buffer_count;
+    ao.bytes = detail::round_up(buf_bytes, align) * (o.home == StateHome::kHost ? 1 : o.buffer_count);
     TIER_ASSIGN_OR_RETURN(im->own_arena, HostArena::create(ao));
     im->arena = im->own_arena.get();
   }
-  for (unsigned b = 0; b < o.buffer_count; ++b) {
+  // Host home moves no chunks: one buffer serves as the output staging and scratch.
+  const unsigned nbufs = o.home == StateHome::kHost ? 1 : o.buffer_count;
+  for (unsigned b = 0; b < nbufs; ++b) {
     auto block = im->arena->try_allocate(buf_bytes, align);
     if (!block.ok()) {
-      return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", o.buffer_count, " (",
+      return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", nbufs, " (",
                                              format_bytes(buf_bytes),
                                              " each; lower buffer_bytes or buffer_count, "
                                              "or give an arena with room)"));
@@ -901,10 +904,26 @@ Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("measure_io_seconds"));
   if (!im.nvme()) return failed_precondition("optimizer measure_io_seconds: the state is in host memory; no I/O");
+  // What is written must be new to the disk, as a step's updated state is: virtual disks and
+  // some SSDs deduplicate or compress, and writing back the bytes just read (which exist in the
+  // committed slot) would flatter the bound. So every 512-byte sector gets a stamp unique to this
+  // pass, chunk and position before it goes out (the shadow slots hold nothing of value).
+  static std::atomic<std::uint64_t> passes{0};
+  const std::uint64_t pass = ++passes ^ static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
   const auto t0 = Clock::now();
   detail::PipelineStats ps;
   TIER_RETURN_IF_ERROR(detail::run_pipeline(
-      *im.swap, im.chunks, im.bufs, true, true, [](std::size_t, Buffer&) { return Status(); }, &ps));
+      *im.swap, im.chunks, im.bufs, true, true,
+      [&](std::size_t i, Buffer& b) {
+        auto* p = reinterpret_cast<std::byte*>(b.state);
+        const std::uint64_t bytes = im.chunks[i].bytes();
+        for (std::uint64_t off = 0; off + 16 <= bytes; off += 512) {
+          const std::uint64_t stamp[2] = {pass, (static_cast<std::uint64_t>(i) << 40) ^ off};
+          std::memcpy(p + off, stamp, sizeof stamp);
+        }
+        return Status();
+      },
+      &ps));
   PassReport r;
   r.seconds = since(t0);
   r.bytes_read = ps.read.bytes;
