@@ -14,6 +14,13 @@ transformers = pytest.importorskip("transformers")
 import tier  # noqa: E402
 import tier.torch  # noqa: E402
 
+# TIER_TEST_DEVICE=cuda runs tier on the GPU (and the PyTorch baseline there too); the default is
+# the emulated device, which runs everywhere.
+TEST_DEVICE = os.environ.get("TIER_TEST_DEVICE", "emulated")
+TORCH_DEVICE = torch.device("cuda" if TEST_DEVICE == "cuda" else "cpu")
+if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TIER_TEST_DEVICE=cuda but torch sees no GPU", allow_module_level=True)
+
 VOCAB = 256
 SEQ = 32
 BATCH = 2
@@ -38,7 +45,7 @@ def make_model(seed=0, dtype=torch.float32):
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(TORCH_DEVICE)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -54,7 +61,7 @@ def tier_config(swap_dir, gas=2, clip=1.0, device_budget="160K", dtype=None, **e
         },
         "aio": {"block_size": 65536, "queue_depth": 8},
         "tier": {
-            "device": "emulated",
+            "device": TEST_DEVICE,
             "budgets": {"device": device_budget, "host": "16M", "nvme": "64M"},
             "optimizer": {"buffer_bytes": "4M"},
         },
@@ -66,7 +73,7 @@ def tier_config(swap_dir, gas=2, clip=1.0, device_budget="160K", dtype=None, **e
 
 
 def baseline_losses(steps, gas=2, clip=1.0):
-    model = make_model()
+    model = make_model().to(TORCH_DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     losses = []
     for step in range(steps):

@@ -16,6 +16,7 @@ The training loop is DeepSpeed's::
         engine.step()           # applies the update at the accumulation boundary
 """
 
+import collections
 import json
 import os
 import time
@@ -116,6 +117,7 @@ class TierEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.last_report = None
         self._in_step = False
+        self._deferred = collections.deque()  # (CUDA event, view) whose leases end after the event
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
 
         # Buffers (e.g. rotary frequencies) stay on the compute device for good; parameters move.
@@ -242,7 +244,20 @@ class TierEngine(torch.nn.Module):
     def _drop(self, slot):
         slot.fetches -= 1
         if slot.fetches == 0:
+            if self.device.type == "cuda":
+                # Kernels queued on the stream may still read the memory: keep the view (and so the
+                # lease) until an event recorded after them has completed.
+                event = torch.cuda.Event()
+                event.record()
+                self._deferred.append((event, slot.param.data))
             slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self._end_finished_leases()
+
+    def _end_finished_leases(self, wait=False):
+        while self._deferred and (wait or self._deferred[0][0].query()):
+            event, _ = self._deferred.popleft()
+            if wait:
+                event.synchronize()
 
     def _fetch(self, module):
         for slot in self._module_slots[module]:
@@ -307,6 +322,7 @@ class TierEngine(torch.nn.Module):
             while slot.backward_fetches > 0:
                 slot.backward_fetches -= 1
                 self._drop(slot)
+        self._end_finished_leases(wait=True)
         if self._in_step:
             self.native.end_step()
             self._in_step = False
