@@ -4,7 +4,7 @@ trained in memory with torch.optim.AdamW, measured in one run, plus tier's stall
 
     python bench/torch_offload.py [--steps 8] [--hidden 256] [--layers 4] [--json]
 
-Run with the package importable (pip install ., or PYTHONPATH=build/python).
+Uses the installed package (pip install .) or, failing that, the in-tree build in build/python.
 """
 
 import argparse
@@ -17,7 +17,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+# The installed package when there is one (pip install .), else the in-tree build.
+try:
+    import tier  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "python"))
 import tier.torch  # noqa: E402
 from tier.examples import finetune_llama as ex  # noqa: E402
 
@@ -56,6 +60,7 @@ def run_tier(args, data, swap):
     for i, ids in enumerate(batches(args, data, args.steps + 1)):
         if i == 1:
             before = engine.stats()
+            timers_before = engine.timers()
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -64,8 +69,9 @@ def run_tier(args, data, swap):
     after = engine.stats()
     stall = after["metrics"]["engine.stall_seconds"] - before["metrics"]["engine.stall_seconds"]
     moved = {k: after["links"][k]["bytes"] - before["links"][k]["bytes"] for k in after["links"]}
+    timers = {k: v - timers_before[k] for k, v in engine.timers().items()}
     engine.close()
-    return times[1:], stall, moved, after
+    return times[1:], stall, moved, after, timers
 
 
 def main():
@@ -86,7 +92,7 @@ def main():
     swap = tempfile.mkdtemp(prefix="tier-bench-torch-", dir=os.environ.get("TIER_BENCH_DIR", "."))
     try:
         base = run_baseline(args, data)
-        tier_times, stall, moved, stats = run_tier(args, data, swap)
+        tier_times, stall, moved, stats, timers = run_tier(args, data, swap)
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
@@ -97,6 +103,7 @@ def main():
         "ratio": med(tier_times) / med(base),
         "stall_fraction": stall / sum(tier_times),
         "bytes_per_step": {k: v / len(tier_times) for k, v in moved.items()},
+        "tier_seconds_per_step": {k: v / len(tier_times) for k, v in timers.items()},
         "device": stats["info"].get("device"),
         "io_engine": stats["info"].get("io_engine"),
         "device_budget": stats["tiers"]["device"]["budget_bytes"],
@@ -108,6 +115,10 @@ def main():
         print(f"in-memory PyTorch AdamW : {result['baseline_step_seconds'] * 1e3:8.1f} ms/step (median)")
         print(f"tier, params+optimizer on NVMe: {result['tier_step_seconds'] * 1e3:8.1f} ms/step (median)")
         print(f"ratio tier / baseline   : {result['ratio']:.2f}")
+        split = result["tier_seconds_per_step"]
+        print("tier time per step      : " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()))
+        moved = result["bytes_per_step"]
+        print("tier bytes per step     : " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items() if v))
         print(f"stall fraction (stall / step time): {result['stall_fraction']:.3f}")
 
 

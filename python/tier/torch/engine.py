@@ -375,6 +375,10 @@ class TierEngine(torch.nn.Module):
         s["optimizer"] = self.optimizer.stats()
         return s
 
+    def timers(self):
+        """Seconds spent so far in forward, backward and step (the optimizer), as a new dict."""
+        return dict(self._timers)
+
     def parameter(self, name):
         """The current value of a parameter, as a CPU tensor of the compute dtype."""
         slot = next((s for s in self._slots if s.name == name), None)
