@@ -104,7 +104,7 @@ struct Fp16Config {
 // tier.prefetch.
 struct PrefetchConfig {
   bool enabled = true;
-  int lookahead = 0;                     // upcoming acquires kept in flight; 0: auto
+  int lookahead = 0;                     // most upcoming acquires prefetched; 0: as many as fit the host budget
   std::uint64_t max_inflight_bytes = 0;  // 0: auto
 };
 

@@ -161,13 +161,20 @@ Engine::Impl::Impl(const EngineConfig& c, detail::Backends backends, std::shared
     budget[i] = configured[i] ? std::min(configured[i], cap) : cap;
     counters->set_budget(static_cast<Tier>(i), budget[i]);
   }
-  lookahead = cfg.tier.prefetch.lookahead > 0 ? static_cast<std::uint64_t>(cfg.tier.prefetch.lookahead) : 8;
+  // The window spans the upcoming acquires that fit in the staging tier (the host budget, or the
+  // device's when it is larger), and at most `lookahead` of them (0, auto: at most 1024).
+  lookahead = cfg.tier.prefetch.lookahead > 0 ? static_cast<std::uint64_t>(cfg.tier.prefetch.lookahead) : 0;
+  window_bytes = std::max(budget[static_cast<int>(Tier::kHost)], budget[static_cast<int>(Tier::kDevice)]);
   max_inflight = cfg.tier.prefetch.max_inflight_bytes
                      ? cfg.tier.prefetch.max_inflight_bytes
                      : std::max<std::uint64_t>(budget[static_cast<int>(Tier::kDevice)] / 2, 64ull << 20);
-  counters->set_info("prefetch", cfg.tier.prefetch.enabled
-                                     ? str("lookahead ", lookahead, ", max in flight ", format_bytes(max_inflight))
-                                     : "off");
+  // NVMe -> host staging runs further ahead, bounded by half the host budget.
+  max_staging = std::max<std::uint64_t>(budget[static_cast<int>(Tier::kHost)] / 2, 64ull << 20);
+  counters->set_info(
+      "prefetch", cfg.tier.prefetch.enabled
+                      ? str("lookahead ", lookahead ? str(lookahead) : str("auto (", format_bytes(window_bytes), ")"),
+                            ", max in flight ", format_bytes(max_inflight))
+                      : "off");
   worker = std::thread([this] { run(); });
 }
 
@@ -515,13 +522,37 @@ std::size_t Engine::Impl::victim_rank(TensorId id, Tier tier) const {
   const TensorRec& t = tensors[id];
   if (trace.has_trace() && trace.mode() == AccessTrace::Mode::kReplaying) {
     std::size_t next = trace.next_use(id, tier);
-    if (tier == Tier::kHost && t.copies[static_cast<int>(Tier::kDevice)].state != CopyState::kValid) {
-      next = std::min(next, trace.next_use(id, Tier::kDevice));
+    if (tier == Tier::kHost) {
+      // A host copy is also the source of the tensor's next device load, unless the device copy
+      // is there and will stay until that use (then the host copy is redundant).
+      const std::size_t on_device = trace.next_use(id, Tier::kDevice);
+      if (on_device != kNever &&
+          (t.copies[static_cast<int>(Tier::kDevice)].state != CopyState::kValid || !device_keeps(id, on_device))) {
+        next = std::min(next, on_device);
+      }
     }
     return next;
   }
   // LRU: the older the last use, the higher the rank.
   return static_cast<std::size_t>(clock - t.copies[static_cast<int>(tier)].last_use);
+}
+
+bool Engine::Impl::device_keeps(TensorId id, std::size_t ahead) const {
+  const std::uint64_t room = budget[static_cast<int>(Tier::kDevice)];
+  std::uint64_t need = tensors[id].desc.bytes();
+  if (need > room) return false;
+  if (seen_mark.size() < tensors.size()) seen_mark.resize(tensors.size(), 0);
+  const std::uint64_t walk = ++seen_walk;
+  const std::size_t n = std::min(ahead, trace.entries().size());
+  for (std::size_t k = 0; k < n; ++k) {
+    const TraceEntry& e = trace.upcoming(k);
+    if (e.tier != Tier::kDevice || e.tensor == id || e.tensor >= tensors.size()) continue;
+    if (seen_mark[e.tensor] == walk) continue;
+    seen_mark[e.tensor] = walk;
+    need += tensors[e.tensor].desc.bytes();
+    if (need > room) return false;
+  }
+  return true;
 }
 
 bool Engine::Impl::has_other_valid(const TensorRec& t, Tier except) const {
@@ -758,10 +789,15 @@ void Engine::Impl::issue_prefetches() {
   // Two stages run ahead at their own depth: the final hop (host -> device, or NVMe -> host for
   // host acquires) within max_inflight, and beyond that window NVMe -> host staging of device
   // acquires within max_staging, so the NVMe read of k+2 overlaps the device copy of k+1.
-  const std::size_t n = std::min<std::size_t>(lookahead, trace.entries().size());
+  const std::size_t n = std::min<std::size_t>(lookahead ? lookahead : 1024, trace.entries().size());
+  std::uint64_t window = 0;  // bytes of the entries walked so far
   bool final_open = true;
   for (std::size_t k = 0; k < n; ++k) {
     const TraceEntry& e = trace.upcoming(k);
+    if (e.tensor < tensors.size()) {
+      window += tensors[e.tensor].desc.bytes();
+      if (k > 0 && window > window_bytes) break;  // staging further would evict copies needed sooner
+    }
     if (e.tensor >= tensors.size()) continue;
     TensorRec& t = tensors[e.tensor];
     if (!t.live || t.writer) continue;
@@ -772,7 +808,13 @@ void Engine::Impl::issue_prefetches() {
       prefetch_blocked = false;
       ++m_prefetches;
       ensure_copy(e.tensor, e.tier, true, k, [](Status) {});
-      if (!prefetch_blocked) continue;
+      if (!prefetch_blocked) {
+        // Still waiting for its host copy: a later entry's final hop would take target room this
+        // one needs first (and be evicted again for it), so later entries only stage.
+        const CopyState now = t.copies[static_cast<int>(e.tier)].state;
+        if (now != CopyState::kLoading && now != CopyState::kValid) final_open = false;
+        continue;
+      }
       final_open = false;  // no room on the target tier without evicting something needed sooner
     } else {
       final_open = false;

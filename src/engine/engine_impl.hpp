@@ -124,6 +124,9 @@ struct Engine::Impl {
   void issue_prefetches();
   void expire_waiters();
   std::size_t victim_rank(TensorId id, Tier tier) const;
+  // Whether the device keeps `id`'s copy until its next device use `ahead` acquires from now: the
+  // distinct tensors the device must hold in between, with it, fit in the device budget.
+  bool device_keeps(TensorId id, std::size_t ahead) const;
   bool has_other_valid(const TensorRec& t, Tier except) const;
   Tier toward_home(Tier from, Tier home) const;
   Status check_invariants_locked() const;
@@ -146,9 +149,12 @@ struct Engine::Impl {
   std::array<std::list<RoomRequest>, kNumTiers> room_waiters;
   AccessTrace trace;
   std::uint64_t clock = 0;
+  mutable std::vector<std::uint64_t> seen_mark;  // device_keeps' scratch: the walk each tensor was last seen in
+  mutable std::uint64_t seen_walk = 0;
   std::uint64_t generation = 0;
   std::uint64_t prefetch_inflight_bytes = 0;
-  std::uint64_t lookahead = 0;
+  std::uint64_t lookahead = 0;     // most acquires in the window; 0: auto (1024)
+  std::uint64_t window_bytes = 0;  // most bytes of the acquires in the window
   std::uint64_t max_inflight = 0;
   std::uint64_t staging_inflight_bytes = 0;
   std::uint64_t max_staging = 0;
