@@ -29,6 +29,21 @@ Args::Args(std::vector<std::string> argv) {
   }
 }
 
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == ',') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(c);
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
 bool Args::has(const std::string& name) const {
   return opts_.count(name) != 0;
 }

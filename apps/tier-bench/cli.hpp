@@ -40,6 +40,9 @@ class Args {
   std::vector<std::string> known_;
 };
 
+// "a,b,,c" -> {"a", "b", "c"}: a comma-separated option value (e.g. several --path directories).
+std::vector<std::string> split_list(const std::string& s);
+
 struct Command {
   std::string name;
   std::string summary;  // one line

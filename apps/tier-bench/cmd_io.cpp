@@ -410,21 +410,6 @@ Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
   return r;
 }
 
-std::vector<std::string> split_paths(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (char c : s) {
-    if (c == ',') {
-      if (!cur.empty()) out.push_back(cur);
-      cur.clear();
-    } else {
-      cur.push_back(c);
-    }
-  }
-  if (!cur.empty()) out.push_back(cur);
-  return out;
-}
-
 Result<IoEngineKind> parse_engine(const std::string& s) {
   if (s == "auto") return IoEngineKind::kAuto;
   if (s == "uring") return IoEngineKind::kUring;
@@ -443,7 +428,7 @@ int run_io(Args& args) {
     }
     into = static_cast<std::decay_t<decltype(into)>>(*r);
   };
-  spec.paths = split_paths(args.get("path", ""));
+  spec.paths = split_list(args.get("path", ""));
   take(args.size("size", 4ull << 30), spec.size);
   take(args.size("block-size", 1 << 20), spec.block_size);
   take(args.integer("queue-depth", 32), spec.queue_depth);

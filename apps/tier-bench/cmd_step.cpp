@@ -258,21 +258,6 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   return res;
 }
 
-std::vector<std::string> split_paths(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (char c : s) {
-    if (c == ',') {
-      if (!cur.empty()) out.push_back(cur);
-      cur.clear();
-    } else {
-      cur.push_back(c);
-    }
-  }
-  if (!cur.empty()) out.push_back(cur);
-  return out;
-}
-
 double bound(const StepBenchResult& r) {
   return std::max(r.io_median, r.compute_median);
 }
@@ -288,7 +273,7 @@ int run_step(Args& args) {
     into = static_cast<std::decay_t<decltype(into)>>(*r);
   };
   take(args.count("params", 100'000'000), spec.params);
-  spec.paths = split_paths(args.get("nvme", ""));
+  spec.paths = split_list(args.get("nvme", ""));
   std::string home = "nvme", grad = "bf16", out = "bf16", engine = "auto";
   take(args.choice("home", {"nvme", "host"}, "nvme"), home);
   take(args.integer("steps", 3), spec.steps);
