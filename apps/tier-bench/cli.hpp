@@ -40,6 +40,17 @@ class Args {
   std::vector<std::string> known_;
 };
 
+// Reads an option's parsed value into `into`, or, when parsing failed, keeps the first error in
+// `first_error`, so a command can read every option and report one problem.
+template <typename T, typename U>
+void take_option(Status& first_error, Result<T> r, U& into) {
+  if (!r.ok()) {
+    if (first_error.ok()) first_error = r.status();
+    return;
+  }
+  into = static_cast<U>(*r);
+}
+
 // "a,b,,c" -> {"a", "b", "c"}: a comma-separated option value (e.g. several --path directories).
 std::vector<std::string> split_list(const std::string& s);
 

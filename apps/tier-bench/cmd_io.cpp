@@ -421,13 +421,7 @@ Result<IoEngineKind> parse_engine(const std::string& s) {
 int run_io(Args& args) {
   IoBenchSpec spec;
   Status s;
-  auto take = [&](auto r, auto& into) {
-    if (!r.ok()) {
-      if (s.ok()) s = r.status();
-      return;
-    }
-    into = static_cast<std::decay_t<decltype(into)>>(*r);
-  };
+  auto take = [&](auto r, auto& into) { take_option(s, std::move(r), into); };
   spec.paths = split_list(args.get("path", ""));
   take(args.size("size", 4ull << 30), spec.size);
   take(args.size("block-size", 1 << 20), spec.block_size);

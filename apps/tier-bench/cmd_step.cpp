@@ -265,13 +265,7 @@ double bound(const StepBenchResult& r) {
 int run_step(Args& args) {
   StepBenchSpec spec;
   Status s;
-  auto take = [&](auto r, auto& into) {
-    if (!r.ok()) {
-      if (s.ok()) s = r.status();
-      return;
-    }
-    into = static_cast<std::decay_t<decltype(into)>>(*r);
-  };
+  auto take = [&](auto r, auto& into) { take_option(s, std::move(r), into); };
   take(args.count("params", 100'000'000), spec.params);
   spec.paths = split_list(args.get("nvme", ""));
   std::string home = "nvme", grad = "bf16", out = "bf16", engine = "auto";
