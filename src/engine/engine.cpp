@@ -794,12 +794,10 @@ void Engine::Impl::issue_prefetches() {
   bool final_open = true;
   for (std::size_t k = 0; k < n; ++k) {
     const TraceEntry& e = trace.upcoming(k);
-    if (e.tensor < tensors.size()) {
-      window += tensors[e.tensor].desc.bytes();
-      if (k > 0 && window > window_bytes) break;  // staging further would evict copies needed sooner
-    }
     if (e.tensor >= tensors.size()) continue;
     TensorRec& t = tensors[e.tensor];
+    window += t.desc.bytes();
+    if (k > 0 && window > window_bytes) break;  // staging further would evict copies needed sooner
     if (!t.live || t.writer) continue;
     const Copy& c = t.copies[static_cast<int>(e.tier)];
     if (c.state == CopyState::kValid || c.state == CopyState::kLoading || c.state == CopyState::kReserved) continue;
