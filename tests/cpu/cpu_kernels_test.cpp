@@ -65,6 +65,16 @@ bool same_value(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || bits_of(a) == bits_of(b);
 }
 
+// A 16-bit buffer (fp16 or bf16) holding each of the 65536 bit patterns, element i = pattern i.
+Buffer every_16bit_pattern(DType d) {
+  Buffer h(d, 65536);
+  for (std::uint32_t i = 0; i < 65536; ++i) {
+    const auto u = static_cast<std::uint16_t>(i);
+    std::memcpy(h.bytes.data() + 2 * i, &u, 2);
+  }
+  return h;
+}
+
 TEST(SimdTarget, ListsTargetsAndReportsTheChosenOne) {
   const auto targets = simd_targets();
   ASSERT_FALSE(targets.empty());
@@ -90,11 +100,7 @@ TEST(SimdTarget, UnknownTargetNamesTheAvailableOnes) {
 }
 
 TEST(Convert, F16ToF32IsExactForEveryPatternOnEveryTarget) {
-  Buffer h(DType::kF16, 65536);
-  for (std::uint32_t i = 0; i < 65536; ++i) {
-    const auto u = static_cast<std::uint16_t>(i);
-    std::memcpy(h.bytes.data() + 2 * i, &u, 2);
-  }
+  const Buffer h = every_16bit_pattern(DType::kF16);
   for_each_simd_target([&](const std::string& t) {
     Buffer f(DType::kF32, 65536);
     ASSERT_TRUE(convert(h.cref(), f.ref()).ok());
@@ -110,11 +116,7 @@ TEST(Convert, F16ToF32IsExactForEveryPatternOnEveryTarget) {
 }
 
 TEST(Convert, Bf16ToF32IsExactForEveryPatternOnEveryTarget) {
-  Buffer h(DType::kBF16, 65536);
-  for (std::uint32_t i = 0; i < 65536; ++i) {
-    const auto u = static_cast<std::uint16_t>(i);
-    std::memcpy(h.bytes.data() + 2 * i, &u, 2);
-  }
+  const Buffer h = every_16bit_pattern(DType::kBF16);
   for_each_simd_target([&](const std::string& t) {
     Buffer f(DType::kF32, 65536);
     ASSERT_TRUE(convert(h.cref(), f.ref()).ok());
