@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
-  build-essential cmake ninja-build pkg-config git
+  build-essential cmake ninja-build pkg-config git ccache clang
   liburing-dev libaio-dev libtbb-dev libhwy-dev nlohmann-json3-dev
   libdlpack-dev
   libgtest-dev libgmock-dev libbenchmark-dev
