@@ -2,8 +2,10 @@
 
 The model is built from a ``transformers`` LlamaConfig (random init, nothing downloaded) and
 trained, byte by byte, on text shipped with tier (its own documentation). Parameters and
-optimizer state live on NVMe under ``--swap-dir``; the device (a GPU, or the emulated device when
-there is none) gets a budget smaller than the model, so layers stream in and out every step.
+optimizer state live on NVMe in a folder of tier's own (``tier-<pid>-<random>``) inside
+``--swap-dir``, removed at the end; nothing else in ``--swap-dir`` is touched. The device (a GPU,
+or the emulated device when there is none) gets a budget smaller than the model, so layers
+stream in and out every step.
 
     python -m tier.examples.finetune_llama [--steps 30] [--config ds_config.json] [--json]
 
@@ -17,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -92,6 +95,32 @@ def default_config(args, model):
     }
 
 
+def claim_swap_dir(swap_dir):
+    """The folder tier may fill and delete: a new ``tier-<pid>-<random>`` folder (0700) inside
+    ``swap_dir``, which is created (0700) if it does not exist. Returns (own folder, whether
+    ``swap_dir`` itself was created), for release_swap_dir. Nothing else in ``swap_dir`` is ever
+    touched: it may be a folder of the user's."""
+    created = False
+    if not os.path.isdir(swap_dir):
+        try:
+            os.makedirs(swap_dir, mode=0o700)
+            created = True
+        except FileExistsError:
+            pass
+    own = tempfile.mkdtemp(prefix=f"tier-{os.getpid()}-", dir=swap_dir)
+    return own, created
+
+
+def release_swap_dir(own, swap_dir, created):
+    """Removes tier's own folder, and ``swap_dir`` only if this run created it and it is empty."""
+    shutil.rmtree(own, ignore_errors=True)
+    if created:
+        try:
+            os.rmdir(swap_dir)
+        except OSError:
+            pass  # not empty: something else put files there meanwhile
+
+
 def bar(frac, width=24):
     n = int(round(frac * width))
     return "[" + "#" * n + "." * (width - n) + "]"
@@ -115,7 +144,16 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
 
-    os.makedirs(args.swap_dir, exist_ok=True)
+    own, created = claim_swap_dir(args.swap_dir)
+    try:
+        return run(args, own)
+    finally:
+        release_swap_dir(own, args.swap_dir, created)
+
+
+def run(args, swap_dir):
+    """Trains as the options say, with tier's files in ``swap_dir`` (removed by the caller)."""
+    args = argparse.Namespace(**dict(vars(args), swap_dir=swap_dir))
     model = make_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     config = args.config or default_config(args, model)
@@ -194,7 +232,6 @@ def main(argv=None):
     ok = history[-1]["loss"] < history[0]["loss"]
     engine.close()
     del engine
-    shutil.rmtree(args.swap_dir, ignore_errors=True)
     if not ok:
         print("tier: the loss did not go down", file=sys.stderr)
         return 1

@@ -1,58 +1,167 @@
 """Checkpoints of a TierEngine, in the manner of DeepSpeed's save/load_checkpoint.
 
-Layout: ``<dir>/<tag>/`` holds ``optimizer.bin`` (the offloaded optimizer's streamed state: fp32
-master params, Adam moments, step counters, hyper-parameters and loss scale, with per-record
-checksums), ``frozen.bin`` (parameters without gradients, if any) and ``meta.json`` (parameter
-names, shapes and dtypes, the engine's counters, scheduler state, RNG states, client state).
-``<dir>/latest`` names the newest tag. A tag directory is written under a temporary name and
-renamed when complete, so a crash never leaves a half checkpoint that looks whole. The trainable
-parameters are restored from their fp32 masters, so they are not stored twice.
+Layout of ``<dir>`` (format ``tier-checkpoint-2``)::
+
+    <dir>/latest             a file naming the newest tag
+    <dir>/<tag>              a symlink to the tag's current version directory
+    <dir>/<tag>~<version>/   one save: optimizer.bin, frozen.bin (if any parameter is frozen),
+                             meta.json, manifest.json
+
+``optimizer.bin`` is the offloaded optimizer's streamed state (fp32 master params, Adam moments,
+step counters, hyper-parameters and loss scale, with per-record checksums); ``frozen.bin`` holds
+the parameters without gradients; ``meta.json`` holds parameter names and shapes, the engine's
+counters, the scheduler state, the RNG states (base64 of the raw generator bytes: no pickle
+anywhere) and the client state. ``manifest.json`` is written last: the size and SHA-256 of every
+other file, plus a SHA-256 of the manifest's own body. A version directory without a manifest
+that verifies is not a checkpoint. The trainable parameters come back from their fp32 masters, so
+they are not stored twice.
+
+Save protocol. Each save writes a new, uniquely named version directory, so nothing that a reader
+may be using is modified in place:
+
+1. write the files into ``<tag>~<version>/`` (mode 0700; files 0600) and fsync each;
+2. write ``manifest.json`` last, fsync it, fsync the version directory;
+3. point ``<tag>`` at the new version: create a symlink under a temporary name and rename it over
+   ``<tag>`` (rename replaces a symlink atomically), fsync ``<dir>``;
+4. switch ``latest``: write a temporary file, fsync, rename over ``latest``, fsync ``<dir>``;
+5. only now remove versions that no tag points to any more (the tag's previous version, and
+   leftovers of saves that were killed).
+
+Killed at any point, ``latest`` names a tag whose symlink points to a complete, fsynced version:
+before step 3 the old tag and the old ``latest`` are untouched; after it the tag already names
+the new complete version. Leftovers of a killed save are removed by the next successful save.
+Only names matching tier's own patterns are ever removed from ``<dir>``. One process saves into
+a directory at a time; a reader in another process during a save may find its version removed.
+
+Load protocol: every file is read and checked against the manifest and every field of the
+metadata is parsed and validated before the engine is touched; then everything is applied. A
+checksum mismatch raises ``tier.DataLoss``, a checkpoint for another model raises ValueError, and
+in both cases the engine is unchanged. If ``<tag>``'s symlink is missing (a directory from the
+old format was being moved aside when the process died), the newest version of that tag whose
+manifest verifies is used.
+
+Old checkpoints (format ``tier-checkpoint-1``: a plain ``<dir>/<tag>/`` with ``rng.pt``) still
+load: they have no checksums, but their metadata is validated before anything is applied and
+``rng.pt`` is read with ``torch.load(weights_only=True)``, so it cannot run code. Saving over
+such a tag moves the old directory aside as a version of the tag.
 """
 
+import base64
+import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
+import time
 
 import torch
 
+from .. import _tier
 
+FORMAT = "tier-checkpoint-2"
+OLD_FORMAT = "tier-checkpoint-1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}"
+_TAG_RE = re.compile(_TAG)
+_VERSION_RE = re.compile(rf"(?P<tag>{_TAG})~(?P<ns>[0-9a-f]{{1,16}})-(?P<pid>[0-9]+)-(?P<rand>[0-9a-f]{{8}})")
+_TEMP_RE = re.compile(r"\.(?:link|latest)~" + _VERSION_RE.pattern)
+_CHUNK = 1 << 20
+
+
+def check_tag(tag, what="checkpoint tag"):
+    """Returns ``tag`` as a str if it is a plain name (letters, digits, ``_ . + = -``, not starting
+    with a dot, no ``..``, at most 128 characters, not ``latest``); else raises ValueError."""
+    s = str(tag)
+    if not _TAG_RE.fullmatch(s) or ".." in s or s == LATEST:
+        raise ValueError(
+            f"{what} {s!r}: not a plain name; use 1-128 of A-Z a-z 0-9 _ . + = -, not starting with "
+            f"'.', without '..', path separators or absolute paths, and not {LATEST!r}"
+        )
+    return s
+
+
+# ---------------------------------------------------------------------------- small file helpers
 def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
+def _write_new(path, data):
+    """Creates ``path`` (0600, must not exist), writes ``data`` and fsyncs it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
+def _sha256_file(path):
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                break
+            h.update(b)
+            n += len(b)
+    return n, h.hexdigest()
+
+
+def _manifest_body_digest(body):
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _new_version(tag):
+    return f"{tag}~{time.time_ns():016x}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _version_time(name):
+    return int(_VERSION_RE.fullmatch(name).group("ns"), 16)
+
+
+def _tags(directory):
+    """The tags in ``directory``: valid names that are symlinks or plain directories."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for n in sorted(names):
+        try:
+            check_tag(n)
+        except ValueError:
+            continue
+        p = os.path.join(directory, n)
+        if os.path.islink(p) or os.path.isdir(p):
+            out.append(n)
+    return out
+
+
+def _link_target(directory, tag):
+    """The version directory name ``<dir>/<tag>`` points to, validated, or None if not a symlink."""
+    p = os.path.join(directory, tag)
+    if not os.path.islink(p):
+        return None
+    target = os.readlink(p)
+    m = _VERSION_RE.fullmatch(target)
+    if m is None or m.group("tag") != tag:
+        raise ValueError(f"checkpoint {p} is a symlink to {target!r}, which is not a version of tag {tag!r}")
+    return target
+
+
+# ---------------------------------------------------------------------------- save
 def save(engine, save_dir, tag, client_state):
-    tag = tag or f"global_step{engine.global_steps}"
-    if "/" in str(tag) or str(tag) in ("", ".", ".."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
-    os.makedirs(save_dir, exist_ok=True)
-    final = os.path.join(save_dir, str(tag))
-    tmp = final + ".partial"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    engine.optimizer.save_checkpoint(os.path.join(tmp, "optimizer.bin"))
-    frozen = [s for s in engine._slots if s.pid is None]
-    if frozen:
-        with open(os.path.join(tmp, "frozen.bin"), "wb") as f:
-            for s in frozen:
-                f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    save_dir = os.fspath(save_dir)
     meta = {
-        "format": "tier-checkpoint-1",
+        "format": FORMAT,
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
@@ -61,33 +170,189 @@ def save(engine, save_dir, tag, client_state):
             {"name": s.name, "shape": list(s.shape), "trainable": s.pid is not None, "partition": s.pid} for s in engine._slots
         ],
         "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
+        "rng": {
+            "cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "cuda": [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+            if torch.cuda.is_available() else [],
+        },
         "client_state": client_state,
     }
-    _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               os.path.join(tmp, "rng.pt"))
-    _fsync_dir(tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    # Fails here, before anything is written, if the client state is not JSON.
+    meta_bytes = json.dumps(meta, indent=1, allow_nan=True).encode()
+
+    os.makedirs(save_dir, mode=0o700, exist_ok=True)
+    version = _new_version(tag)
+    vdir = os.path.join(save_dir, version)
+    os.mkdir(vdir, 0o700)
+    try:
+        opt = os.path.join(vdir, "optimizer.bin")
+        engine.optimizer.save_checkpoint(opt)  # fsyncs the file and the directory entry itself
+        os.chmod(opt, 0o600)
+        frozen = [s for s in engine._slots if s.pid is None]
+        if frozen:
+            _write_new(os.path.join(vdir, "frozen.bin"), b"".join(
+                engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes() for s in frozen))
+        _write_new(os.path.join(vdir, "meta.json"), meta_bytes)
+        files = {}
+        for name in sorted(os.listdir(vdir)):
+            n, digest = _sha256_file(os.path.join(vdir, name))
+            files[name] = {"bytes": n, "sha256": digest}
+        body = {"format": FORMAT, "files": files}
+        manifest = dict(body, sha256=_manifest_body_digest(body))
+        _write_new(os.path.join(vdir, MANIFEST), json.dumps(manifest, indent=1).encode())
+        _fsync_dir(vdir)
+    except BaseException:
+        shutil.rmtree(vdir, ignore_errors=True)
+        raise
+
+    # Point the tag at the new version. A plain directory of the old format is moved aside first
+    # (as a version of the tag, which load falls back to) since rename cannot replace it.
+    final = os.path.join(save_dir, tag)
+    link_tmp = os.path.join(save_dir, f".link~{version}")
+    os.symlink(version, link_tmp)
+    if os.path.isdir(final) and not os.path.islink(final):
+        os.rename(final, os.path.join(save_dir, _new_version(tag)))
+    os.replace(link_tmp, final)
     _fsync_dir(save_dir)
-    _write_atomic(os.path.join(save_dir, "latest"), str(tag))
+
+    latest_tmp = os.path.join(save_dir, f".latest~{version}")
+    _write_new(latest_tmp, tag.encode())
+    os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+    _fsync_dir(save_dir)
+
+    _collect_garbage(save_dir)
     return final
 
 
-def load(engine, load_dir, tag):
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"checkpoint directory {load_dir!r} has no 'latest' file; pass tag=")
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag))
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    if meta.get("format") != "tier-checkpoint-1":
-        raise ValueError(f"{path}: not a tier checkpoint (format {meta.get('format')!r})")
-    names = [(p["name"], tuple(p["shape"]), p["trainable"]) for p in meta["params"]]
+def _collect_garbage(directory):
+    """Removes tier's own leftovers: versions that their tag's symlink does not point to (only
+    when that symlink exists and resolves) and temporary names of killed saves."""
+    names = os.listdir(directory)
+    current = {}
+    for n in names:
+        try:
+            check_tag(n)
+            target = _link_target(directory, n)
+        except ValueError:
+            continue
+        if target is not None and os.path.isdir(os.path.join(directory, target)):
+            current[n] = target
+    for n in names:
+        p = os.path.join(directory, n)
+        m = _VERSION_RE.fullmatch(n)
+        if m is not None:
+            tag = m.group("tag")
+            if tag in current and current[tag] != n and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+        elif _TEMP_RE.fullmatch(n) and (os.path.islink(p) or os.path.isfile(p)):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+# ---------------------------------------------------------------------------- load
+def _available(directory):
+    tags = _tags(directory)
+    return ", ".join(tags) if tags else "none"
+
+
+def _resolve(load_dir, tag):
+    """The directory holding the checkpoint of ``tag`` (see the module docstring)."""
+    p = os.path.join(load_dir, tag)
+    target = _link_target(load_dir, tag)
+    if target is not None:
+        path = os.path.join(load_dir, target)
+        if os.path.isdir(path):
+            return path
+    elif os.path.isdir(p):
+        return p
+    versions = []
+    try:
+        names = os.listdir(load_dir)
+    except OSError:
+        names = []
+    for n in names:
+        m = _VERSION_RE.fullmatch(n)
+        if m and m.group("tag") == tag and os.path.isfile(os.path.join(load_dir, n, MANIFEST)):
+            versions.append(n)
+    for n in sorted(versions, key=_version_time, reverse=True):
+        try:
+            _verified_files(os.path.join(load_dir, n))
+        except (ValueError, _tier.DataLoss, OSError):
+            continue
+        return os.path.join(load_dir, n)
+    raise FileNotFoundError(
+        f"checkpoint directory {load_dir}: no checkpoint tagged {tag!r} (available tags: {_available(load_dir)})"
+    )
+
+
+def _verified_files(path):
+    """Checks every file of the checkpoint in ``path`` against its manifest. Returns the bytes of
+    meta.json and frozen.bin (None if absent) as read for the check, so what is applied is what
+    was verified (optimizer.bin is checked here and again, record by record, by its reader)."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, "rb") as f:
+            manifest = json.loads(f.read())
+        body = {"format": manifest["format"], "files": manifest["files"]}
+        ok = manifest["sha256"] == _manifest_body_digest(body) and isinstance(body["files"], dict)
+    except (ValueError, KeyError, TypeError) as e:
+        raise _tier.DataLoss(f"checkpoint {path}: {MANIFEST} is damaged ({e})") from None
+    if not ok:
+        raise _tier.DataLoss(f"checkpoint {path}: {MANIFEST} does not match its own checksum")
+    if body["format"] != FORMAT:
+        raise ValueError(f"checkpoint {path}: unknown format {body['format']!r} (this tier reads {FORMAT})")
+    for required in ("meta.json", "optimizer.bin"):
+        if required not in body["files"]:
+            raise _tier.DataLoss(f"checkpoint {path}: {MANIFEST} does not list {required}")
+    kept = {}
+    for name, entry in sorted(body["files"].items()):
+        fpath = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(fpath) or os.path.islink(fpath):
+            raise _tier.DataLoss(f"checkpoint {path}: {name} is missing (listed in {MANIFEST})")
+        if name == "optimizer.bin":
+            n, digest = _sha256_file(fpath)
+        else:
+            with open(fpath, "rb") as f:
+                data = f.read()
+            n, digest = len(data), hashlib.sha256(data).hexdigest()
+            kept[name] = data
+        if n != entry.get("bytes") or digest != entry.get("sha256"):
+            raise _tier.DataLoss(
+                f"checkpoint {path}: {name} does not match the manifest ({n} bytes, sha256 {digest[:16]}..., "
+                f"expected {entry.get('bytes')} bytes, {str(entry.get('sha256'))[:16]}...)"
+            )
+    return kept["meta.json"], kept.get("frozen.bin")
+
+
+def _int(meta, key, path):
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"checkpoint {path}: meta.json field {key!r} is {v!r}, expected a count")
+    return v
+
+
+def _rng_tensor(b64, expected_len, path, what):
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (ValueError, TypeError):
+        raise ValueError(f"checkpoint {path}: the {what} RNG state is not base64") from None
+    if len(raw) != expected_len:
+        raise ValueError(f"checkpoint {path}: the {what} RNG state has {len(raw)} bytes, expected {expected_len}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _plan(engine, path, meta, frozen_bytes, old_rng):
+    """Validates everything in the checkpoint against the engine; returns what to apply."""
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, OLD_FORMAT):
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"checkpoint {path}: not a tier checkpoint (format {fmt!r})")
+    params = meta.get("params")
+    try:
+        names = [(p["name"], tuple(p["shape"]), p["trainable"]) for p in params]
+    except (TypeError, KeyError):
+        raise ValueError(f"checkpoint {path}: meta.json has no valid parameter list") from None
     mine = [(s.name, tuple(s.shape), s.pid is not None) for s in engine._slots]
     if names != mine:
         diff = next(((a, b) for a, b in zip(names, mine) if a != b), None)
@@ -95,37 +360,130 @@ def load(engine, load_dir, tag):
             f"{path}: the checkpoint's parameters do not match the model's "
             f"(first difference: checkpoint {diff[0] if diff else len(names)} vs model {diff[1] if diff else len(mine)})"
         )
-    if meta["compute_dtype"] != engine.compute_dtype_name:
+    if meta.get("compute_dtype") != engine.compute_dtype_name:
         raise ValueError(
-            f"{path}: saved with compute dtype {meta['compute_dtype']}, the engine uses {engine.compute_dtype_name}"
+            f"{path}: saved with compute dtype {meta.get('compute_dtype')}, the engine uses {engine.compute_dtype_name}"
         )
+    plan = {k: _int(meta, k, path) for k in ("global_steps", "micro_steps", "skipped_steps")}
+    sched = meta.get("scheduler")
+    plan["scheduler"] = None
+    if engine.scheduler is not None and sched:
+        if not isinstance(sched, dict) or not isinstance(sched.get("last_step"), int):
+            raise ValueError(f"checkpoint {path}: meta.json has an invalid scheduler state {sched!r}")
+        plan["scheduler"] = sched
+    if "client_state" not in meta:
+        raise ValueError(f"checkpoint {path}: meta.json has no client_state")
+    plan["client_state"] = meta["client_state"]
+
+    cpu_len = torch.get_rng_state().numel()
+    if old_rng is not None:
+        cpu, cuda = old_rng
+        if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.numel() != cpu_len:
+            raise ValueError(f"checkpoint {path}: rng.pt holds no valid CPU RNG state")
+    else:
+        rng = meta.get("rng")
+        if not isinstance(rng, dict) or not isinstance(rng.get("cuda"), list):
+            raise ValueError(f"checkpoint {path}: meta.json has no valid RNG state")
+        cpu = _rng_tensor(rng.get("cpu"), cpu_len, path, "CPU")
+        cuda = []
+        if torch.cuda.is_available() and rng["cuda"]:
+            cuda_len = torch.cuda.get_rng_state().numel()
+            cuda = [_rng_tensor(s, cuda_len, path, f"CUDA {i}") for i, s in enumerate(rng["cuda"])]
+    plan["rng_cpu"] = cpu
+    # States for another number of GPUs are not applied (the CUDA generators keep their state).
+    plan["rng_cuda"] = cuda if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count() else []
+
+    frozen = [s for s in engine._slots if s.pid is None]
+    esize = torch.empty(0, dtype=engine.compute_dtype).element_size()
+    want = sum(s.numel for s in frozen) * esize
+    if frozen and frozen_bytes is None:
+        raise ValueError(f"checkpoint {path}: frozen.bin is missing but the model has frozen parameters")
+    if frozen and len(frozen_bytes) != want:
+        raise ValueError(f"checkpoint {path}: frozen.bin has {len(frozen_bytes)} bytes, expected {want}")
+    plan["frozen"] = []
+    offset = 0
+    for s in frozen:
+        n = s.numel * esize
+        t = torch.frombuffer(bytearray(frozen_bytes[offset:offset + n]), dtype=engine.compute_dtype).reshape(s.shape)
+        plan["frozen"].append((s, t))
+        offset += n
+    return plan
+
+
+def _read_old_format(path):
+    """meta.json and rng.pt of a tier-checkpoint-1 directory, read without running pickled code."""
+    try:
+        with open(os.path.join(path, "meta.json"), "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path}: no readable meta.json ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != OLD_FORMAT:
+        raise _tier.DataLoss(f"checkpoint {path}: incomplete ({MANIFEST} is missing)")
+    frozen = None
+    fpath = os.path.join(path, "frozen.bin")
+    if os.path.isfile(fpath):
+        with open(fpath, "rb") as f:
+            frozen = f.read()
+    try:
+        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=True)
+        old_rng = (rng["cpu"], list(rng["cuda"]))
+    except Exception as e:  # noqa: BLE001 - any failure of the restricted unpickler is a refusal
+        raise ValueError(f"checkpoint {path}: rng.pt cannot be read safely ({type(e).__name__}: {e})") from None
+    return meta, frozen, old_rng
+
+
+def load(engine, load_dir, tag):
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(
+                f"checkpoint directory {load_dir} has no '{LATEST}' file; pass tag= "
+                f"(available tags: {_available(load_dir)})"
+            )
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        try:
+            text = raw.decode().strip()
+        except UnicodeDecodeError:
+            text = repr(raw)
+        tag = check_tag(text, what=f"tag in {latest}")
+    else:
+        tag = check_tag(tag)
+    path = _resolve(load_dir, tag)
+
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        meta_bytes, frozen = _verified_files(path)
+        try:
+            meta = json.loads(meta_bytes)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {path}: meta.json is not JSON ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"checkpoint {path}: meta.json is not of format {FORMAT}")
+        old_rng = None
+    else:
+        meta, frozen, old_rng = _read_old_format(path)
+    plan = _plan(engine, path, meta, frozen, old_rng)
+
+    # Everything is checked; from here on the engine changes. The optimizer's reader checks its
+    # records before it replaces any state, so a failure there still leaves the engine as it was.
     engine.optimizer.load_checkpoint(os.path.join(path, "optimizer.bin"))
-    # Trainable parameters come back from their fp32 masters.
     for s in engine._slots:
         if s.pid is None:
             continue
         low = torch.empty(s.shape, dtype=engine.compute_dtype)
         engine.optimizer.read_params(s.pid, engine.compute_dtype_name, low)
         engine.native.write(s.tid, low)
-    frozen = [s for s in engine._slots if s.pid is None]
-    if frozen:
-        with open(os.path.join(path, "frozen.bin"), "rb") as f:
-            for s in frozen:
-                nbytes = s.numel * torch.empty(0, dtype=engine.compute_dtype).element_size()
-                raw = f.read(nbytes)
-                if len(raw) != nbytes:
-                    raise ValueError(f"{path}/frozen.bin is truncated at parameter {s.name!r}")
-                t = torch.frombuffer(bytearray(raw), dtype=engine.compute_dtype).reshape(s.shape)
-                engine.native.write(s.tid, t)
+    for s, t in plan["frozen"]:
+        engine.native.write(s.tid, t)
     engine.native.flush()
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    engine.skipped_steps = meta["skipped_steps"]
-    if engine.scheduler is not None and meta.get("scheduler"):
-        engine.scheduler.load_state_dict(meta["scheduler"])
+    engine.global_steps = plan["global_steps"]
+    engine.micro_steps = plan["micro_steps"]
+    engine.skipped_steps = plan["skipped_steps"]
+    if plan["scheduler"] is not None:
+        engine.scheduler.load_state_dict(plan["scheduler"])
     engine._apply_lr()
-    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
-    torch.set_rng_state(rng["cpu"])
-    if torch.cuda.is_available() and rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return path, meta["client_state"]
+    torch.set_rng_state(plan["rng_cpu"])
+    if plan["rng_cuda"]:
+        torch.cuda.set_rng_state_all(plan["rng_cuda"])
+    return path, plan["client_state"]

@@ -1,0 +1,431 @@
+"""tier.torch checkpoints survive kills and damage, refuse unsafe input, and tier deletes only its
+own files (issue #19, Python side)."""
+
+import base64
+import hashlib
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tier  # noqa: E402
+import tier.torch  # noqa: E402
+from tier.torch import checkpoint as ckpt_mod  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckpt_kill_child as kc  # noqa: E402
+
+KILLS = int(os.environ.get("TIER_CKPT_KILLS", "60"))
+
+
+@pytest.fixture
+def engine(swap_dir):
+    e = kc.new_engine(swap_dir)
+    yield e
+    e.close()
+
+
+def snapshot(engine):
+    """Everything a load would change."""
+    return {
+        "params": engine.state_dict_fp32(),
+        "steps": (engine.global_steps, engine.micro_steps, engine.skipped_steps),
+        "lr": engine.get_lr(),
+        "sched": engine.scheduler.last_step,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same(a, b):
+    assert a["steps"] == b["steps"]
+    assert a["lr"] == b["lr"]
+    assert a["sched"] == b["sched"]
+    assert torch.equal(a["rng"], b["rng"])
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+
+
+def saved_then_moved_on(engine, ckpt, **kw):
+    """Trains 2 steps, saves, trains 1 more: the engine's state then differs from the checkpoint
+    (params, counters, lr, RNG), so a partial load would show."""
+    kc.train_step(engine)
+    kc.train_step(engine)
+    path = engine.save_checkpoint(ckpt, **kw)
+    kc.train_step(engine)
+    return path
+
+
+def resign(path):
+    """Rewrites manifest.json for the files as they are now (a consistent but altered checkpoint)."""
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name == "manifest.json":
+            continue
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    body = {"format": "tier-checkpoint-2", "files": files}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    os.chmod(os.path.join(path, "manifest.json"), 0o600)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(dict(body, sha256=digest), f)
+
+
+# ---------------------------------------------------------------------------- 1: crash-safe saves
+class _Killed(BaseException):
+    """Stands for the process dying at this call: nothing after it runs."""
+
+
+_MUTATIONS = [(os, "replace"), (os, "rename"), (os, "symlink"), (os, "mkdir"), (os, "unlink"), (os, "rmdir"),
+              (os, "fsync"), (ckpt_mod.shutil, "rmtree")]
+
+
+def _save_killed_at(engine, ckpt, tag, n):
+    """Runs a save that 'dies' at its n-th file-system mutation; returns False if it finished."""
+    count = [0]
+    saved = {}
+
+    def wrap(orig):
+        def f(*a, **kw):
+            if count[0] == n:
+                raise _Killed()
+            count[0] += 1
+            return orig(*a, **kw)
+        return f
+
+    for mod, name in _MUTATIONS:
+        saved[(mod, name)] = getattr(mod, name)
+        setattr(mod, name, wrap(saved[(mod, name)]))
+    try:
+        engine.save_checkpoint(ckpt, tag=tag)
+        return False
+    except _Killed:
+        return True
+    finally:
+        for (mod, name), orig in saved.items():
+            setattr(mod, name, orig)
+
+
+@pytest.mark.parametrize("tag", ["same", "other"])
+def test_a_save_dying_at_any_file_operation_leaves_a_loadable_checkpoint(engine, tmp_path, swap_dir, tag):
+    """Over the tag 'latest' names (the old code removed it first) and over another existing tag:
+    killed before or after each mkdir/fsync/rename/symlink/unlink/rmtree of the save, a
+    checkpoint loads, and it is the old state or the new one, never a mix."""
+    ckpt = str(tmp_path / "ckpt")
+    kc.train_step(engine)
+    engine.save_checkpoint(ckpt, tag="other")
+    kc.train_step(engine)
+    engine.save_checkpoint(ckpt, tag="same")  # latest -> same, at step 2
+    old = engine.state_dict_fp32()
+    kc.train_step(engine)
+    new = engine.state_dict_fp32()  # what the killed saves try to store (step 3)
+    other_swap = os.path.join(swap_dir, "verify")
+    os.makedirs(other_swap)
+    verifier = kc.new_engine(other_swap, seed=99)
+    points = 0
+    while _save_killed_at(engine, ckpt, tag, points):
+        verifier.load_checkpoint(ckpt)
+        got = verifier.state_dict_fp32()
+        assert verifier.global_steps in (2, 3), points
+        want = old if verifier.global_steps == 2 else new
+        for name in want:
+            assert torch.equal(got[name], want[name]), (points, name)
+        points += 1
+    assert points >= 10, "the save has fewer kill points than expected; is the harness counting?"
+    # The save that was not killed switched latest to the new state, and left no debris behind.
+    verifier.load_checkpoint(ckpt)
+    assert verifier.global_steps == 3
+    versions = [n for n in os.listdir(ckpt) if "~" in n]
+    assert len(versions) == 2, versions  # one per tag
+    verifier.close()
+
+
+def test_sigkill_at_random_points_of_saves_and_steps_always_leaves_an_exact_checkpoint(tmp_path):
+    """A trainer process is killed (SIGKILL) KILLS times, at random points of a save or of a
+    training step, and resumed each time from the newest checkpoint; after every kill the
+    newest checkpoint loads, is no older than the last save reported done, and training from it
+    gives the same losses, bit for bit, as a run that was never interrupted."""
+    summary = kc.run_kills(KILLS, str(tmp_path), seed=1)
+    assert summary["kills"] == KILLS
+    assert summary["in_save"] >= KILLS // 5, summary
+    assert summary["in_train"] >= KILLS // 5, summary
+    assert summary["max_step"] >= KILLS // 2, summary  # the trainers made progress across kills
+    # Debris of killed saves is removed by the next save: at most the current version per tag,
+    # plus what the last kill left.
+    assert summary["versions_left"] <= len(set(kc.TAGS)) + 2, summary["entries_left"]
+    print(f"\n{KILLS} kills ({summary['in_save']} in a save, {summary['in_train']} in a step) in "
+          f"{summary['seconds']:.1f} s; reached step {summary['max_step']}")
+
+
+# ---------------------------------------------------------------------------- 2: verified, all or nothing
+@pytest.mark.parametrize("name", ["meta.json", "frozen.bin", "optimizer.bin", "manifest.json"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_file_is_refused_before_anything_is_applied(engine, tmp_path, name, damage):
+    ckpt = str(tmp_path / "ckpt")
+    path = saved_then_moved_on(engine, ckpt)
+    target = os.path.join(path, name)
+    size = os.path.getsize(target)
+    os.chmod(target, 0o600)
+    if damage == "flip":
+        with open(target, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0x10]))
+    elif damage == "truncate":
+        os.truncate(target, size - 1)
+    else:
+        os.unlink(target)
+    before = snapshot(engine)
+    with pytest.raises((tier.DataLoss, ValueError)) as info:
+        engine.load_checkpoint(ckpt)
+    if name != "manifest.json" or damage != "delete":
+        assert isinstance(info.value, tier.DataLoss), info.value
+    assert_same(before, snapshot(engine))
+
+
+@pytest.mark.parametrize("edit", ["steps-not-int", "no-scheduler-step", "short-rng", "rng-not-base64",
+                                  "frozen-short", "other-model", "no-client-state"])
+def test_consistent_but_invalid_metadata_changes_nothing(engine, tmp_path, edit):
+    """Files that match their (re-signed) manifest but do not fit the engine: refused, with the
+    engine as it was (the old code applied params and optimizer state, then failed)."""
+    ckpt = str(tmp_path / "ckpt")
+    path = os.path.realpath(saved_then_moved_on(engine, ckpt))
+    mpath = os.path.join(path, "meta.json")
+    with open(mpath) as f:
+        meta = json.load(f)
+    if edit == "steps-not-int":
+        meta["micro_steps"] = "four"
+    elif edit == "no-scheduler-step":
+        del meta["scheduler"]["last_step"]
+    elif edit == "short-rng":
+        meta["rng"]["cpu"] = base64.b64encode(b"\0" * 16).decode()
+    elif edit == "rng-not-base64":
+        meta["rng"]["cpu"] = "!!!"
+    elif edit == "frozen-short":
+        os.chmod(os.path.join(path, "frozen.bin"), 0o600)
+        os.truncate(os.path.join(path, "frozen.bin"), 8)
+    elif edit == "other-model":
+        meta["params"][0]["shape"] = [47, 16]
+    else:
+        del meta["client_state"]
+    os.chmod(mpath, 0o600)
+    with open(mpath, "w") as f:
+        json.dump(meta, f)
+    resign(path)
+    before = snapshot(engine)
+    with pytest.raises(ValueError):
+        engine.load_checkpoint(ckpt)
+    assert_same(before, snapshot(engine))
+
+
+def test_load_restores_everything_and_a_good_checkpoint_still_loads(engine, tmp_path, swap_dir):
+    ckpt = str(tmp_path / "ckpt")
+    kc.train_step(engine)
+    kc.train_step(engine)
+    engine.save_checkpoint(ckpt, client_state={"note": "x"})
+    saved = snapshot(engine)
+    kc.train_step(engine)
+    path, client = engine.load_checkpoint(ckpt)
+    assert client == {"note": "x"}
+    assert os.path.isfile(os.path.join(path, "manifest.json"))
+    assert_same(saved, snapshot(engine))
+
+
+# ---------------------------------------------------------------------------- 3: no pickle
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _to_old_format(path, rng_obj):
+    """Turns a new checkpoint into the tier-checkpoint-1 layout (rng.pt, no manifest)."""
+    os.unlink(os.path.join(path, "manifest.json"))
+    mpath = os.path.join(path, "meta.json")
+    with open(mpath) as f:
+        meta = json.load(f)
+    meta["format"] = "tier-checkpoint-1"
+    del meta["rng"]
+    os.chmod(mpath, 0o600)
+    with open(mpath, "w") as f:
+        json.dump(meta, f)
+    torch.save(rng_obj, os.path.join(path, "rng.pt"))
+
+
+def test_checkpoints_hold_no_pickle(engine, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    path = engine.save_checkpoint(ckpt)
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as f:
+            head = f.read(2)
+        assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), name
+        assert not name.endswith((".pt", ".pkl", ".pth")), name
+
+
+def test_old_format_rng_pickle_cannot_run_code(engine, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    path = os.path.realpath(saved_then_moved_on(engine, ckpt))
+    marker = str(tmp_path / "pwned")
+    _to_old_format(path, {"cpu": _Evil(marker), "cuda": []})
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match="rng.pt"):
+        engine.load_checkpoint(ckpt)
+    assert not os.path.exists(marker), "loading a checkpoint ran code from rng.pt"
+    assert_same(before, snapshot(engine))
+
+
+def test_old_format_with_plain_rng_state_still_loads(engine, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    kc.train_step(engine)
+    path = os.path.realpath(engine.save_checkpoint(ckpt))
+    saved = snapshot(engine)
+    _to_old_format(path, {"cpu": torch.get_rng_state(), "cuda": []})
+    kc.train_step(engine)
+    engine.load_checkpoint(ckpt)
+    assert_same(saved, snapshot(engine))
+
+
+# ---------------------------------------------------------------------------- 4: names
+BAD_TAGS = ["../x", "a/b", "/abs", "", ".", "..", "latest", ".hidden", "a..b", "a\0b", "x" * 129, "tab\t"]
+
+
+@pytest.mark.parametrize("tag", BAD_TAGS)
+def test_bad_tags_are_refused_on_save_and_load(engine, tmp_path, tag):
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match="plain name"):
+        engine.save_checkpoint(str(ckpt), tag=tag)
+    assert not ckpt.exists() and not (tmp_path / "x").exists() and not os.path.exists("/abs")
+    with pytest.raises(ValueError, match="plain name"):
+        engine.load_checkpoint(str(ckpt), tag=tag)
+
+
+@pytest.mark.parametrize("content", ["../outside", "/etc", "a/b", "..", ""])
+def test_latest_naming_a_path_is_refused(engine, tmp_path, content):
+    """A good checkpoint sits outside the directory: the old code followed ``latest`` to it."""
+    outside = str(tmp_path / "outside")
+    os.makedirs(outside)
+    kc.train_step(engine)
+    engine.save_checkpoint(str(tmp_path), tag="outside")  # tmp_path/outside is a valid checkpoint
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text(content)
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match="latest"):
+        engine.load_checkpoint(str(ckpt))
+    assert_same(before, snapshot(engine))
+
+
+def test_tag_symlink_leading_out_of_the_directory_is_refused(engine, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    engine.save_checkpoint(ckpt, tag="good")
+    os.symlink("../elsewhere", os.path.join(ckpt, "evil"))
+    with pytest.raises(ValueError, match="not a version"):
+        engine.load_checkpoint(ckpt, tag="evil")
+
+
+def test_unknown_tag_names_the_directory_and_the_tags(engine, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    engine.save_checkpoint(ckpt, tag="first")
+    engine.save_checkpoint(ckpt, tag="second")
+    with pytest.raises(FileNotFoundError) as info:
+        engine.load_checkpoint(ckpt, tag="third")
+    msg = str(info.value)
+    assert ckpt in msg and "'third'" in msg and "first, second" in msg
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        engine.load_checkpoint(empty)
+
+
+def test_user_files_in_the_checkpoint_directory_are_left_alone(engine, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    mine = {"notes.txt": "keep", "x~y": "keep too", ".latest": "mine"}
+    for n, text in mine.items():
+        (ckpt / n).write_text(text)
+    for _ in range(3):
+        kc.train_step(engine)
+        engine.save_checkpoint(str(ckpt), tag="t")
+    for n, text in mine.items():
+        assert (ckpt / n).read_text() == text
+
+
+# ---------------------------------------------------------------------------- 5: permissions
+def test_files_and_directories_are_private(engine, tmp_path):
+    old = os.umask(0o022)
+    try:
+        ckpt = str(tmp_path / "new-dir")
+        path = os.path.realpath(engine.save_checkpoint(ckpt, tag="t"))
+    finally:
+        os.umask(old)
+
+    def mode(p):
+        return stat.S_IMODE(os.lstat(p).st_mode)
+
+    assert mode(ckpt) == 0o700
+    assert mode(path) == 0o700
+    assert mode(os.path.join(ckpt, "latest")) == 0o600
+    names = os.listdir(path)
+    assert {"optimizer.bin", "frozen.bin", "meta.json", "manifest.json"} <= set(names)
+    for n in names:
+        assert mode(os.path.join(path, n)) == 0o600, n
+
+
+# ---------------------------------------------------------------------------- 6: the example's swap dir
+def _user_tree(root):
+    os.makedirs(os.path.join(root, "sub"), exist_ok=True)
+    with open(os.path.join(root, "thesis.tex"), "w") as f:
+        f.write("years of work")
+    with open(os.path.join(root, "sub", "data.bin"), "wb") as f:
+        f.write(b"\1\2\3")
+
+
+TINY = ["--steps", "1", "--gas", "1", "--batch", "1", "--seq", "16", "--hidden", "64", "--layers", "1",
+        "--heads", "2"]
+
+
+def test_example_leaves_the_users_swap_dir_and_its_files(tmp_path, capsys):
+    from tier.examples import finetune_llama
+
+    swap = str(tmp_path / "users-folder")
+    _user_tree(swap)
+    finetune_llama.main(TINY + ["--swap-dir", swap])
+    out = capsys.readouterr().out
+    assert "tier-" in out, "the run should report its own folder inside the swap dir"
+    assert sorted(os.listdir(swap)) == ["sub", "thesis.tex"]
+    with open(os.path.join(swap, "thesis.tex")) as f:
+        assert f.read() == "years of work"
+    with open(os.path.join(swap, "sub", "data.bin"), "rb") as f:
+        assert f.read() == b"\1\2\3"
+
+
+def test_example_removes_a_swap_dir_it_created_and_cleans_up_after_errors(tmp_path, monkeypatch):
+    from tier.examples import finetune_llama
+
+    fresh = str(tmp_path / "a" / "new")
+    finetune_llama.main(TINY + ["--swap-dir", fresh])
+    assert not os.path.exists(fresh)
+
+    swap = str(tmp_path / "users-folder")
+    _user_tree(swap)
+    seen = []
+
+    def boom(args, own):
+        seen.append(own)
+        with open(os.path.join(own, "tier-file"), "w") as f:
+            f.write("x")
+        raise RuntimeError("training failed")
+
+    monkeypatch.setattr(finetune_llama, "run", boom)
+    with pytest.raises(RuntimeError):
+        finetune_llama.main(TINY + ["--swap-dir", swap])
+    assert os.path.dirname(seen[0]) == swap and os.path.basename(seen[0]).startswith("tier-")
+    assert sorted(os.listdir(swap)) == ["sub", "thesis.tex"]
