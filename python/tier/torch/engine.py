@@ -401,11 +401,18 @@ class TierEngine(torch.nn.Module):
         return out
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
+        """Saves everything needed to resume as ``save_dir/<tag>`` (default ``global_step<N>``) and
+        makes it ``latest``; a process killed meanwhile leaves the previous checkpoint loadable.
+        ``client_state`` must be JSON-serializable. Returns the checkpoint's path."""
         from .checkpoint import save
 
         return save(self, save_dir, tag, client_state or {})
 
     def load_checkpoint(self, load_dir, tag=None):
+        """Restores the checkpoint ``tag`` (default: the one ``load_dir/latest`` names), all or
+        nothing: every file is checked against its manifest (``tier.DataLoss`` if damaged) and all
+        metadata against the model (ValueError) before the engine changes. Returns the directory
+        loaded and the client state."""
         from .checkpoint import load
 
         return load(self, load_dir, tag)
