@@ -1,5 +1,6 @@
 #include "tier/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -132,7 +133,11 @@ Result<json> normalize(const KeySpec& spec, const json& v) {
       const std::string s = detail::lower(v.get<std::string>());
       bool found = false;
       for (const auto& c : spec.choices) found = found || c == s;
-      if (!found) return bad_value(spec, v);
+      if (!found) {
+        // A check may explain why a value is refused (an optimizer tier lacks, say).
+        const std::string why = spec.check ? spec.check(json(s)) : std::string();
+        return bad_value(spec, v, why);
+      }
       out = s;
       break;
     }
@@ -250,11 +255,11 @@ struct Parser {
     }
     by_canonical[canon] = {spec.path, norm};
     given.insert(canon);
-    if (spec.kind == ValueKind::kObject) return walk(norm, spec.path);
     if (spec.set) spec.set(cfg, norm);
     if (spec.treatment == detail::Treatment::kNoted) {
       cfg.notes.push_back(str(spec.path, ": ", spec.note));
     }
+    if (spec.kind == ValueKind::kObject) return walk(norm, spec.path);
     if (!origin.empty()) cfg.notes.push_back(str(spec.path, " = ", shown(norm), " (from ", origin, ")"));
     return Status::Ok();
   }
@@ -286,8 +291,66 @@ struct Parser {
     return Status::Ok();
   }
 
+  // The scheduler's parameters against its type, as DeepSpeed's constructors take them.
+  Status check_scheduler() {
+    if (cfg.scheduler_json.empty()) return Status::Ok();
+    const json sched = json::parse(cfg.scheduler_json);
+    if (!sched.contains("type")) {
+      cfg.notes.push_back("scheduler: no type given, so no schedule runs (as in DeepSpeed)");
+      return Status::Ok();
+    }
+    static const std::map<std::string, std::pair<std::string, std::vector<std::string>>> kParams = {
+        {"warmuplr",
+         {"WarmupLR", {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}}},
+        {"warmupdecaylr",
+         {"WarmupDecayLR",
+          {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+           "last_batch_iteration"}}},
+        {"warmupcosinelr",
+         {"WarmupCosineLR",
+          {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+           "last_batch_iteration"}}},
+        {"onecycle",
+         {"OneCycle",
+          {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+           "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom",
+           "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"}}},
+        {"lrrangetest",
+         {"LRRangeTest",
+          {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase",
+           "last_batch_iteration"}}},
+    };
+    const auto& [name, names] = kParams.at(detail::lower(sched["type"].get<std::string>()));
+    const json params = sched.value("params", json::object());
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    for (auto it = params.begin(); it != params.end(); ++it) {
+      const bool known = detail::find_key_spec("scheduler.params." + it.key()) != nullptr;
+      if (known && std::find(names.begin(), names.end(), it.key()) == names.end()) {
+        return invalid_argument(str("config key 'scheduler.params.", it.key(), "' does not apply to ", name,
+                                    "; its parameters are: ", list));
+      }
+    }
+    std::vector<std::string> required;
+    if (name == "WarmupDecayLR" || name == "WarmupCosineLR") required = {"total_num_steps"};
+    if (name == "OneCycle") required = {"cycle_min_lr", "cycle_max_lr"};
+    for (const auto& r : required) {
+      if (!params.contains(r)) {
+        return invalid_argument(str("config key 'scheduler.params.", r, "' is missing: ", name,
+                                    " needs it; set it (or \"auto\" to take it from the trainer)"));
+      }
+    }
+    return Status::Ok();
+  }
+
   void finish() {
     auto& opt = cfg.optimizer;
+    if (!given.count("optimizer")) {
+      cfg.notes.push_back(
+          "optimizer: no section, so the client passes the optimizer (as in DeepSpeed): "
+          "tier.torch.initialize(model, config, optimizer=torch.optim.AdamW(...)) takes Adam or AdamW; "
+          "a program without one must add an \"optimizer\" section");
+    }
     if (!given.count("optimizer.params.weight_decay")) {
       opt.weight_decay = opt.type == OptimizerType::kAdamW ? 0.01 : 0.0;
     }
@@ -333,6 +396,7 @@ Result<EngineConfig> EngineConfig::from_json(std::string_view json_text, const C
   }
   TIER_RETURN_IF_ERROR(p.walk(doc, ""));
   if (options.apply_env) TIER_RETURN_IF_ERROR(p.apply_env());
+  TIER_RETURN_IF_ERROR(p.check_scheduler());
   p.finish();
   TIER_RETURN_IF_ERROR(p.cfg.validate());
   return std::move(p.cfg);

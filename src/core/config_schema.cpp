@@ -186,6 +186,22 @@ std::vector<KeySpec> build_schema() {
   add(K("optimizer", VK::kObject));
   add(K("optimizer.type", VK::kEnum)
           .TIER_ENUM_FIELD(optimizer.type, OptimizerType, "adam", "adamw")
+          .check([](const json& v) -> std::string {
+            // Called with the lower-cased name when it is not a choice: name what tier lacks.
+            const std::string t = v.get<std::string>();
+            if (t == "adam" || t == "adamw") return "";
+            static const char* const kKnown[] = {"lamb",   "onebitlamb", "onebitadam", "zerooneadam", "adagrad", "lion",
+                                                 "muadam", "muadamw",    "musgd",      "sgd",         "cpuadam"};
+            for (const char* k : kKnown) {
+              if (t == k) {
+                return str("adam or adamw (any case); tier's offloaded CPU optimizer implements only these two, so '",
+                           t,
+                           "' cannot run; use AdamW, or leave out the optimizer section and pass a torch.optim.Adam ",
+                           "or AdamW to initialize(optimizer=...)");
+              }
+            }
+            return "";
+          })
           .sample("AdamW", "Lamb", "adamw"));
   add(K("optimizer.params", VK::kObject));
   add(K("optimizer.params.lr", VK::kNumber).range(0, 1e6).auto_is(5e-5).TIER_FIELD(optimizer.lr).sample(3e-4, -1));
@@ -219,12 +235,57 @@ std::vector<KeySpec> build_schema() {
           .noted("tier always runs its own SIMD CPU Adam for offloaded state")
           .sample(true, "x"));
   add(K("optimizer.params.fused", VK::kBool).noted("tier's CPU Adam is always fused").sample(true, "x"));
-  add(K("scheduler", VK::kOpaque)
+  // The scheduler section is kept as given (the adapters run the schedule, and fill the "auto"s
+  // from the trainer); its keys are checked here so that `config --check` and initialize agree.
+  add(K("scheduler", VK::kObject)
           .set([](EngineConfig& c, const json& v) { c.scheduler_json = v.dump(); })
           .get([](const EngineConfig& c) {
             return c.scheduler_json.empty() ? json(nullptr) : json::parse(c.scheduler_json);
-          })
-          .sample(json::object({{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 10}}}}), "WarmupLR"));
+          }));
+  add(K("scheduler.type", VK::kEnum)
+          .choices({"warmuplr", "warmupdecaylr", "warmupcosinelr", "onecycle", "lrrangetest"})
+          .sample("WarmupLR", "CosineAnnealing"));
+  add(K("scheduler.params", VK::kObject));
+  // Contexts must not hold the key they serve (the test merges them over the sample).
+  const json kDecayContext = {{"scheduler", {{"type", "WarmupDecayLR"}}}};
+  const json kCosineContext = {{"scheduler", {{"type", "WarmupCosineLR"}, {"params", {{"total_num_steps", 100}}}}}};
+  const json kOneCycleContext = {
+      {"scheduler", {{"type", "OneCycle"}, {"params", {{"cycle_min_lr", 1e-4}, {"cycle_max_lr", 1e-3}}}}}};
+  const json kOneCycleMaxContext = {{"scheduler", {{"type", "OneCycle"}, {"params", {{"cycle_max_lr", 1e-3}}}}}};
+  const json kOneCycleMinContext = {{"scheduler", {{"type", "OneCycle"}, {"params", {{"cycle_min_lr", 1e-4}}}}}};
+  const json kRangeContext = {{"scheduler", {{"type", "LRRangeTest"}}}};
+  // Filled by the Hugging Face and accelerate integrations when "auto": the lr bounds from the
+  // trainer, the step counts from the training length.
+  add(K("scheduler.params.warmup_min_lr", VK::kNumber).range(0, 1e6).auto_is(0.0).sample(1e-6, -1));
+  add(K("scheduler.params.warmup_max_lr", VK::kNumber).range(0, 1e6).auto_is("auto").sample(1e-3, "fast"));
+  add(K("scheduler.params.warmup_num_steps", VK::kInt).range(0, kBig).auto_is(1).sample(100, -3));
+  add(K("scheduler.params.warmup_type", VK::kEnum).choices({"log", "linear"}).sample("linear", "cubic"));
+  add(K("scheduler.params.total_num_steps", VK::kInt)
+          .range(1, kBig)
+          .auto_is("auto")
+          .sample(1000, 0)
+          .context(kDecayContext));
+  add(K("scheduler.params.warmup_min_ratio", VK::kNumber).range(0, 1).sample(0.1, 2).context(kCosineContext));
+  add(K("scheduler.params.cos_min_ratio", VK::kNumber).range(0, 1).sample(0.01, -1).context(kCosineContext));
+  add(K("scheduler.params.cycle_min_lr", VK::kNumber).range(0, 1e6).sample(1e-5, -1).context(kOneCycleMaxContext));
+  add(K("scheduler.params.cycle_max_lr", VK::kNumber).range(0, 1e6).sample(1e-2, "x").context(kOneCycleMinContext));
+  add(K("scheduler.params.decay_lr_rate", VK::kNumber).range(0, 1e6).sample(0.1, "x").context(kOneCycleContext));
+  add(K("scheduler.params.cycle_first_step_size", VK::kInt).range(1, kBig).sample(100, 0).context(kOneCycleContext));
+  add(K("scheduler.params.cycle_second_step_size", VK::kInt).range(0, kBig).sample(50, -1).context(kOneCycleContext));
+  add(K("scheduler.params.cycle_first_stair_count", VK::kInt).range(0, kBig).sample(4, -1).context(kOneCycleContext));
+  add(K("scheduler.params.cycle_second_stair_count", VK::kInt).range(0, kBig).sample(4, -1).context(kOneCycleContext));
+  add(K("scheduler.params.decay_step_size", VK::kInt).range(0, kBig).sample(10, -1).context(kOneCycleContext));
+  add(K("scheduler.params.cycle_momentum", VK::kBool).sample(false, "no").context(kOneCycleContext));
+  add(K("scheduler.params.cycle_min_mom", VK::kNumber).range(0, 1).sample(0.85, 2).context(kOneCycleContext));
+  add(K("scheduler.params.cycle_max_mom", VK::kNumber).range(0, 1).sample(0.95, 2).context(kOneCycleContext));
+  add(K("scheduler.params.decay_mom_rate", VK::kNumber).range(0, 1e6).sample(0.1, "x").context(kOneCycleContext));
+  add(K("scheduler.params.lr_range_test_min_lr", VK::kNumber).range(0, 1e6).sample(1e-5, -1).context(kRangeContext));
+  add(K("scheduler.params.lr_range_test_step_size", VK::kInt).range(1, kBig).sample(100, 0).context(kRangeContext));
+  add(K("scheduler.params.lr_range_test_step_rate", VK::kNumber).range(0, 1e6).sample(2.0, -1).context(kRangeContext));
+  add(K("scheduler.params.lr_range_test_staircase", VK::kBool).sample(true, "x").context(kRangeContext));
+  add(K("scheduler.params.last_batch_iteration", VK::kInt)
+          .range(-1, -1)  // resume with load_checkpoint instead
+          .sample(-1, 5));
 
   // fp16 / bf16
   add(K("fp16", VK::kObject));
@@ -253,7 +314,7 @@ std::vector<KeySpec> build_schema() {
 
   // ---------------------------------------------------------------- zero_optimization
   add(K("zero_optimization", VK::kObject));
-  add(K("zero_optimization.stage", VK::kInt).range(0, 3).TIER_FIELD(zero_stage).sample(3, 4));
+  add(K("zero_optimization.stage", VK::kInt).range(0, 3).auto_is(0).TIER_FIELD(zero_stage).sample(3, 4));
   add(K("zero_optimization.sub_group_size", VK::kInt)
           .range(1, kBig)
           .TIER_FIELD(sub_group_size)
@@ -306,6 +367,7 @@ std::vector<KeySpec> build_schema() {
   for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                           "gather_16bit_weights_on_model_save"}) {
     add(K(std::string("zero_optimization.") + key, VK::kBool)
+            .auto_is(false)  // accelerate fills it from zero3_save_16bit_model, false by default
             .noted("tier's checkpoints always hold whole tensors; there is nothing to gather")
             .sample(true, 1.0));
   }
@@ -327,6 +389,7 @@ std::vector<KeySpec> build_schema() {
 
   add(K("zero_optimization.offload_param", VK::kObject));
   add(K("zero_optimization.offload_param.device", VK::kEnum)
+          .auto_is("none")
           .TIER_ENUM_FIELD(offload_param.device, OffloadDevice, "none", "cpu", "nvme")
           .sample("CPU", "gpu", "cpu"));
   add(K("zero_optimization.offload_param.nvme_path", VK::kString)
@@ -350,6 +413,7 @@ std::vector<KeySpec> build_schema() {
 
   add(K("zero_optimization.offload_optimizer", VK::kObject));
   add(K("zero_optimization.offload_optimizer.device", VK::kEnum)
+          .auto_is("none")
           .TIER_ENUM_FIELD(offload_optimizer.device, OffloadDevice, "none", "cpu", "nvme")
           .sample("cpu", "tpu"));
   add(K("zero_optimization.offload_optimizer.nvme_path", VK::kString)
@@ -403,6 +467,20 @@ std::vector<KeySpec> build_schema() {
           .TIER_FIELD(aio.use_gds)
           .noted("tier does not use GPUDirect Storage; NVMe data moves through the pinned host arena")
           .sample(false, "no"));
+
+  // transformers' NVMe example nests the aio section in zero_optimization: the same keys.
+  add(K("zero_optimization.aio", VK::kObject)
+          .alias_of("aio")
+          .noted("read as the top-level aio section (where transformers' NVMe example puts it)"));
+  const std::size_t n_before_alias = s.size();
+  for (std::size_t i = 0; i < n_before_alias; ++i) {
+    if (s[i].path.rfind("aio.", 0) != 0) continue;
+    KeySpec alias = s[i];
+    alias.canonical = s[i].canonical_path();
+    alias.path = "zero_optimization." + s[i].path;
+    alias.get = nullptr;
+    s.push_back(std::move(alias));
+  }
 
   // ---------------------------------------------------------------- tier (tier's own)
   add(K("tier", VK::kObject));
