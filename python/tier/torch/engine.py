@@ -71,26 +71,92 @@ def _resolve_auto(cfg, key_path, value):
         node[parts[-1]] = value
 
 
-def initialize(model, config=None, *, model_parameters=None, progress=None):
+def _client_optimizer_section(optimizer):
+    """The ``optimizer`` config section equivalent to a client's torch optimizer (Adam or AdamW):
+    tier runs the update itself, offloaded, so it takes the type and hyper-parameters."""
+    kinds = {torch.optim.AdamW: "AdamW", torch.optim.Adam: "Adam"}
+    kind = kinds.get(type(optimizer))
+    if kind is None:
+        raise TypeError(
+            f"initialize(optimizer=...): tier runs the optimizer itself and implements torch.optim.Adam and "
+            f"torch.optim.AdamW, not {type(optimizer).__name__}; pass one of those, or drop the argument and add "
+            '{"optimizer": {"type": "AdamW", "params": {"lr": ...}}} to the config'
+        )
+    g = optimizer.param_groups[0]
+    for flag in ("maximize", "amsgrad"):
+        if g.get(flag):
+            raise ValueError(f"initialize(optimizer=...): {kind} with {flag}=True is not supported by tier's optimizer")
+    params = {
+        "lr": float(g["lr"]),
+        "betas": [float(b) for b in g["betas"]],
+        "eps": float(g["eps"]),
+        "weight_decay": float(g["weight_decay"]),
+    }
+    if kind == "Adam":
+        params["adam_w_mode"] = False  # torch's Adam adds weight decay to the gradient (L2)
+    return {"type": kind, "params": params}
+
+
+def initialize(
+    model,
+    config=None,
+    *,
+    model_parameters=None,
+    optimizer=None,
+    total_num_steps=None,
+    warmup_num_steps=None,
+    progress=None,
+):
     """Wraps ``model`` in a :class:`TierEngine` configured by ``config`` (a dict or a JSON path in
     DeepSpeed's format plus tier's ``tier`` section). ``model_parameters`` may give parameter groups
     (dicts with ``params`` and overrides of ``lr``/``weight_decay``/``betas``/``eps``), as
-    ``deepspeed.initialize`` accepts them."""
-    return TierEngine(model, config, model_parameters=model_parameters)
+    ``deepspeed.initialize`` accepts them.
+
+    ``optimizer``: a ``torch.optim.Adam`` or ``AdamW`` whose type, hyper-parameters and param groups
+    tier takes over, for a config without an ``optimizer`` section (as DeepSpeed takes a client
+    optimizer); giving both is an error. ``total_num_steps`` and ``warmup_num_steps`` fill the
+    scheduler's ``"auto"`` step counts, as the Hugging Face Trainer does."""
+    return TierEngine(
+        model,
+        config,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        total_num_steps=total_num_steps,
+        warmup_num_steps=warmup_num_steps,
+    )
 
 
 class TierEngine(torch.nn.Module):
     """The model with its parameters and optimizer state managed by tier. Call it like the model."""
 
-    def __init__(self, model, config=None, *, model_parameters=None):
+    def __init__(
+        self, model, config=None, *, model_parameters=None, optimizer=None, total_num_steps=None, warmup_num_steps=None
+    ):
         super().__init__()
         cfg = _load_config(config)
+        if optimizer is not None:
+            if "optimizer" in cfg:
+                raise ValueError(
+                    "initialize got an optimizer and the config has an \"optimizer\" section; keep one, "
+                    "so that there is no doubt which hyper-parameters run"
+                )
+            cfg["optimizer"] = _client_optimizer_section(optimizer)
+            if model_parameters is None:
+                model_parameters = optimizer.param_groups
+
         # The training loop feeds the batches; these "auto"s have nothing to resolve against.
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             if cfg.get(key) == "auto":
                 del cfg[key]
         self._raw_config = cfg
         self.config = _tier.Config.from_json(json.dumps(cfg))
+        if "optimizer" not in cfg:
+            # DeepSpeed reads a missing section as "the client passes one"; never guess a default.
+            raise ValueError(
+                "the config has no \"optimizer\" section and initialize got no optimizer: add "
+                '{"optimizer": {"type": "AdamW", "params": {"lr": ...}}} to the config, or pass '
+                "optimizer=torch.optim.AdamW(model.parameters(), lr=...) to tier.torch.initialize"
+            )
         resolved = json.loads(self.config.to_json())
         self._resolved = resolved
         self.gradient_accumulation_steps = int(resolved.get("gradient_accumulation_steps", 1))
@@ -170,28 +236,38 @@ class TierEngine(torch.nn.Module):
                 self._tensor_of_partition[slot.pid] = slot.tid
 
         base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
-        self.scheduler = _schedulers.from_config(cfg.get("scheduler"), base_lr)
+        self.scheduler = _schedulers.from_config(
+            cfg.get("scheduler"),
+            [self.optimizer.lr(g) for g in range(self.optimizer.group_count)],
+            base_lr,
+            total_num_steps=total_num_steps,
+            warmup_num_steps=warmup_num_steps,
+        )
         self._apply_lr()
         self._install_hooks(model)
 
     # ------------------------------------------------------------------ setup helpers
     def _build_groups(self, model_parameters):
         """Parameter groups: group 0 is the config's optimizer; each extra group overrides it."""
+        base = json.loads(self.config.to_json()).get("optimizer", {}).get("params", {})
+        self._group_hparams = [self._group_kwargs(base, {})]
         if not model_parameters:
             return {}
         groups = list(model_parameters)
         if groups and isinstance(groups[0], torch.Tensor):
             return {}
         owner = {}
-        base = json.loads(self.config.to_json()).get("optimizer", {}).get("params", {})
+        decoupled = bool(base.get("adam_w_mode", True))
         for i, g in enumerate(groups):
             params = list(g["params"])
             if i == 0:
                 gid = 0
+                self._group_hparams[0] = self._group_kwargs(base, g)
                 if any(k in g for k in ("lr", "weight_decay", "betas", "eps")):
                     self.optimizer.set_group(0, **self._group_kwargs(base, g))
             else:
-                gid = self.optimizer.add_group(**self._group_kwargs(base, g))
+                gid = self.optimizer.add_group(**self._group_kwargs(base, g), decoupled=decoupled)
+                self._group_hparams.append(self._group_kwargs(base, g))
             for p in params:
                 owner[id(p)] = gid
         return owner
@@ -345,7 +421,9 @@ class TierEngine(torch.nn.Module):
         if report["applied"]:
             self.global_steps += 1
             if self.scheduler is not None:
+                # DeepSpeed steps the scheduler after each applied step (not after a skipped one).
                 self.scheduler.last_step = self.global_steps
+                self._apply_lr()
         else:
             self.skipped_steps += 1
         self._timers["step"] += time.perf_counter() - t0
@@ -357,9 +435,16 @@ class TierEngine(torch.nn.Module):
     def _apply_lr(self):
         if self.scheduler is None:
             return
-        lr = self.scheduler.lr(self.global_steps)
+        lrs = self.scheduler.lrs(self.global_steps)
+        betas = self.scheduler.betas(self.global_steps)
         for g in range(self.optimizer.group_count):
-            self.optimizer.set_lr(g, lr)
+            lr = lrs[min(g, len(lrs) - 1)]
+            if betas is None:
+                self.optimizer.set_lr(g, lr)
+            else:
+                h = self._group_hparams[g]
+                beta1, beta2 = betas[min(g, len(betas) - 1)]
+                self.optimizer.set_group(g, lr, beta1, beta2, h["eps"], h["weight_decay"])
 
     def get_lr(self):
         return [self.optimizer.lr(g) for g in range(self.optimizer.group_count)]
