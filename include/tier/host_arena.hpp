@@ -41,6 +41,9 @@ struct HostArenaOptions {
   std::uint64_t bytes = 0;  // capacity; rounded up to 2 MiB
   HugePageMode huge_pages = HugePageMode::kAuto;
   bool lock = true;  // mlock the arena (pin it)
+  // Fault every page in at creation, so the first transfers do not pay for it. Off for a cap that
+  // is mostly never used (an auto budget): touching gigabytes up front takes tens of seconds.
+  bool prefault = true;
 };
 
 struct HostArenaStats {

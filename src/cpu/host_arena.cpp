@@ -173,7 +173,9 @@ Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& opt
   }
   // Fault every page in now (mlock has when it succeeded, not when it was refused) so that the
   // first transfers do not pay for it and THP gets its chance to back each 2 MiB run.
-  for (std::uint64_t off = 0; off < a->capacity_; off += 4096) a->base_[off] = std::byte{0};
+  if (options.prefault) {
+    for (std::uint64_t off = 0; off < a->capacity_; off += 4096) a->base_[off] = std::byte{0};
+  }
   a->free_[0] = a->capacity_;
   return a;
 }

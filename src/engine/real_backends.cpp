@@ -186,22 +186,35 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
   detail::Backends b;
 
   // Host: the pinned arena holds host copies and staging; auto is a quarter of physical memory.
-  const std::uint64_t host_budget = config.tier.host_budget ? config.tier.host_budget : physical_memory() / 4;
+  // An auto budget is a cap, not a reservation: it is neither locked, faulted in, registered with
+  // the device nor registered as io_uring fixed buffers, each of which touches or pins every page
+  // of a quarter of the machine's memory (tens of seconds at startup). Pages come in as used.
+  const bool host_auto = config.tier.host_budget == 0;
+  const std::uint64_t host_budget = host_auto ? physical_memory() / 4 : config.tier.host_budget;
   HostArenaOptions ao;
   ao.bytes = host_budget;
   ao.huge_pages = config.tier.huge_pages;
-  ao.lock = true;
+  ao.lock = !host_auto;
+  ao.prefault = !host_auto;
   auto arena = HostArena::create(ao);
   if (!arena.ok()) return arena.status().with_context("engine: host tier (tier.budgets.host)");
   owned->arena = std::move(arena).value();
-  counters->set_info("host", str("pinned arena ", format_bytes(owned->arena->capacity()),
-                                 owned->arena->locked() ? "" : " (not locked: mlock refused)"));
+  std::string host_info = str("pinned arena ", format_bytes(owned->arena->capacity()));
+  if (host_auto) {
+    host_info = str("arena ", format_bytes(owned->arena->capacity()),
+                    " (auto budget: not pinned; set tier.budgets.host to pin it)");
+  } else if (!owned->arena->locked()) {
+    host_info += " (not locked: mlock refused)";
+  }
+  counters->set_info("host", host_info);
 
   // Device.
   auto device = create_device(config, counters.get());
   if (!device.ok()) return device.status().with_context("engine: device tier");
   owned->device = std::move(device).value();
-  if (Status s = owned->device->register_host(owned->arena->base(), owned->arena->capacity()); !s.ok()) {
+  if (host_auto) {
+    // Not registered (see above): copies stay correct.
+  } else if (Status s = owned->device->register_host(owned->arena->base(), owned->arena->capacity()); !s.ok()) {
     TIER_LOG(kWarn, "engine: could not register the host arena with the device (", s.to_string(),
              "); copies stay correct but may be slower");
   }
@@ -222,6 +235,7 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
     }
     const std::uint64_t per_path = (total / paths.size() + 4095) & ~std::uint64_t{4095};
     auto so = nvme::SwapSpaceOptions::from_config(config, per_path, owned->arena.get(), counters.get());
+    if (host_auto) so.fixed_buffers = false;
     if (hooks.wrap_io_engine) so.wrap_engine = hooks.wrap_io_engine;
     auto swap = nvme::SwapSpace::create(so);
     if (!swap.ok()) return swap.status().with_context("engine: NVMe tier");
