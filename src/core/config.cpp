@@ -423,6 +423,12 @@ Status EngineConfig::validate() const {
   };
   TIER_RETURN_IF_ERROR(needs_path("offload_param", offload_param.device, offload_param.nvme_path));
   TIER_RETURN_IF_ERROR(needs_path("offload_optimizer", offload_optimizer.device, offload_optimizer.nvme_path));
+  if (tier.nvme_budget != 0 && resolved_swap_paths().empty()) {
+    // The engine would refuse it at creation; say so at the same point as every other check.
+    return invalid_argument(
+        "config key 'tier.budgets.nvme' is set but there is no NVMe directory: set tier.swap_paths or an "
+        "offload nvme_path, or drop the NVMe budget");
+  }
   if (fp16.enabled && bf16) {
     return invalid_argument("config keys 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one");
   }

@@ -490,7 +490,11 @@ std::vector<KeySpec> build_schema() {
           .TIER_FIELD(tier.device_budget)
           .sample("8G", "8 apples", 8589934592ull));
   add(K("tier.budgets.host", VK::kSize).auto_is(0).TIER_FIELD(tier.host_budget).sample("16GiB", -3, 17179869184ull));
-  add(K("tier.budgets.nvme", VK::kSize).auto_is(0).TIER_FIELD(tier.nvme_budget).sample("1TB", "1.5", 1000000000000ull));
+  add(K("tier.budgets.nvme", VK::kSize)
+          .auto_is(0)
+          .TIER_FIELD(tier.nvme_budget)
+          .sample("1TB", "1.5", 1000000000000ull)
+          .context({{"tier", {{"swap_paths", {"/nvme/tier"}}}}}));
   add(K("tier.device", VK::kEnum)
           .auto_is("auto")
           .TIER_ENUM_FIELD(tier.device, DeviceKind, "auto", "cuda", "emulated")

@@ -211,7 +211,7 @@ TEST(ConfigSchema, EveryTierKeyHasAnEnvironmentOverride) {
       }
     }
     setenv(name.c_str(), text.c_str(), 1);
-    auto cfg = EngineConfig::from_json("{}");
+    auto cfg = EngineConfig::from_json(k.sample_context.is_null() ? "{}" : k.sample_context.dump());
     unsetenv(name.c_str());
     ASSERT_TRUE(cfg.ok()) << name << "=" << text << ": " << cfg.status();
     const json expected = k.sample_expected.is_null() ? k.sample_valid : k.sample_expected;

@@ -346,6 +346,13 @@ TEST(EngineConfig, SchedulerParametersAreCheckedAgainstTheirType) {
   EXPECT_TRUE(has_note(*untyped, "no type given"));
 }
 
+TEST(EngineConfig, AnNvmeBudgetWithoutADirectoryIsRefusedAsTheEngineWouldRefuseIt) {
+  auto c = parse(R"({"tier": {"budgets": {"nvme": "1G"}}})");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("'tier.budgets.nvme'"), std::string::npos) << c.status();
+  EXPECT_TRUE(parse(R"({"tier": {"budgets": {"nvme": "1G"}, "swap_paths": ["/nvme/tier"]}})").ok());
+}
+
 TEST(EngineConfig, WarmupOfZeroAndOneStepsIsAccepted) {
   // The Hugging Face Trainer writes max(1, warmup_steps) and accelerate's DummyScheduler 0;
   // DeepSpeed warms up over at least 2 steps either way.
