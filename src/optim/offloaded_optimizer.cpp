@@ -130,7 +130,8 @@ void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int
 
 // A step's update of one chunk whose sections are at `base` (with the chunk's stride): every
 // partition piece of the chunk on the workers' threads, each piece with its group's constants,
-// outputs to the partition's destination or to `staging` at the element's chunk offset * 4.
+// outputs to the partition's destination or packed into `staging` from its first element's slot
+// (chunk offset * 4), where process() hands them to on_output.
 static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base, std::byte* staging,
                            const std::vector<cpu::AdamStep>& steps, const std::vector<void*>& dest) {
   float* P = OffloadedOptimizer::Impl::section(base, c, StateKind::kMaster);
@@ -151,7 +152,14 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
       const std::size_t os = param_output_size(p.output);
       std::byte* out = nullptr;
       if (p.output != ParamOutput::kNone) {
-        out = dest.empty() || dest[pid] == nullptr ? staging + ci * 4 : static_cast<std::byte*>(dest[pid]) + pi * os;
+        if (dest.empty() || dest[pid] == nullptr) {
+          // The partition's outputs in this chunk are packed from the staging slot of its first
+          // element in the chunk (where on_output reads them), whichever thread writes which piece.
+          const std::uint64_t first = std::max(p.start, c.start);
+          out = staging + (first - c.start) * 4 + (flat - first) * os;
+        } else {
+          out = static_cast<std::byte*>(dest[pid]) + pi * os;
+        }
       }
       const DType od = param_output_dtype(p.output);
       Status s;

@@ -447,6 +447,63 @@ TEST_P(OptimizerHome, OutputsGoToAnNvmeHomeInTheSamePass) {
   homes.clear();
 }
 
+// The low-precision copy handed out is exactly the fp32 master rounded to nearest, whatever the
+// thread count: partitions straddle the update threads' 32 Ki-element pieces and the chunks, and
+// reach the caller both through on_output (packed staging) and in place (destination).
+TEST_P(OptimizerHome, LowPrecisionOutputsAreTheRoundedMastersForAnyThreadCount) {
+  const std::vector<PartDesc> model = {{1, 0, ParamOutput::kBF16},      {100003, 0, ParamOutput::kBF16},
+                                       {65537, 0, ParamOutput::kF16},   {40000, 0, ParamOutput::kBF16},
+                                       {32768, 0, ParamOutput::kF16},   {70001, 0, ParamOutput::kBF16},
+                                       {5, 0, ParamOutput::kF16},       {33000, 0, ParamOutput::kNone},
+                                       {98304, 0, ParamOutput::kBF16}};
+  const std::vector<cpu::AdamHyperParams> groups = {test::three_groups()[0]};
+  for (const int threads : {1, 2, 3, 16}) {
+    for (const bool in_place : {false, true}) {
+      SCOPED_TRACE(str(threads, " threads, ", in_place ? "destination" : "on_output"));
+      OffloadedOptimizerOptions o;
+      o.groups = groups;
+      o.chunk_elements = 131072;  // four update pieces per chunk
+      o.buffer_count = 2;
+      o.threads = threads;
+      Reference ref(model, groups, 11);
+      auto rig = make(o, ref);
+      ASSERT_TRUE(rig->status().ok());
+      for (std::uint64_t step = 1; step <= 2; ++step) {
+        feed(rig->opt(), ref, step, 1, DType::kBF16, GradMode::kCopy);
+        ASSERT_TRUE(ref.step(1.0, 0));
+        test::Outputs outs(model);
+        for (auto& d : outs.data) std::fill(d.begin(), d.end(), 0xEE);  // no stale zeros can pass
+        StepOptions so;
+        if (in_place) so.destination = [&](PartitionId id) -> void* { return outs.data[id].data(); };
+        so.on_output = [&](const OutputChunk& c) -> Status {
+          const std::size_t es = param_output_size(c.dtype);
+          std::memcpy(outs.data[c.partition].data() + c.offset * es, c.data, c.numel * es);
+          return {};
+        };
+        auto r = rig->opt().step(so);
+        ASSERT_TRUE(r.ok()) << r.status();
+        ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "step " << step;
+        for (std::size_t i = 0; i < model.size(); ++i) {
+          if (model[i].output == ParamOutput::kNone) continue;
+          const std::uint64_t n = model[i].numel;
+          const DType od = param_output_dtype(model[i].output);
+          std::vector<std::uint8_t> rounded(n * 2);
+          ASSERT_TRUE(cpu::convert(cpu::ConstTensorRef(ref.master(i).data(), DType::kF32, n),
+                                   cpu::TensorRef{rounded.data(), od, n})
+                          .ok());
+          for (std::uint64_t k = 0; k < n; ++k) {
+            if (std::memcmp(outs.data[i].data() + k * 2, rounded.data() + k * 2, 2) != 0) {
+              ADD_FAILURE() << "partition " << i << " (" << dtype_name(od) << ") element " << k << " of " << n
+                            << " is not its rounded master after step " << step;
+              break;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Gradients may arrive from several threads at once, for different partitions.
 TEST_P(OptimizerHome, GradientsFromSeveralThreads) {
   std::vector<PartDesc> model;
