@@ -208,7 +208,7 @@ def run_kills(kills, workdir, seed=0, log=None, timeout=60.0):
                 # Wait for a step to start (after ready or a finished save), then kill inside it.
                 n = len(lines)
                 _wait_for(progress, lambda ls: len(ls) > n and ls[-1][1] == "saved", timeout, pid)
-                time.sleep(rnd.uniform(0, step_est * STEPS_PER_SAVE * 1.2))
+                time.sleep(rnd.uniform(0, step_est * STEPS_PER_SAVE * 0.9))
             os.kill(pid, signal.SIGKILL)
             answer = zyg.stdout.readline().split()
             assert answer and answer[0] == "exit", f"zygote answered {answer!r}"

@@ -19,7 +19,7 @@ from tier.torch import checkpoint as ckpt_mod  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt_kill_child as kc  # noqa: E402
 
-KILLS = int(os.environ.get("TIER_CKPT_KILLS", "60"))
+KILLS = int(os.environ.get("TIER_CKPT_KILLS", "80"))
 
 
 @pytest.fixture
@@ -145,6 +145,34 @@ def test_a_save_dying_at_any_file_operation_leaves_a_loadable_checkpoint(engine,
     verifier.close()
 
 
+def test_a_save_over_an_old_format_directory_dying_anywhere_leaves_a_loadable_checkpoint(engine, tmp_path,
+                                                                                         swap_dir):
+    """A tier-checkpoint-1 tag is a plain directory, which rename cannot replace: it is moved aside
+    first, and a load in that window falls back to the newest complete version of the tag."""
+    other_swap = os.path.join(swap_dir, "verify")
+    os.makedirs(other_swap)
+    verifier = kc.new_engine(other_swap, seed=99)
+    kc.train_step(engine)
+    points = 0
+    while True:
+        ckpt = str(tmp_path / f"ckpt{points}")
+        version = os.path.realpath(engine.save_checkpoint(ckpt, tag="t"))
+        _to_old_format(version, {"cpu": torch.get_rng_state(), "cuda": []})
+        os.unlink(os.path.join(ckpt, "t"))
+        os.rename(version, os.path.join(ckpt, "t"))
+        verifier.load_checkpoint(ckpt)  # the old format loads
+        if not _save_killed_at(engine, ckpt, "t", points):
+            break
+        verifier.load_checkpoint(ckpt)
+        assert verifier.global_steps == 1, points
+        points += 1
+    assert points >= 10
+    verifier.load_checkpoint(ckpt)
+    assert os.path.islink(os.path.join(ckpt, "t"))
+    assert os.path.isfile(os.path.join(ckpt, "t", "manifest.json"))
+    verifier.close()
+
+
 def test_sigkill_at_random_points_of_saves_and_steps_always_leaves_an_exact_checkpoint(tmp_path):
     """A trainer process is killed (SIGKILL) KILLS times, at random points of a save or of a
     training step, and resumed each time from the newest checkpoint; after every kill the
@@ -152,8 +180,8 @@ def test_sigkill_at_random_points_of_saves_and_steps_always_leaves_an_exact_chec
     gives the same losses, bit for bit, as a run that was never interrupted."""
     summary = kc.run_kills(KILLS, str(tmp_path), seed=1)
     assert summary["kills"] == KILLS
-    assert summary["in_save"] >= KILLS // 5, summary
-    assert summary["in_train"] >= KILLS // 5, summary
+    assert summary["in_save"] >= KILLS // 10, summary
+    assert summary["in_train"] >= KILLS // 10, summary
     assert summary["max_step"] >= KILLS // 2, summary  # the trainers made progress across kills
     # Debris of killed saves is removed by the next save: at most the current version per tag,
     # plus what the last kill left.
@@ -248,12 +276,13 @@ class _Evil:
 
 def _to_old_format(path, rng_obj):
     """Turns a new checkpoint into the tier-checkpoint-1 layout (rng.pt, no manifest)."""
-    os.unlink(os.path.join(path, "manifest.json"))
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        os.unlink(os.path.join(path, "manifest.json"))
     mpath = os.path.join(path, "meta.json")
     with open(mpath) as f:
         meta = json.load(f)
     meta["format"] = "tier-checkpoint-1"
-    del meta["rng"]
+    meta.pop("rng", None)
     os.chmod(mpath, 0o600)
     with open(mpath, "w") as f:
         json.dump(meta, f)
@@ -276,9 +305,13 @@ def test_old_format_rng_pickle_cannot_run_code(engine, tmp_path):
     marker = str(tmp_path / "pwned")
     _to_old_format(path, {"cpu": _Evil(marker), "cuda": []})
     before = snapshot(engine)
-    with pytest.raises(ValueError, match="rng.pt"):
+    try:
         engine.load_checkpoint(ckpt)
+        err = None
+    except Exception as e:  # noqa: BLE001 - checked below, after the marker
+        err = e
     assert not os.path.exists(marker), "loading a checkpoint ran code from rng.pt"
+    assert isinstance(err, ValueError) and "rng.pt" in str(err), repr(err)
     assert_same(before, snapshot(engine))
 
 
@@ -398,13 +431,12 @@ def test_example_leaves_the_users_swap_dir_and_its_files(tmp_path, capsys):
     swap = str(tmp_path / "users-folder")
     _user_tree(swap)
     finetune_llama.main(TINY + ["--swap-dir", swap])
-    out = capsys.readouterr().out
-    assert "tier-" in out, "the run should report its own folder inside the swap dir"
-    assert sorted(os.listdir(swap)) == ["sub", "thesis.tex"]
     with open(os.path.join(swap, "thesis.tex")) as f:
         assert f.read() == "years of work"
     with open(os.path.join(swap, "sub", "data.bin"), "rb") as f:
         assert f.read() == b"\1\2\3"
+    assert sorted(os.listdir(swap)) == ["sub", "thesis.tex"], "tier's own folder is gone too"
+    assert os.path.join(swap, "tier-") in capsys.readouterr().out, "the run names its own folder"
 
 
 def test_example_removes_a_swap_dir_it_created_and_cleans_up_after_errors(tmp_path, monkeypatch):
