@@ -5,6 +5,7 @@ as functions of DeepSpeed's ``last_batch_iteration`` (``it``). DeepSpeed constru
 ``it = -1`` and its engine calls ``scheduler.step()`` after each applied optimizer step, so the
 n-th optimizer step runs at ``it = n - 2``. ``drive_reference`` replays that loop."""
 
+import json
 import math
 
 import pytest
@@ -200,6 +201,20 @@ def test_type_names_are_case_insensitive_and_unknown_types_list_the_supported_on
     assert schedulers.from_config({"type": "warmuplr", "params": {}}, [1e-3]).kind == "WarmupLR"
     with pytest.raises(ValueError, match="OneCycle"):
         schedulers.from_config({"type": "CosineAnnealing"}, [1e-3])
+
+
+def test_parameters_are_judged_as_the_config_check_judges_them():
+    # Unknown anywhere: the config check notes and ignores it, so the schedule does too.
+    s = schedulers.from_config({"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_stepz": 9}}, [1e-3])
+    assert s.warmup_num_steps == 3
+    cfg_notes = tier.Config.from_json(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_stepz": 9}}}))
+    assert any("warmup_stepz" in n for n in cfg_notes.notes)
+    # Another type's parameter: refused by both.
+    sec = {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}
+    with pytest.raises(ValueError, match="does not apply to WarmupLR"):
+        schedulers.from_config(sec, [1e-3])
+    with pytest.raises(tier.InvalidArgument, match="does not apply to WarmupLR"):
+        tier.Config.from_json(json.dumps({"scheduler": sec}))
 
 
 # ----------------------------------------------------------------------------------- "auto"

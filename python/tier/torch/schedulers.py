@@ -252,7 +252,10 @@ def from_config(section, base_lrs, optimizer_lr=None, *, total_num_steps=None, w
     params.pop("last_batch_iteration", None)  # -1 (the only value accepted): start from the beginning
     _fill_auto(kind, params, optimizer_lr, total_num_steps, warmup_num_steps)
     merged = dict(_DEFAULTS[kind])
+    known = {k for defaults in _DEFAULTS.values() for k in defaults}
     for key, value in params.items():
+        if key not in known:
+            continue  # unknown to DeepSpeed too: the config check noted it as ignored (or refused it, strict)
         if key not in merged:
             raise ValueError(
                 f"config key 'scheduler.params.{key}' does not apply to {kind}; "
