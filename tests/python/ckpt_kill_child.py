@@ -254,7 +254,8 @@ def run_kills(kills, workdir, seed=0, log=None, timeout=60.0):
                 f"round {round_}: the trainer's losses at step {k} differ from the uninterrupted run")
             got = [train_step(verifier), train_step(verifier)]
             assert got == expected[k:k + 2], (
-                f"round {round_}: training continued from step {k} gives {got}, the uninterrupted run {expected[k:k + 2]}")
+                f"round {round_}: training continued from step {k} gives {got}, "
+                f"the uninterrupted run {expected[k:k + 2]}")
             summary["max_step"] = max(summary["max_step"], k)
             if durable is None or k > durable:
                 durable = k

@@ -60,11 +60,11 @@ def saved_then_moved_on(engine, ckpt, **kw):
     return path
 
 
-def resign(path):
+def resign(path, leave_out=()):
     """Rewrites manifest.json for the files as they are now (a consistent but altered checkpoint)."""
     files = {}
     for name in sorted(os.listdir(path)):
-        if name == "manifest.json":
+        if name == "manifest.json" or name in leave_out:
             continue
         with open(os.path.join(path, name), "rb") as f:
             data = f.read()
@@ -248,6 +248,16 @@ def test_consistent_but_invalid_metadata_changes_nothing(engine, tmp_path, edit)
     resign(path)
     before = snapshot(engine)
     with pytest.raises(ValueError):
+        engine.load_checkpoint(ckpt)
+    assert_same(before, snapshot(engine))
+
+
+def test_a_manifest_that_does_not_cover_frozen_bin_is_refused(engine, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    path = os.path.realpath(saved_then_moved_on(engine, ckpt))
+    resign(path, leave_out=("frozen.bin",))
+    before = snapshot(engine)
+    with pytest.raises(tier.DataLoss, match="frozen.bin"):
         engine.load_checkpoint(ckpt)
     assert_same(before, snapshot(engine))
 

@@ -167,7 +167,8 @@ def save(engine, save_dir, tag, client_state):
         "skipped_steps": engine.skipped_steps,
         "compute_dtype": engine.compute_dtype_name,
         "params": [
-            {"name": s.name, "shape": list(s.shape), "trainable": s.pid is not None, "partition": s.pid} for s in engine._slots
+            {"name": s.name, "shape": list(s.shape), "trainable": s.pid is not None, "partition": s.pid}
+            for s in engine._slots
         ],
         "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
         "rng": {
@@ -190,8 +191,13 @@ def save(engine, save_dir, tag, client_state):
         os.chmod(opt, 0o600)
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
-            _write_new(os.path.join(vdir, "frozen.bin"), b"".join(
-                engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes() for s in frozen))
+            # One parameter at a time: a frozen base model may not fit in host memory at once.
+            fd = os.open(os.path.join(vdir, "frozen.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                for s in frozen:
+                    f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
+                f.flush()
+                os.fsync(f.fileno())
         _write_new(os.path.join(vdir, "meta.json"), meta_bytes)
         files = {}
         for name in sorted(os.listdir(vdir)):
@@ -289,8 +295,9 @@ def _resolve(load_dir, tag):
 
 def _verified_files(path):
     """Checks every file of the checkpoint in ``path`` against its manifest. Returns the bytes of
-    meta.json and frozen.bin (None if absent) as read for the check, so what is applied is what
-    was verified (optimizer.bin is checked here and again, record by record, by its reader)."""
+    meta.json as read for the check and the names the manifest lists. The large files are hashed
+    as they stream by and read again when applied: versions are never written in place, and
+    optimizer.bin's reader checks each record again."""
     mpath = os.path.join(path, MANIFEST)
     try:
         with open(mpath, "rb") as f:
@@ -311,7 +318,7 @@ def _verified_files(path):
         fpath = os.path.join(path, name)
         if os.path.basename(name) != name or not os.path.isfile(fpath) or os.path.islink(fpath):
             raise _tier.DataLoss(f"checkpoint {path}: {name} is missing (listed in {MANIFEST})")
-        if name == "optimizer.bin":
+        if name != "meta.json":
             n, digest = _sha256_file(fpath)
         else:
             with open(fpath, "rb") as f:
@@ -323,7 +330,7 @@ def _verified_files(path):
                 f"checkpoint {path}: {name} does not match the manifest ({n} bytes, sha256 {digest[:16]}..., "
                 f"expected {entry.get('bytes')} bytes, {str(entry.get('sha256'))[:16]}...)"
             )
-    return kept["meta.json"], kept.get("frozen.bin")
+    return kept["meta.json"], set(body["files"])
 
 
 def _int(meta, key, path):
@@ -343,7 +350,7 @@ def _rng_tensor(b64, expected_len, path, what):
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _plan(engine, path, meta, frozen_bytes, old_rng):
+def _plan(engine, path, meta, old_rng, listed):
     """Validates everything in the checkpoint against the engine; returns what to apply."""
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, OLD_FORMAT):
         fmt = meta.get("format") if isinstance(meta, dict) else None
@@ -396,17 +403,18 @@ def _plan(engine, path, meta, frozen_bytes, old_rng):
     frozen = [s for s in engine._slots if s.pid is None]
     esize = torch.empty(0, dtype=engine.compute_dtype).element_size()
     want = sum(s.numel for s in frozen) * esize
-    if frozen and frozen_bytes is None:
-        raise ValueError(f"checkpoint {path}: frozen.bin is missing but the model has frozen parameters")
-    if frozen and len(frozen_bytes) != want:
-        raise ValueError(f"checkpoint {path}: frozen.bin has {len(frozen_bytes)} bytes, expected {want}")
-    plan["frozen"] = []
-    offset = 0
-    for s in frozen:
-        n = s.numel * esize
-        t = torch.frombuffer(bytearray(frozen_bytes[offset:offset + n]), dtype=engine.compute_dtype).reshape(s.shape)
-        plan["frozen"].append((s, t))
-        offset += n
+    fpath = os.path.join(path, "frozen.bin")
+    if frozen:
+        if listed is not None and "frozen.bin" not in listed:
+            raise _tier.DataLoss(
+                f"checkpoint {path}: the model has frozen parameters but {MANIFEST} lists no frozen.bin")
+        if not os.path.isfile(fpath):
+            raise ValueError(f"checkpoint {path}: frozen.bin is missing but the model has frozen parameters")
+        have = os.path.getsize(fpath)
+        if have != want:
+            raise ValueError(f"checkpoint {path}: frozen.bin has {have} bytes, expected {want}")
+    plan["frozen"] = [(s, s.numel * esize) for s in frozen]
+    plan["frozen_path"] = fpath
     return plan
 
 
@@ -419,17 +427,12 @@ def _read_old_format(path):
         raise ValueError(f"checkpoint {path}: no readable meta.json ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != OLD_FORMAT:
         raise _tier.DataLoss(f"checkpoint {path}: incomplete ({MANIFEST} is missing)")
-    frozen = None
-    fpath = os.path.join(path, "frozen.bin")
-    if os.path.isfile(fpath):
-        with open(fpath, "rb") as f:
-            frozen = f.read()
     try:
         rng = torch.load(os.path.join(path, "rng.pt"), weights_only=True)
         old_rng = (rng["cpu"], list(rng["cuda"]))
     except Exception as e:  # noqa: BLE001 - any failure of the restricted unpickler is a refusal
         raise ValueError(f"checkpoint {path}: rng.pt cannot be read safely ({type(e).__name__}: {e})") from None
-    return meta, frozen, old_rng
+    return meta, old_rng
 
 
 def load(engine, load_dir, tag):
@@ -453,7 +456,7 @@ def load(engine, load_dir, tag):
     path = _resolve(load_dir, tag)
 
     if os.path.isfile(os.path.join(path, MANIFEST)):
-        meta_bytes, frozen = _verified_files(path)
+        meta_bytes, listed = _verified_files(path)
         try:
             meta = json.loads(meta_bytes)
         except ValueError as e:
@@ -462,8 +465,9 @@ def load(engine, load_dir, tag):
             raise ValueError(f"checkpoint {path}: meta.json is not of format {FORMAT}")
         old_rng = None
     else:
-        meta, frozen, old_rng = _read_old_format(path)
-    plan = _plan(engine, path, meta, frozen, old_rng)
+        meta, old_rng = _read_old_format(path)
+        listed = None
+    plan = _plan(engine, path, meta, old_rng, listed)
 
     # Everything is checked; from here on the engine changes. The optimizer's reader checks its
     # records before it replaces any state, so a failure there still leaves the engine as it was.
@@ -474,8 +478,14 @@ def load(engine, load_dir, tag):
         low = torch.empty(s.shape, dtype=engine.compute_dtype)
         engine.optimizer.read_params(s.pid, engine.compute_dtype_name, low)
         engine.native.write(s.tid, low)
-    for s, t in plan["frozen"]:
-        engine.native.write(s.tid, t)
+    if plan["frozen"]:
+        with open(plan["frozen_path"], "rb") as f:
+            for s, nbytes in plan["frozen"]:
+                raw = f.read(nbytes)
+                if len(raw) != nbytes:  # only if the file changed after it was verified
+                    raise _tier.DataLoss(f"checkpoint {plan['frozen_path']}: shrank while loading ({s.name})")
+                t = torch.frombuffer(bytearray(raw), dtype=engine.compute_dtype).reshape(s.shape)
+                engine.native.write(s.tid, t)
     engine.native.flush()
     engine.global_steps = plan["global_steps"]
     engine.micro_steps = plan["micro_steps"]
