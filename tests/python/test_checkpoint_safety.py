@@ -353,8 +353,6 @@ def test_bad_tags_are_refused_on_save_and_load(engine, tmp_path, tag):
 @pytest.mark.parametrize("content", ["../outside", "/etc", "a/b", "..", ""])
 def test_latest_naming_a_path_is_refused(engine, tmp_path, content):
     """A good checkpoint sits outside the directory: the old code followed ``latest`` to it."""
-    outside = str(tmp_path / "outside")
-    os.makedirs(outside)
     kc.train_step(engine)
     engine.save_checkpoint(str(tmp_path), tag="outside")  # tmp_path/outside is a valid checkpoint
     ckpt = tmp_path / "ckpt"
@@ -399,6 +397,23 @@ def test_user_files_in_the_checkpoint_directory_are_left_alone(engine, tmp_path)
         engine.save_checkpoint(str(ckpt), tag="t")
     for n, text in mine.items():
         assert (ckpt / n).read_text() == text
+
+
+def test_a_tag_named_like_a_users_file_or_folder_is_refused_not_replaced(engine, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "results").mkdir(parents=True)
+    (ckpt / "results" / "table.csv").write_text("1,2")
+    (ckpt / "notes").write_text("keep")
+    os.symlink(str(tmp_path), str(ckpt / "link"))
+    for tag in ("results", "notes"):
+        with pytest.raises(FileExistsError, match="not a tier checkpoint"):
+            engine.save_checkpoint(str(ckpt), tag=tag)
+    with pytest.raises(ValueError, match="not a version"):
+        engine.save_checkpoint(str(ckpt), tag="link")
+    assert (ckpt / "results" / "table.csv").read_text() == "1,2"
+    assert (ckpt / "notes").read_text() == "keep"
+    assert os.readlink(str(ckpt / "link")) == str(tmp_path)
+    assert sorted(os.listdir(ckpt)) == ["link", "notes", "results"]
 
 
 # ---------------------------------------------------------------------------- 5: permissions

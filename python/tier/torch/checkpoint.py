@@ -30,8 +30,9 @@ may be using is modified in place:
 Killed at any point, ``latest`` names a tag whose symlink points to a complete, fsynced version:
 before step 3 the old tag and the old ``latest`` are untouched; after it the tag already names
 the new complete version. Leftovers of a killed save are removed by the next successful save.
-Only names matching tier's own patterns are ever removed from ``<dir>``. One process saves into
-a directory at a time; a reader in another process during a save may find its version removed.
+Only names matching tier's own patterns are ever removed from ``<dir>``, and a ``<dir>/<tag>`` that
+is not tier's (a user's file, folder or symlink) is refused, never replaced. One process saves
+into a directory at a time; a reader in another process during a save may find its version removed.
 
 Load protocol: every file is read and checked against the manifest and every field of the
 metadata is parsed and validated before the engine is touched; then everything is applied. A
@@ -182,6 +183,8 @@ def save(engine, save_dir, tag, client_state):
     meta_bytes = json.dumps(meta, indent=1, allow_nan=True).encode()
 
     os.makedirs(save_dir, mode=0o700, exist_ok=True)
+    final = os.path.join(save_dir, tag)
+    _check_replaceable(final, tag)
     version = _new_version(tag)
     vdir = os.path.join(save_dir, version)
     os.mkdir(vdir, 0o700)
@@ -192,7 +195,8 @@ def save(engine, save_dir, tag, client_state):
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
             # One parameter at a time: a frozen base model may not fit in host memory at once.
-            fd = os.open(os.path.join(vdir, "frozen.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            fd = os.open(os.path.join(vdir, "frozen.bin"), flags, 0o600)
             with os.fdopen(fd, "wb") as f:
                 for s in frozen:
                     f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
@@ -213,7 +217,6 @@ def save(engine, save_dir, tag, client_state):
 
     # Point the tag at the new version. A plain directory of the old format is moved aside first
     # (as a version of the tag, which load falls back to) since rename cannot replace it.
-    final = os.path.join(save_dir, tag)
     link_tmp = os.path.join(save_dir, f".link~{version}")
     os.symlink(version, link_tmp)
     if os.path.isdir(final) and not os.path.islink(final):
@@ -228,6 +231,25 @@ def save(engine, save_dir, tag, client_state):
 
     _collect_garbage(save_dir)
     return final
+
+
+def _is_old_checkpoint(path):
+    try:
+        with open(os.path.join(path, "meta.json"), "rb") as f:
+            return json.loads(f.read()).get("format") == OLD_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_replaceable(final, tag):
+    """A save may replace ``<dir>/<tag>`` only if it is tier's: a symlink to a version of the tag
+    or a checkpoint directory of the old format. Anything else may be the user's: refuse."""
+    if os.path.islink(final):
+        _link_target(os.path.dirname(final), tag)  # ValueError if it points anywhere else
+    elif os.path.lexists(final) and not (os.path.isdir(final) and _is_old_checkpoint(final)):
+        raise FileExistsError(
+            f"{final} exists and is not a tier checkpoint; tier will not replace it: choose another tag or move it"
+        )
 
 
 def _collect_garbage(directory):
