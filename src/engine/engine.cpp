@@ -47,13 +47,15 @@ const char* copy_state_name(const Engine::Impl::Copy& c, bool home_valid) {
 
 void detail::LeaseState::end(bool abandon) noexcept {
   if (released.exchange(true)) return;
-  if (engine == nullptr) return;
-  Engine::Impl* e = engine;
+  if (!link) return;
   const TensorId id = tensor;
   const Tier t = tier;
   const Access a = access;
   const std::uint64_t g = generation;
-  e->post([e, id, t, a, g, abandon] { e->on_release(id, t, a, g, abandon); });
+  link->with([&](Engine::Impl& e) {
+    Engine::Impl* pe = &e;
+    e.post([pe, id, t, a, g, abandon] { pe->on_release(id, t, a, g, abandon); });
+  });
 }
 
 Lease::Lease(Lease&& o) noexcept : state_(std::move(o.state_)) {}
@@ -120,7 +122,16 @@ void AcquireFuture::cancel() {
     state_->status = cancelled("the acquire was cancelled");
     state_->cv.notify_all();
   }
-  if (granted) granted->end(/*abandon=*/true);
+  if (granted) {
+    granted->end(/*abandon=*/true);
+  } else if (state_->link) {
+    // Tell the scheduler, so that an acquire queued for room lets go of the tensor now.
+    auto st = state_;
+    state_->link->with([&](Engine::Impl& e) {
+      Engine::Impl* pe = &e;
+      e.post([pe, st] { pe->give_up(st); });
+    });
+  }
 }
 
 Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
@@ -137,10 +148,12 @@ Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
       done = state_->cv.wait_for(lock, timeout, [&] { return state_->done; });
     }
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (state_->engine) {
-      std::lock_guard<std::mutex> g(state_->engine->stall_mu);
-      ++state_->engine->m_stalls;
-      state_->engine->m_stall_seconds += waited;
+    if (state_->link) {
+      state_->link->with([&](Engine::Impl& e) {
+        std::lock_guard<std::mutex> g(e.stall_mu);
+        ++e.m_stalls;
+        e.m_stall_seconds += waited;
+      });
     }
     if (!done) return timed_out(str("acquire still pending after ", timeout.count(), " ms"));
   }
@@ -154,6 +167,7 @@ Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
 
 Engine::Impl::Impl(const EngineConfig& c, detail::Backends backends, std::shared_ptr<Counters> ctr)
     : cfg(c), counters(std::move(ctr)), be(std::move(backends)) {
+  link->engine = this;
   const std::uint64_t configured[kNumTiers] = {cfg.tier.device_budget, cfg.tier.host_budget, cfg.tier.nvme_budget};
   for (int i = 0; i < kNumTiers; ++i) {
     if (!be.stores[i]) continue;
@@ -179,9 +193,19 @@ Engine::Impl::Impl(const EngineConfig& c, detail::Backends backends, std::shared
 }
 
 Engine::Impl::~Impl() {
-  // Let every transfer in flight complete (their completions post here) before the backends go.
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
-  while (call([this] { return moves_in_flight; }) > 0 && Clock::now() < deadline) {
+  // Leases and futures that outlive the engine stop reaching it from here on.
+  {
+    std::lock_guard<std::mutex> lock(link->mu);
+    link->engine = nullptr;
+  }
+  // Let every transfer in flight complete (their completions post here) before the backends go:
+  // the backends must not be torn down under a transfer, however long it takes; say so loudly.
+  auto next_note = Clock::now() + std::chrono::seconds(10);
+  for (std::uint64_t moving; (moving = call([this] { return moves_in_flight; })) > 0;) {
+    if (Clock::now() >= next_note) {
+      TIER_LOG(kWarn, "engine shutdown: still waiting for ", moving, " transfer(s) in flight to complete");
+      next_note = Clock::now() + std::chrono::seconds(10);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   {
@@ -252,10 +276,24 @@ void Engine::Impl::after_event() {
 }
 
 void Engine::Impl::fail_everything(const Status& why) {
+  shutting_down = true;
+  shutdown_status = why;
   for (auto& waiters : room_waiters) {
     auto list = std::move(waiters);
     waiters.clear();
     for (auto& w : list) w.done(why, Buffer{});
+  }
+  // Acquires still waiting behind another lease's lock are answered too: nobody will wake them.
+  for (TensorRec& t : tensors) {
+    auto list = std::move(t.blocked);
+    t.blocked.clear();
+    for (auto& b : list) {
+      std::lock_guard<std::mutex> lock(b.acquire->mu);
+      if (b.acquire->done) continue;
+      b.acquire->status = why;
+      b.acquire->done = true;
+      b.acquire->cv.notify_all();
+    }
   }
 }
 
@@ -276,6 +314,11 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
     st->done = true;
     st->cv.notify_all();
   };
+  {
+    std::lock_guard<std::mutex> lock(st->mu);
+    if (st->cancelled) return;  // given up while it was queued or blocked: it holds nothing yet
+  }
+  if (shutting_down) return fail(shutdown_status);
   if (id >= tensors.size() || !tensors[id].live) return fail(not_found(str("acquire: no tensor with id ", id)));
   TensorRec& t = tensors[id];
   if (!be.stores[static_cast<int>(tier)]) {
@@ -294,7 +337,7 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
   }
   const bool writes = access != Access::kRead;
   if ((writes && (t.readers > 0 || t.writer)) || (!writes && t.writer)) {
-    t.blocked.push_back([this, id, tier, access, st] { start_acquire(id, tier, access, st, false); });
+    t.blocked.push_back({st, [this, id, tier, access, st] { start_acquire(id, tier, access, st, false); }});
     return;
   }
   if (writes) {
@@ -328,13 +371,14 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
         wake_blocked(t2);
       }
       std::lock_guard<std::mutex> lock(st->mu);
+      if (st->cancelled) return;  // the give-up already answered the future
       st->status = s.with_context(str("acquire '", t2.desc.name, "' on ", tier_name(tier)));
       st->done = true;
       st->cv.notify_all();
       return;
     }
     grant(id, tier, access, st);
-  });
+  }, /*staging=*/false, access == Access::kWrite ? st : nullptr);
   issue_prefetches();
 }
 
@@ -344,7 +388,7 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
   ++c.pins;
   c.last_use = ++clock;
   auto lease = std::make_shared<detail::LeaseState>();
-  lease->engine = this;
+  lease->link = link;
   lease->tensor = id;
   lease->tier = tier;
   lease->access = access;
@@ -352,10 +396,12 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
   lease->bytes = t.desc.bytes();
   lease->generation = t.generation;
   std::unique_lock<std::mutex> lock(st->mu);
-  if (st->cancelled) {  // nobody will take it: end it unused
+  if (st->cancelled) {  // nobody will take it: end it unused, as an event of its own (see below)
     lock.unlock();
     lease->released = true;
-    on_release(id, tier, access, lease->generation, /*abandon=*/true);
+    const std::uint64_t gen = lease->generation;
+    // Not now: grant runs inside a load's completion, whose other waiters are still to be granted.
+    post([this, id, tier, access, gen] { on_release(id, tier, access, gen, /*abandon=*/true); });
     return;
   }
   st->lease = std::move(lease);
@@ -364,7 +410,8 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
 }
 
 // Makes the copy of `id` on `tier` valid (need_data) or reserved for a writer (!need_data).
-void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, Done done, bool staging) {
+void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, Done done, bool staging,
+                               std::shared_ptr<detail::AcquireState> owner) {
   TensorRec& t = tensors[id];
   Copy& c = t.copies[static_cast<int>(tier)];
   switch (c.state) {
@@ -391,7 +438,7 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
       c2.buf = std::move(b);
       c2.state = CopyState::kReserved;
       done(Status::Ok());
-    });
+    }, std::move(owner));
     return;
   }
   // Copies move between adjacent tiers only: device <-> host <-> nvme.
@@ -509,7 +556,12 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
   }
   auto waiters = std::move(d.on_ready);
   d.on_ready.clear();
+  // The new copy stays pinned until every waiter had its turn: one waiter's callback may release
+  // or make room (e.g. a given-up acquire), which must not evict the copy the next one is granted.
+  const bool pin = s.ok();
+  if (pin) ++d.pins;
   for (auto& w : waiters) w(s);
+  if (pin) --tensors[id].copies[static_cast<int>(to)].pins;
   wake_blocked(tensors[id]);
   for (Tier x : kAllTiers) serve_room_waiters(x);
   issue_prefetches();
@@ -635,7 +687,7 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
 }
 
 void Engine::Impl::make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
-                             std::function<void(Status, Buffer)> done) {
+                             std::function<void(Status, Buffer)> done, std::shared_ptr<detail::AcquireState> owner) {
   const int ti = static_cast<int>(tier);
   if (bytes > budget[ti]) {
     return done(
@@ -652,31 +704,64 @@ void Engine::Impl::make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor
     return done(resource_exhausted("no room for a prefetch"), Buffer{});
   }
   ++m_room_waits;
-  room_waiters[ti].push_back(RoomRequest{
-      tier, bytes, for_tensor, Clock::now() + std::chrono::milliseconds(cfg.tier.acquire_timeout_ms), std::move(done)});
+  room_waiters[ti].push_back(RoomRequest{tier, bytes, for_tensor,
+                                         Clock::now() + std::chrono::milliseconds(cfg.tier.acquire_timeout_ms),
+                                         std::move(done), std::move(owner)});
 }
 
+bool Engine::Impl::RoomRequest::abandoned() const {
+  return owner != nullptr && owner->given_up;
+}
+
+void Engine::Impl::give_up(const std::shared_ptr<detail::AcquireState>& st) {
+  st->given_up = true;
+  for (Tier x : kAllTiers) serve_room_waiters(x);
+}
+
+namespace {
+// A room request taken out of its queue, with what its callback is to be told.
+struct Answer {
+  std::function<void(Status, Buffer)> done;
+  Status status;
+  Buffer buf;
+};
+}  // namespace
+
 void Engine::Impl::serve_room_waiters(Tier tier) {
-  auto& list = room_waiters[static_cast<int>(tier)];
-  for (auto it = list.begin(); it != list.end();) {
-    Buffer b;
-    Status fatal;
-    if (try_place(tier, it->bytes, it->for_tensor, kNever, &b, &fatal)) {
-      auto done = std::move(it->done);
-      it = list.erase(it);
-      done(Status::Ok(), std::move(b));
-    } else if (!fatal.ok()) {
-      auto done = std::move(it->done);
-      it = list.erase(it);
-      done(fatal, Buffer{});
-    } else {
-      ++it;
+  rooms_to_serve |= 1u << static_cast<int>(tier);
+  if (serving_rooms) return;  // called back from an answer below: the running walk covers it
+  serving_rooms = true;
+  while (rooms_to_serve != 0) {
+    for (Tier x : kAllTiers) {
+      const unsigned bit = 1u << static_cast<int>(x);
+      if ((rooms_to_serve & bit) == 0) continue;
+      rooms_to_serve &= ~bit;
+      std::vector<Answer> answers;
+      auto& list = room_waiters[static_cast<int>(x)];
+      for (auto it = list.begin(); it != list.end();) {
+        Buffer b;
+        Status fatal;
+        if (it->abandoned()) {
+          answers.push_back({std::move(it->done), cancelled("the acquire was given up while it waited for room"), {}});
+        } else if (try_place(x, it->bytes, it->for_tensor, kNever, &b, &fatal)) {
+          answers.push_back({std::move(it->done), Status::Ok(), std::move(b)});
+        } else if (!fatal.ok()) {
+          answers.push_back({std::move(it->done), fatal, {}});
+        } else {
+          ++it;
+          continue;
+        }
+        it = list.erase(it);
+      }
+      for (Answer& a : answers) a.done(a.status, std::move(a.buf));
     }
   }
+  serving_rooms = false;
 }
 
 void Engine::Impl::expire_waiters() {
   const auto now = Clock::now();
+  std::vector<Answer> answers;
   for (Tier tier : kAllTiers) {
     auto& list = room_waiters[static_cast<int>(tier)];
     for (auto it = list.begin(); it != list.end();) {
@@ -699,9 +784,10 @@ void Engine::Impl::expire_waiters() {
               "tier.budgets.",
               tier_name(tier));
       if (!last_writeback_error.ok()) why += str(" (last write-back error: ", last_writeback_error.to_string(), ")");
-      done(timed_out(why), Buffer{});
+      answers.push_back({std::move(done), timed_out(why), {}});
     }
   }
+  for (Answer& a : answers) a.done(a.status, std::move(a.buf));
 }
 
 void Engine::Impl::start_writeback(TensorId id, Tier from) {
@@ -778,7 +864,7 @@ void Engine::Impl::wake_blocked(TensorRec& t) {
   if (t.blocked.empty()) return;
   auto list = std::move(t.blocked);
   t.blocked.clear();
-  for (auto& fn : list) fn();
+  for (auto& b : list) b.retry();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -852,8 +938,18 @@ Status Engine::Impl::check_invariants_locked() const {
     if (!t.copies[static_cast<int>(t.home)].buf) {
       return internal_error(str("tensor '", t.desc.name, "' lost its home storage"));
     }
-    if (t.writer && t.readers > 0) {
-      // Internal transfers may read while a flush runs; leases may not.
+    for (Tier x : kAllTiers) {
+      if (t.copies[static_cast<int>(x)].state == CopyState::kReserved && !t.writer) {
+        return internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(x), " is reserved without a writer"));
+      }
+    }
+  }
+  for (const auto& list : room_waiters) {
+    for (const RoomRequest& r : list) {
+      if (r.abandoned()) {
+        return internal_error(str("a given-up acquire of tensor ", r.for_tensor, " still waits for room on ",
+                                  tier_name(r.tier)));
+      }
     }
   }
   for (Tier x : kAllTiers) {
@@ -985,7 +1081,7 @@ Status Engine::unregister_tensor(TensorId id) {
 
 AcquireFuture Engine::acquire(TensorId id, Tier tier, Access access) {
   auto st = std::make_shared<detail::AcquireState>();
-  st->engine = impl_.get();
+  st->link = impl_->link;
   Impl* e = impl_.get();
   e->post([e, id, tier, access, st] { e->start_acquire(id, tier, access, st, true); });
   return AcquireFuture(st);

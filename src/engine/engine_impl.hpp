@@ -23,19 +23,38 @@ namespace tier::detail {
 
 using Clock = std::chrono::steady_clock;
 
+// What leases and acquire futures hold of the engine: it outlives the engine, which detaches it
+// when it starts to go away. Posting through it after that does nothing, so a lease released (or
+// an acquire given up) after the Engine was destroyed is a no-op instead of a use-after-free.
+struct EngineLink {
+  std::mutex mu;
+  tier::Engine::Impl* engine = nullptr;  // null once detached
+  // Runs fn(engine) under the link's lock while the engine is attached; false when it is not.
+  template <class F>
+  bool with(F&& fn) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (engine == nullptr) return false;
+    fn(*engine);
+    return true;
+  }
+};
+
 struct AcquireState {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   bool taken = false;
   bool cancelled = false;
+  // Set on the scheduler thread when it learns of the cancel (a state transition of the acquire:
+  // from then on no room request of it may stay queued; check_invariants_locked checks it).
+  bool given_up = false;
   Status status;
   std::shared_ptr<LeaseState> lease;
-  tier::Engine::Impl* engine = nullptr;
+  std::shared_ptr<EngineLink> link;
 };
 
 struct LeaseState {
-  tier::Engine::Impl* engine = nullptr;
+  std::shared_ptr<EngineLink> link;
   TensorId tensor = kInvalidTensor;
   Tier tier = Tier::kHost;
   Access access = Access::kRead;
@@ -80,7 +99,11 @@ struct Engine::Impl {
     std::array<Copy, kNumTiers> copies;
     std::uint32_t readers = 0;  // read leases + internal transfers reading this tensor
     bool writer = false;
-    std::deque<std::function<void()>> blocked;  // acquires waiting for the lock
+    struct Blocked {
+      std::shared_ptr<detail::AcquireState> acquire;
+      std::function<void()> retry;
+    };
+    std::deque<Blocked> blocked;  // acquires waiting for the lock
   };
 
   struct RoomRequest {
@@ -89,6 +112,10 @@ struct Engine::Impl {
     TensorId for_tensor;
     Clock::time_point deadline;
     std::function<void(Status, detail::Buffer)> done;
+    // The one acquire this room is for (a writer's reservation), or null when the room serves a
+    // copy that others may wait on too. A given-up owner takes its request out of the queue.
+    std::shared_ptr<detail::AcquireState> owner;
+    bool abandoned() const;
   };
 
   Impl(const EngineConfig& config, detail::Backends backends, std::shared_ptr<Counters> counters);
@@ -108,14 +135,20 @@ struct Engine::Impl {
   // distance of its target (only copies used later than that may be evicted, nothing waits).
   // `staging`: the copy is an intermediate hop of a longer move (NVMe -> host on the way to the
   // device); a prefetch counts only its final hop against max_inflight_bytes.
+  // `owner`: the acquire a writer's reservation is for (see RoomRequest::owner).
   void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done,
-                   bool staging = false);
+                   bool staging = false, std::shared_ptr<detail::AcquireState> owner = nullptr);
   void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done, bool staging = false);
   void make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
-                 std::function<void(Status, detail::Buffer)> done);
+                 std::function<void(Status, detail::Buffer)> done, std::shared_ptr<detail::AcquireState> owner = nullptr);
   bool try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, detail::Buffer* out,
                  Status* fatal);
+  // Gives room to the queued requests that now fit (and ends given-up and failed ones). Callbacks
+  // run only after the queue was walked, and a call made from inside one (a release, a failed
+  // load) is folded into the walk already running: no callback ever sees a list mid-iteration.
   void serve_room_waiters(Tier tier);
+  // The scheduler's side of AcquireFuture::cancel.
+  void give_up(const std::shared_ptr<detail::AcquireState>& st);
   void drop_copy(TensorRec& t, Tier tier);
   void start_writeback(TensorId id, Tier from);
   void on_release(TensorId id, Tier tier, Access access, std::uint64_t generation, bool abandon = false);
@@ -147,6 +180,10 @@ struct Engine::Impl {
   std::unordered_map<std::string, TensorId> by_name;
   std::vector<TensorId> free_ids;
   std::array<std::list<RoomRequest>, kNumTiers> room_waiters;
+  bool shutting_down = false;     // set by fail_everything: new acquires fail at once with
+  Status shutdown_status;         // this
+  bool serving_rooms = false;     // serve_room_waiters is running (further calls only mark tiers)
+  unsigned rooms_to_serve = 0;    // tiers (bit per tier) to walk again before it returns
   AccessTrace trace;
   std::uint64_t clock = 0;
   mutable std::vector<std::uint64_t> seen_mark;  // device_keeps' scratch: the walk each tensor was last seen in
@@ -178,6 +215,7 @@ struct Engine::Impl {
   bool stopping = false;
   std::thread worker;
   std::atomic<std::thread::id> worker_id{};
+  std::shared_ptr<detail::EngineLink> link = std::make_shared<detail::EngineLink>();
 };
 
 }  // namespace tier
