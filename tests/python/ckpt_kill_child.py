@@ -19,7 +19,6 @@ The reference and the verifying engine live in the driver; the model is a small 
 frozen layer (so frozen.bin is exercised), state homed in host memory, on the emulated device.
 """
 
-import json
 import os
 import random
 import shutil
