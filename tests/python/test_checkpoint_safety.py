@@ -180,9 +180,9 @@ def test_sigkill_at_random_points_of_saves_and_steps_always_leaves_an_exact_chec
     gives the same losses, bit for bit, as a run that was never interrupted."""
     summary = kc.run_kills(KILLS, str(tmp_path), seed=1)
     assert summary["kills"] == KILLS
-    assert summary["in_save"] >= KILLS // 10, summary
-    assert summary["in_train"] >= KILLS // 10, summary
-    assert summary["max_step"] >= KILLS // 2, summary  # the trainers made progress across kills
+    assert summary["in_save"] >= KILLS // 4, summary
+    assert summary["in_train"] >= KILLS // 4, summary
+    assert summary["max_step"] >= KILLS // 4, summary  # the trainers made progress across kills
     # Debris of killed saves is removed by the next save: at most the current version per tag,
     # plus what the last kill left.
     assert summary["versions_left"] <= len(set(kc.TAGS)) + 2, summary["entries_left"]
