@@ -1,9 +1,13 @@
 #include "tier/config.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -371,9 +375,119 @@ struct Parser {
   }
 };
 
+// Limits on a config document, checked before anything recursive touches it. DeepSpeed configs are
+// a few KiB and four or five levels deep; a document far beyond either is not a config, and one
+// nested tens of thousands of levels would overflow the stack while a message quotes it.
+constexpr std::size_t kMaxConfigBytes = std::size_t{16} << 20;
+constexpr int kMaxConfigDepth = 64;
+
+// A SAX pass over the text that only counts nesting and keeps the first syntax error. The parser
+// itself is iterative, so this runs in constant stack whatever the input.
+class DepthCheck final : public nlohmann::json_sax<json> {
+ public:
+  bool too_deep = false;
+  std::string syntax_error;
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool key(string_t&) override { return true; }
+  bool start_object(std::size_t) override { return enter(); }
+  bool start_array(std::size_t) override { return enter(); }
+  bool end_object() override { return leave(); }
+  bool end_array() override { return leave(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    syntax_error = e.what();
+    return false;
+  }
+
+ private:
+  int depth_ = 0;
+  bool enter() {
+    if (++depth_ > kMaxConfigDepth) too_deep = true;
+    return !too_deep;
+  }
+  bool leave() {
+    --depth_;
+    return true;
+  }
+};
+
+// Size, nesting and syntax of a config text, before it becomes a json tree.
+Status check_config_text(std::string_view json_text) {
+  if (json_text.size() > kMaxConfigBytes) {
+    return invalid_argument(str("config is ", format_bytes(json_text.size()), " (", json_text.size(),
+                                " bytes), over the limit of ", format_bytes(kMaxConfigBytes),
+                                "; a DeepSpeed config is a few KiB: check that this is the config"));
+  }
+  DepthCheck check;
+  const bool ok = json::sax_parse(json_text, &check, nlohmann::detail::input_format_t::json, /*strict=*/true,
+                                  /*ignore_comments=*/true);
+  if (check.too_deep) {
+    return invalid_argument(str("config nests arrays and objects more than ", kMaxConfigDepth,
+                                " levels deep, over the limit of ", kMaxConfigDepth,
+                                "; a DeepSpeed config is a few levels deep: check that this is the config"));
+  }
+  if (!ok) return invalid_argument(str("config is not valid JSON: ", check.syntax_error));
+  return Status::Ok();
+}
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Reads a config file: a regular file of at most kMaxConfigBytes. Devices, FIFOs and the like are
+// refused before a byte is read (O_NONBLOCK keeps the open of a FIFO without a writer from waiting).
+Result<std::string> read_config_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return errno_status(errno, "cannot open it");
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return errno_status(errno, "fstat");
+  if (!S_ISREG(st.st_mode)) {
+    return invalid_argument(str("is ", file_kind(st.st_mode), "; give the path of a JSON file"));
+  }
+  if (static_cast<std::uint64_t>(st.st_size) > kMaxConfigBytes) {
+    return invalid_argument(str("is ", format_bytes(static_cast<std::uint64_t>(st.st_size)), " (", st.st_size,
+                                " bytes), over the limit of ", format_bytes(kMaxConfigBytes),
+                                "; a DeepSpeed config is a few KiB: check that this is the config"));
+  }
+  // Read one byte past the limit so that a file growing while it is read is caught too.
+  std::string text(static_cast<std::size_t>(st.st_size) + 1, '\0');
+  std::size_t got = 0;
+  for (;;) {
+    if (got == text.size()) {
+      if (text.size() > kMaxConfigBytes) {
+        return invalid_argument(str("grew past the limit of ", format_bytes(kMaxConfigBytes), " while being read"));
+      }
+      text.resize(std::min(text.size() * 2, kMaxConfigBytes + 1));
+    }
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status(errno, "read");
+    if (n == 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  text.resize(got);
+  return text;
+}
+
 }  // namespace
 
 Result<EngineConfig> EngineConfig::from_json(std::string_view json_text, const ConfigOptions& options) {
+  TIER_RETURN_IF_ERROR(check_config_text(json_text));
   json doc = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false,
                          /*ignore_comments=*/true);
   if (doc.is_discarded()) {
@@ -403,11 +517,9 @@ Result<EngineConfig> EngineConfig::from_json(std::string_view json_text, const C
 }
 
 Result<EngineConfig> EngineConfig::from_file(const std::string& path, const ConfigOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return errno_status(errno, str("config file '", path, "'"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto cfg = from_json(ss.str(), options);
+  auto text = read_config_file(path);
+  if (!text.ok()) return text.status().with_context(str("config file '", path, "'"));
+  auto cfg = from_json(*text, options);
   if (!cfg.ok()) return cfg.status().with_context(str("config file '", path, "'"));
   return cfg;
 }

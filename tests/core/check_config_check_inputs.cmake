@@ -1,0 +1,32 @@
+# `tier-bench config --check` on inputs that are not configs: each must fail fast (exit 1) with a
+# message naming the limit or the kind of file. Run with -DBENCH=<tier-bench> -DWORK=<scratch dir>.
+file(REMOVE_RECURSE "${WORK}")
+file(MAKE_DIRECTORY "${WORK}")
+
+string(REPEAT "[" 70000 open)
+string(REPEAT "]" 70000 close)
+file(WRITE "${WORK}/deep.json" "${open}${close}")
+execute_process(COMMAND mkfifo "${WORK}/fifo.json" RESULT_VARIABLE mkfifo_rc)
+
+set(cases "deep.json|more than 64 levels deep" "/dev/zero|a character device" ".|is a directory")
+if(mkfifo_rc EQUAL 0)
+  list(APPEND cases "fifo.json|a FIFO")
+endif()
+foreach(case ${cases})
+  string(REPLACE "|" ";" parts "${case}")
+  list(GET parts 0 input)
+  list(GET parts 1 expect)
+  if(NOT IS_ABSOLUTE "${input}")
+    set(input "${WORK}/${input}")
+  endif()
+  execute_process(COMMAND "${BENCH}" config --check "${input}" RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err TIMEOUT 20)
+  if(NOT rc EQUAL 1)
+    message(FATAL_ERROR "tier-bench config --check ${input}: exit ${rc}, want 1\n${err}")
+  endif()
+  string(FIND "${err}" "${expect}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "tier-bench config --check ${input}: stderr lacks '${expect}':\n${err}")
+  endif()
+endforeach()
+file(REMOVE_RECURSE "${WORK}")
