@@ -40,7 +40,7 @@ void print_reference() {
     if (!k.canonical.empty()) {
       treatment = "same as `" + k.canonical + "`";
     } else if (k.treatment == detail::Treatment::kNoted) {
-      treatment = "accepted, noted: " + k.note;
+      treatment = "accepted, not acted on: " + k.note;
     } else {
       treatment = "acted on";
     }

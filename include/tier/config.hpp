@@ -134,8 +134,9 @@ struct OptimizerPipelineConfig {
 
 // tier: tier's own section.
 struct TierConfig {
-  // Byte budgets per tier; 0 means auto (device: 90% of free device memory; host: half of
-  // physical memory; nvme: the free space on the swap paths).
+  // Byte budgets per tier; 0 means auto (device: half of the GPU's free memory at creation, a
+  // quarter of physical memory on the emulated device; host: a quarter of physical memory, as an
+  // unpinned cap; nvme: 4 x the host budget, at most 64 GiB). docs/configuration.md has the details.
   std::uint64_t device_budget = 0;
   std::uint64_t host_budget = 0;
   std::uint64_t nvme_budget = 0;
@@ -143,7 +144,7 @@ struct TierConfig {
   int device_id = 0;
   int device_alloc_timeout_ms = 0;       // device allocation waits this long when the budget is full; 0: fail at once
   std::vector<std::string> swap_paths;   // empty: the offload nvme_path(s)
-  std::uint64_t pinned_arena_bytes = 0;  // 0: auto, sized from the buffer counts and sizes
+  std::uint64_t pinned_arena_bytes = 0;  // accepted, not acted on: tier.budgets.host sizes the arena
   HugePageMode huge_pages = HugePageMode::kAuto;
   IoOptions io;
   PrefetchConfig prefetch;

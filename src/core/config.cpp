@@ -261,7 +261,8 @@ struct Parser {
     given.insert(canon);
     if (spec.set) spec.set(cfg, norm);
     if (spec.treatment == detail::Treatment::kNoted) {
-      cfg.notes.push_back(str(spec.path, ": ", spec.note));
+      // An alias's note says where its value goes; any other note says why tier does not act on it.
+      cfg.notes.push_back(str(spec.path, spec.canonical.empty() ? ": accepted, not acted on: " : ": ", spec.note));
     }
     if (spec.kind == ValueKind::kObject) return walk(norm, spec.path);
     if (!origin.empty()) cfg.notes.push_back(str(spec.path, " = ", shown(norm), " (from ", origin, ")"));

@@ -105,6 +105,19 @@ std::vector<KeySpec> build_schema() {
       "tier does not partition state across ranks yet (one process, whole tensors), so "
       "communication bucketing and overlap do not apply";
 
+  // Keys DeepSpeed acts on and tier accepts without acting on: each note says what governs the
+  // same thing in tier.
+  const std::string kParamBuffersNote =
+      "tier moves each parameter whole through the pinned host arena, with no fixed pool of swap "
+      "buffers; tier.budgets.host bounds that staging";
+  const std::string kPinNote =
+      "the engine's host arena is pinned (locked and registered with the device) when "
+      "tier.budgets.host is given and not under the auto budget; the optimizer's chunk buffers "
+      "are always locked; this flag changes neither";
+  const std::string kPipelineNote =
+      "the NVMe optimizer always overlaps chunk reads and writes with the update when "
+      "offload_optimizer.buffer_count is 3 or more (the default is 4); 1 or 2 buffers serialize";
+
   // ---------------------------------------------------------------- top level (DeepSpeed)
   add(K("", VK::kObject));
   add(K("train_batch_size", VK::kInt)
@@ -382,12 +395,15 @@ std::vector<KeySpec> build_schema() {
           })
           .sample(true, "yes"));
   add(K("zero_optimization.cpu_offload_use_pin_memory", VK::kBool)
+          .noted(kPinNote)
           .set([](EngineConfig& c, const json& v) {
             c.offload_param.pin_memory = c.offload_optimizer.pin_memory = v.get<bool>();
           })
           .sample(true, "yes"));
 
   add(K("zero_optimization.offload_param", VK::kObject));
+  // Parameters move whole, through the engine's host arena: DeepSpeed's fixed pool of parameter
+  // swap buffers has no counterpart, so its sizes are kept only for to_json and the record.
   add(K("zero_optimization.offload_param.device", VK::kEnum)
           .auto_is("none")
           .TIER_ENUM_FIELD(offload_param.device, OffloadDevice, "none", "cpu", "nvme")
@@ -398,17 +414,22 @@ std::vector<KeySpec> build_schema() {
   add(K("zero_optimization.offload_param.buffer_count", VK::kInt)
           .range(1, 1e6)
           .TIER_FIELD(offload_param.buffer_count)
+          .noted(kParamBuffersNote)
           .sample(6, 0));
   add(K("zero_optimization.offload_param.buffer_size", VK::kInt)
           .range(1, kBig)
           .TIER_FIELD(offload_param.buffer_size)
+          .noted(kParamBuffersNote)
           .sample(1e8, -5, 100000000));
   add(K("zero_optimization.offload_param.max_in_cpu", VK::kInt)
           .range(0, kBig)
           .TIER_FIELD(offload_param.max_in_cpu)
+          .noted("tier.budgets.host bounds the bytes kept in host memory; an element count has no byte size "
+                 "until the dtypes are known, so set tier.budgets.host instead")
           .sample(2e9, "lots", 2000000000));
   add(K("zero_optimization.offload_param.pin_memory", VK::kBool)
           .TIER_FIELD(offload_param.pin_memory)
+          .noted(kPinNote)
           .sample(true, "true"));
 
   add(K("zero_optimization.offload_optimizer", VK::kObject));
@@ -425,12 +446,15 @@ std::vector<KeySpec> build_schema() {
           .sample(8, 0.5));
   add(K("zero_optimization.offload_optimizer.pin_memory", VK::kBool)
           .TIER_FIELD(offload_optimizer.pin_memory)
+          .noted(kPinNote)
           .sample(true, 1));
   add(K("zero_optimization.offload_optimizer.pipeline_read", VK::kBool)
           .TIER_FIELD(offload_optimizer.pipeline_read)
+          .noted(kPipelineNote)
           .sample(true, "yes"));
   add(K("zero_optimization.offload_optimizer.pipeline_write", VK::kBool)
           .TIER_FIELD(offload_optimizer.pipeline_write)
+          .noted(kPipelineNote)
           .sample(true, "yes"));
   add(K("zero_optimization.offload_optimizer.pipeline", VK::kBool)
           .noted("deprecated in DeepSpeed; tier always pipelines reads, updates and writes")
@@ -441,6 +465,8 @@ std::vector<KeySpec> build_schema() {
   add(K("zero_optimization.offload_optimizer.ratio", VK::kNumber)
           .range(0, 1)
           .TIER_FIELD(offload_optimizer.ratio)
+          .noted("tier updates all offloaded optimizer state on the CPU (as ratio 1.0); a partial "
+                 "offload is not implemented")
           .sample(0.3, 1.5));
 
   // ---------------------------------------------------------------- aio
@@ -516,6 +542,8 @@ std::vector<KeySpec> build_schema() {
   add(K("tier.pinned_arena_bytes", VK::kSize)
           .auto_is(0)
           .TIER_FIELD(tier.pinned_arena_bytes)
+          .noted("the engine's pinned arena is its host tier, sized by tier.budgets.host (set that "
+                 "instead); the offloaded optimizer sizes its own buffers from tier.optimizer.buffer_bytes")
           .sample("1G", "big", 1073741824));
   add(K("tier.huge_pages", VK::kEnum)
           .auto_is("auto")

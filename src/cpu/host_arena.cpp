@@ -137,7 +137,7 @@ Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& opt
     void* p = mmap(nullptr, a->map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
       return errno_status(errno, str("host arena: mmap of ", format_bytes(a->map_bytes_)))
-          .with_context("lower tier.pinned_arena_bytes");
+          .with_context("lower tier.budgets.host (the engine's host arena) or free host memory");
     }
     a->map_ = static_cast<std::byte*>(p);
     a->base_ = reinterpret_cast<std::byte*>(round_up(reinterpret_cast<std::uintptr_t>(a->map_), kHugePage));
@@ -231,16 +231,18 @@ Result<HostBlock> HostArena::allocate(std::uint64_t bytes, std::chrono::millisec
   const std::uint64_t size = round_up(bytes, kMinAlignment);
   if (size > capacity_) {
     return resource_exhausted(str("host arena: ", format_bytes(size), " requested but the arena holds only ",
-                                  format_bytes(capacity_), "; raise tier.pinned_arena_bytes or use smaller buffers"));
+                                  format_bytes(capacity_),
+                                  "; raise tier.budgets.host (the engine's host arena) or use smaller buffers"));
   }
   // Where the alignment exceeds the arena's own (2 MiB), the padding before the first aligned
   // address counts too: a request that can never fit must not wait for a free that cannot help.
   const std::uint64_t lead =
       round_up(reinterpret_cast<std::uintptr_t>(base_), alignment) - reinterpret_cast<std::uintptr_t>(base_);
   if (lead + size > capacity_) {
-    return resource_exhausted(str("host arena: ", format_bytes(size), " aligned to ", format_bytes(alignment),
-                                  " can never fit in the ", format_bytes(capacity_),
-                                  " arena; raise tier.pinned_arena_bytes or ask for a smaller alignment"));
+    return resource_exhausted(
+        str("host arena: ", format_bytes(size), " aligned to ", format_bytes(alignment), " can never fit in the ",
+            format_bytes(capacity_),
+            " arena; raise tier.budgets.host (the engine's host arena) or ask for a smaller alignment"));
   }
   std::unique_lock<std::mutex> lock(mu_);
   std::byte* p = carve_locked(size, alignment);

@@ -229,5 +229,38 @@ TEST(ConfigSchema, EveryTierKeyHasAnEnvironmentOverride) {
   EXPECT_GT(checked, 10);
 }
 
+// DeepSpeed keys that nothing in tier reads: `config --check` must say so, and name what governs
+// the same thing in tier, instead of reporting them as applied. Taking one of these out of the
+// list means making the engine act on it (with a test of the effect).
+TEST(ConfigSchema, KeysNothingReadsAreReportedAsNotActedOn) {
+  const std::vector<std::pair<std::string, std::string>> keys = {
+      {"zero_optimization.offload_param.buffer_count", "tier.budgets.host"},
+      {"zero_optimization.offload_param.buffer_size", "tier.budgets.host"},
+      {"zero_optimization.offload_param.max_in_cpu", "tier.budgets.host"},
+      {"zero_optimization.offload_param.pin_memory", "tier.budgets.host"},
+      {"zero_optimization.offload_optimizer.pin_memory", "tier.budgets.host"},
+      {"zero_optimization.cpu_offload_use_pin_memory", "tier.budgets.host"},
+      {"zero_optimization.offload_optimizer.pipeline_read", "buffer_count"},
+      {"zero_optimization.offload_optimizer.pipeline_write", "buffer_count"},
+      {"zero_optimization.offload_optimizer.ratio", "partial"},
+      {"tier.pinned_arena_bytes", "tier.budgets.host"},
+  };
+  for (const auto& [path, instead] : keys) {
+    const KeySpec* k = detail::find_key_spec(path);
+    ASSERT_NE(k, nullptr) << path;
+    EXPECT_EQ(k->treatment, detail::Treatment::kNoted) << path << " is labelled acted on but nothing reads it";
+    EXPECT_NE(k->note.find(instead), std::string::npos) << path << ": note should point at " << instead;
+    auto cfg = parse(merged(at_path(path, k->sample_valid), k->sample_context));
+    ASSERT_TRUE(cfg.ok()) << path << ": " << cfg.status();
+    bool said = false;
+    for (const auto& n : cfg->notes) said = said || n.rfind(path + ": accepted, not acted on: ", 0) == 0;
+    EXPECT_TRUE(said) << path << ": config --check must report it as accepted, not acted on";
+  }
+  // The one buffer_count tier does act on stays labelled so.
+  const KeySpec* oo = detail::find_key_spec("zero_optimization.offload_optimizer.buffer_count");
+  ASSERT_NE(oo, nullptr);
+  EXPECT_EQ(oo->treatment, detail::Treatment::kActed);
+}
+
 }  // namespace
 }  // namespace tier
