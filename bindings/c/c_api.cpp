@@ -264,7 +264,9 @@ Result<TensorId> register_source(Engine& e, const char* name, const DLTensor& sr
   const tier::TensorDesc desc{name, layout.dtype, layout.numel, static_cast<Role>(opt.role), opt.group};
   TIER_RETURN_IF_ERROR(desc.validate());
   const Tier home = static_cast<Tier>(opt.home);
-  if (kind == SourceKind::kHostAfterStream) TIER_RETURN_IF_ERROR(tier::capi::sync_cuda_stream(opt.stream));
+  if (kind == SourceKind::kHostAfterStream) {
+    TIER_RETURN_IF_ERROR(tier::capi::sync_cuda_stream(static_cast<int>(src.device.device_id), opt.stream));
+  }
   if (kind != SourceKind::kCuda && layout.compact) return e.register_tensor(desc, home, layout.base);
 
   // Strided or CUDA source: register, then fill the host copy through a write lease (gathering the

@@ -53,7 +53,12 @@ Status copy_from_cuda(void* dst, const void* src, std::uint64_t bytes, int devic
   return Status::Ok();
 }
 
-Status sync_cuda_stream(void* stream) {
+Status sync_cuda_stream(int device_id, void* stream) {
+  // The null stream means the current device's: make it the tensor's, as for a copy.
+  CurrentDevice guard(device_id);
+  if (cudaError_t err = guard.status(); err != cudaSuccess) {
+    return cuda_failure(err, str("cudaSetDevice(", device_id, ") for the source tensor's stream").c_str());
+  }
   if (cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); err != cudaSuccess) {
     return cuda_failure(err, "cudaStreamSynchronize of the source tensor's stream");
   }

@@ -19,7 +19,8 @@ bool cuda_built() noexcept;
 // waits for the copy. Errors: kDeviceError naming the CUDA error; kUnsupported without CUDA.
 Status copy_from_cuda(void* dst, const void* src, std::uint64_t bytes, int device_id, void* stream);
 
-// Waits for the work queued on `stream` so far. kUnsupported without CUDA.
-Status sync_cuda_stream(void* stream);
+// Waits for the work queued on `stream` (of device `device_id`; null is that device's legacy
+// default stream) so far. kUnsupported without CUDA.
+Status sync_cuda_stream(int device_id, void* stream);
 
 }  // namespace tier::capi

@@ -19,7 +19,7 @@ Status copy_from_cuda(void*, const void*, std::uint64_t, int, void*) {
   return no_cuda();
 }
 
-Status sync_cuda_stream(void*) {
+Status sync_cuda_stream(int, void*) {
   return no_cuda();
 }
 

@@ -4,6 +4,10 @@
 // first asked, so the library loads and runs on machines with no GPU and no driver; probe_cuda()
 // is how the rest of tier finds out which case it is in.
 //
+// Probing creates no CUDA context and leaves the calling thread's current device as it was: it
+// reads only the device count and properties. Free memory needs a context, so it is read by the
+// CUDA device tier creates, on the one GPU it uses.
+//
 // Thread safety: probe_cuda() may be called from any thread; it probes once and caches.
 #pragma once
 
@@ -19,7 +23,6 @@ struct GpuInfo {
   int index = 0;
   std::string name;
   std::uint64_t total_bytes = 0;
-  std::uint64_t free_bytes = 0;
   int cc_major = 0;
   int cc_minor = 0;
   int multiprocessors = 0;

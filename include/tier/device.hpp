@@ -99,8 +99,9 @@ struct DeviceMemoryStats {
 struct DeviceOptions {
   DeviceKind kind = DeviceKind::kAuto;
   int device_id = 0;  // CUDA device index
-  // Bytes the allocator may reserve. 0: auto (CUDA: 90% of the free device memory at creation;
-  // emulated: a quarter of physical host memory, taken only as buffers are allocated).
+  // Bytes the allocator may reserve. 0: auto (CUDA: half of the free device memory at creation,
+  // leaving the rest to the framework's allocator; emulated: a quarter of physical host memory,
+  // taken only as buffers are allocated).
   std::uint64_t budget_bytes = 0;
   // How long allocate() waits for buffers to be freed when the budget is full; 0 fails at once.
   std::chrono::milliseconds alloc_timeout{0};
@@ -151,7 +152,8 @@ class Device {
   // whatever is left.
   Status register_host(void* base, std::uint64_t bytes);
   Status unregister_host(void* base);
-  // Whether [p, p + bytes) lies inside one registered range.
+  // Whether every byte of [p, p + bytes) is registered: inside one registered range, or across
+  // ranges that follow each other without a gap.
   bool is_registered(const void* p, std::uint64_t bytes) const;
 
   // ---- copies

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstddef>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -38,6 +39,28 @@ namespace {
 Status cuda_status(cudaError_t err, const std::string& what) {
   cudaGetLastError();  // clear a non-sticky error so the next call starts clean
   return detail::cuda_error_status(err, what);
+}
+
+// The auto device budget (tier.budgets.device = 0): this share of the GPU's free memory when the
+// device is created. The rest is left to the framework running beside tier (PyTorch's caching
+// allocator holds activations, gradients and temporaries there), which would otherwise fail with
+// out-of-memory errors tier cannot see; give tier.budgets.device to take more.
+constexpr double kAutoBudgetFractionOfFree = 0.5;
+
+// Whether CUDA knows [p, p + bytes) as page-locked host memory. Its first and last byte are
+// checked: a range that only starts in a registered (or cudaHostAlloc'd) block and runs past its end
+// is not pinned, and a copy from it would be staged by the driver after all.
+bool cuda_pinned_range(const void* p, std::uint64_t bytes) {
+  const auto* first = static_cast<const std::byte*>(p);
+  for (const void* q : {static_cast<const void*>(first), static_cast<const void*>(first + (bytes ? bytes - 1 : 0))}) {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, q) != cudaSuccess) {
+      cudaGetLastError();  // not a pointer CUDA knows: clear the error for the next call
+      return false;
+    }
+    if (attr.type != cudaMemoryTypeHost) return false;
+  }
+  return true;
 }
 
 // Makes `id` the current device of this thread for the guard's lifetime.
@@ -244,11 +267,9 @@ class CudaDevice final : public Device {
   Status do_register_host(void* base, std::uint64_t bytes, bool* owned) override {
     DeviceGuard g(id_);
     *owned = false;
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, base) == cudaSuccess && attr.type == cudaMemoryTypeHost) {
-      return Status();  // cudaHostAlloc'd or registered by someone else: pinned already
+    if (cuda_pinned_range(base, bytes)) {
+      return Status();  // cudaHostAlloc'd or registered by someone else, first byte to last: pinned already
     }
-    cudaGetLastError();
     const cudaError_t err = cudaHostRegister(base, bytes, cudaHostRegisterPortable);
     if (err == cudaErrorHostMemoryAlreadyRegistered) {
       cudaGetLastError();
@@ -343,7 +364,8 @@ class CudaDevice final : public Device {
     int engines = 0;
     cudaDeviceGetAttribute(&engines, cudaDevAttrAsyncEngineCount, id_);
     const std::uint64_t budget =
-        o.budget_bytes ? o.budget_bytes : static_cast<std::uint64_t>(static_cast<double>(free_b) * 0.9);
+        o.budget_bytes ? o.budget_bytes
+                       : static_cast<std::uint64_t>(static_cast<double>(free_b) * kAutoBudgetFractionOfFree);
     if (o.budget_bytes > total_b) {
       TIER_LOG(kWarn, "cuda device ", id_, ": tier.budgets.device ", format_bytes(o.budget_bytes), " exceeds the ",
                format_bytes(total_b), " the GPU has; allocations will fail when the GPU runs out first");
@@ -375,9 +397,7 @@ class CudaDevice final : public Device {
   // A copy from pageable memory works, but the driver stages it through its own pinned buffer:
   // slower, and synchronous for the caller. Say so once.
   void warn_if_pageable(const void* host, std::uint64_t bytes) {
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, host) == cudaSuccess && attr.type == cudaMemoryTypeHost) return;
-    cudaGetLastError();
+    if (cuda_pinned_range(host, bytes)) return;
     log_once("cuda.pageable_copy", LogLevel::kWarn,
              str(info_.name, ": a copy of ", format_bytes(bytes), " at ", host,
                  " uses host memory that is not registered with CUDA; the driver stages such copies, which is "

@@ -45,10 +45,8 @@ CudaProbe run_probe() {
     g.cc_major = prop.major;
     g.cc_minor = prop.minor;
     g.multiprocessors = prop.multiProcessorCount;
-    if (cudaSetDevice(i) == cudaSuccess) {
-      size_t free_b = 0, total_b = 0;
-      if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) g.free_bytes = free_b;
-    }
+    // No cudaSetDevice or cudaMemGetInfo here: either would create a context on every GPU (hundreds
+    // of MiB each, in every process that merely loads tier) and change the caller's current device.
     p.gpus.push_back(g);
   }
   return p;

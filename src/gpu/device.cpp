@@ -219,12 +219,22 @@ Status Device::unregister_host(void* base) {
 }
 
 bool Device::is_registered(const void* p, std::uint64_t bytes) const {
-  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  // Covered when registered ranges that follow each other without a gap hold every byte, from the
+  // one containing the first byte to the one containing the last.
+  std::uintptr_t at = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t end = at + bytes;
   std::lock_guard<std::mutex> lock(reg_mu_);
-  auto it = registered_.upper_bound(lo);
+  auto it = registered_.upper_bound(at);
   if (it == registered_.begin()) return false;
   --it;
-  return lo >= it->first && bytes <= it->second.bytes && lo - it->first <= it->second.bytes - bytes;
+  while (true) {
+    const std::uintptr_t range_end = it->first + it->second.bytes;
+    if (at < it->first || at >= range_end) return false;
+    if (end <= range_end) return true;
+    at = range_end;
+    ++it;
+    if (it == registered_.end()) return false;
+  }
 }
 
 // ---------------------------------------------------------------------------------------- creation

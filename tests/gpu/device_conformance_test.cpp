@@ -471,6 +471,29 @@ TEST_P(DeviceConformance, RegistersHostRangesOnce) {
   EXPECT_FALSE(d->is_registered(base, 4096));
 }
 
+// A range is registered only when every byte is: its first byte being in a registered range is not
+// enough, and neighbouring registrations count only where they leave no gap.
+TEST_P(DeviceConformance, RegistrationCoversWholeRangesAcrossNeighbours) {
+  auto extra = make_arena(4 * kMiB);
+  ASSERT_TRUE(extra);
+  auto d = make();
+  ASSERT_TRUE(d);
+  std::byte* base = extra->base();
+  ASSERT_TRUE(d->register_host(base, kMiB).ok());
+  EXPECT_TRUE(d->is_registered(base, kMiB));
+  EXPECT_FALSE(d->is_registered(base + kMiB - 4096, 8192)) << "runs 4 KiB past the end of the only range";
+  ASSERT_TRUE(d->register_host(base + kMiB, kMiB).ok());
+  EXPECT_TRUE(d->is_registered(base + kMiB - 4096, 8192)) << "the next range starts where the first ends";
+  EXPECT_TRUE(d->is_registered(base, 2 * kMiB));
+  ASSERT_TRUE(d->register_host(base + 3 * kMiB, kMiB).ok());
+  EXPECT_FALSE(d->is_registered(base, 4 * kMiB)) << "the third MiB is not registered";
+  EXPECT_FALSE(d->is_registered(base + 2 * kMiB - 4096, kMiB + 8192)) << "starts registered, crosses the gap";
+  ASSERT_TRUE(d->unregister_host(base + kMiB).ok());
+  EXPECT_FALSE(d->is_registered(base, 2 * kMiB)) << "the second range is gone";
+  ASSERT_TRUE(d->unregister_host(base).ok());
+  ASSERT_TRUE(d->unregister_host(base + 3 * kMiB).ok());
+}
+
 TEST_P(DeviceConformance, AFreedBufferIsNotReusedWhileACopyStillUsesIt) {
   auto d = make();
   ASSERT_TRUE(d);

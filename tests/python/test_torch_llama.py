@@ -120,6 +120,27 @@ def test_fp32_losses_match_pytorch_adamw_with_clipping_and_accumulation(swap_dir
     assert engine.global_steps == steps
 
 
+def test_gradients_leave_the_device_as_the_device_allows(swap_dir):
+    # On CUDA every gradient goes through an asynchronous copy into pinned staging, all of it
+    # consumed by the end of backward; on the CPU there is nothing to stage.
+    engine = tier.torch.initialize(make_model(), tier_config(swap_dir))
+    losses = tier_losses(engine, 2)
+    expected = baseline_losses(2)
+    assert max_rel_diff(losses, expected) <= 1e-5, (losses, expected)
+    d2h = engine.stats()["links"]["device_to_host"]
+    grad_bytes = sum(slot.numel * 4 for slot in engine._slots if slot.trainable)
+    assert d2h["bytes"] >= 4 * grad_bytes, "every gradient of the 4 micro-steps is counted on the link"
+    staging = engine.__dict__.get("_grad_staging_state")
+    if TEST_DEVICE != "cuda":
+        assert staging is None, "CPU gradients are handed over directly, with no pinned staging"
+        return
+    assert staging is not None, "CUDA gradients must go through the pinned staging"
+    assert not staging._pending, "backward must leave no gradient copy in flight"
+    buffers = [b for free in staging._free.values() for b in free]
+    assert buffers and all(b.is_pinned() for b in buffers), "staging buffers must be pinned host memory"
+    assert staging.pinned_bytes <= grad_bytes, "buffers are reused across steps, not one per gradient per step"
+
+
 def test_bf16_tracks_fp32_within_bf16_tolerance(swap_dir, tmp_path):
     steps = 8
     fp32 = tier_losses(tier.torch.initialize(make_model(), tier_config(swap_dir)), steps)

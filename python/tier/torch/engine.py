@@ -49,6 +49,67 @@ class _Slot:
         self.trainable = param.requires_grad
 
 
+class _GradStaging:
+    """Copies CUDA gradients into pinned host buffers asynchronously, then hands them to the optimizer.
+
+    Each gradient is copied with ``non_blocking=True`` on the stream that produced it, into a pinned
+    buffer taken from a pool (keyed by dtype and element count, so a model's repeated layer shapes
+    reuse a few buffers), and an event is recorded after the copy. ``poll`` passes on the gradients
+    whose copies have completed, in order, without waiting; ``drain`` waits for all of them. A buffer
+    returns to the pool once ``add_grad`` has consumed it (it copies or accumulates before returning).
+    At most ``max_pending_bytes`` of copies are in flight: beyond that, the oldest is waited for.
+    """
+
+    def __init__(self, optimizer, native, max_pending_bytes=256 << 20):
+        self._optimizer = optimizer
+        self._native = native
+        self._max_pending = max_pending_bytes
+        self._pending = collections.deque()  # (pid, grad, buffer, start event, end event)
+        self._pending_bytes = 0
+        self._free = {}  # (dtype, numel) -> [pinned buffers]
+        self.pinned_bytes = 0  # held by the pool and the copies in flight
+
+    def _buffer(self, dtype, numel):
+        free = self._free.get((dtype, numel))
+        if free:
+            return free.pop()
+        buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+        self.pinned_bytes += numel * buf.element_size()
+        return buf
+
+    def push(self, pid, grad):
+        buf = self._buffer(grad.dtype, grad.numel())
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        buf.view(grad.shape).copy_(grad, non_blocking=True)
+        end.record()
+        # `grad` stays referenced until the copy has completed.
+        self._pending.append((pid, grad, buf, start, end))
+        self._pending_bytes += buf.numel() * buf.element_size()
+        while self._pending_bytes > self._max_pending and len(self._pending) > 1:
+            self._consume(wait=True)
+        self.poll()
+
+    def poll(self):
+        while self._pending and self._pending[0][4].query():
+            self._consume(wait=False)
+
+    def drain(self):
+        while self._pending:
+            self._consume(wait=True)
+
+    def _consume(self, wait):
+        pid, _grad, buf, start, end = self._pending.popleft()
+        if wait:
+            end.synchronize()
+        nbytes = buf.numel() * buf.element_size()
+        self._pending_bytes -= nbytes
+        self._native.note_transfer("device_to_host", nbytes, start.elapsed_time(end) / 1000.0)
+        self._optimizer.add_grad(pid, buf)
+        self._free.setdefault((buf.dtype, buf.numel()), []).append(buf)
+
+
 def _load_config(config):
     if config is None:
         return {}
@@ -360,17 +421,33 @@ class TierEngine(torch.nn.Module):
         slot = self._slot_of[id(param)]
         grad = param.grad
         if grad is not None:
-            t0 = time.perf_counter()
-            host = grad.detach()
-            if host.device.type != "cpu":
-                host = host.to("cpu")
-            host = host.contiguous()
-            self.native.note_transfer("device_to_host", host.numel() * host.element_size(), time.perf_counter() - t0)
-            self.optimizer.add_grad(slot.pid, host)
+            if grad.device.type == "cuda":
+                # Queued behind the backward kernels on the current stream; the optimizer takes it
+                # once the copy's event has completed (at the latest at the end of backward).
+                self._grad_staging().push(slot.pid, grad.detach())
+            else:
+                t0 = time.perf_counter()
+                host = grad.detach().contiguous()
+                self.native.note_transfer(
+                    "device_to_host", host.numel() * host.element_size(), time.perf_counter() - t0
+                )
+                self.optimizer.add_grad(slot.pid, host)
             param.grad = None
         while slot.backward_fetches > 0:
             slot.backward_fetches -= 1
             self._drop(slot)
+
+    def _grad_staging(self):
+        staging = self.__dict__.get("_grad_staging_state")
+        if staging is None:
+            staging = _GradStaging(self.optimizer, self.native)
+            self._grad_staging_state = staging
+        return staging
+
+    def _drain_grads(self):
+        staging = self.__dict__.get("_grad_staging_state")
+        if staging is not None:
+            staging.drain()
 
     # ------------------------------------------------------------------ the training loop
     def forward(self, *args, **kwargs):
@@ -393,6 +470,7 @@ class TierEngine(torch.nn.Module):
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
         scaled.backward(retain_graph=retain_graph)
+        self._drain_grads()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
             while slot.backward_fetches > 0:
@@ -415,6 +493,7 @@ class TierEngine(torch.nn.Module):
         if not boundary:
             return None
         t0 = time.perf_counter()
+        self._drain_grads()  # gradients of a backward run outside engine.backward()
         self._apply_lr()
         report = self.optimizer.step_into(self.native, self._tensor_of_partition)
         self.last_report = report
