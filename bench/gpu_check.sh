@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh — proves the device layer on a machine with an NVIDIA GPU, in one call
-# (about 2-3 minutes on 16 cores; the budget is 5):
-#   1. builds tier with CUDA (only what the check needs: gpu_tests and tier-bench);
-#   2. runs the device tests with TIER_REQUIRE_CUDA=1, so the CUDA entries of the conformance suite
-#      (the same suite the emulated device passes) must run and pass rather than skip;
-#   3. runs `tier-bench copy` on the CUDA device: host-to-device and device-to-host bandwidth from
-#      the pinned arena through the device layer, beside plain cudaMemcpyAsync from cudaHostAlloc'd
+# bench/gpu_check.sh — runs all of tier that a GPU can exercise, on a machine with an NVIDIA GPU, in
+# one call of under 8 minutes on 16 cores (--budget; each step has a time limit and what is left
+# undone is listed, never silently dropped):
+#   1. builds everything with CUDA (library, all tests, tier-bench, and the Python module when
+#      nanobind is importable);
+#   2. runs the whole ctest suite with TIER_TEST_DEVICE=cuda and TIER_REQUIRE_CUDA=1: the device
+#      conformance suite's CUDA entries, the real engine on the GPU (tests/engine), the C ABI
+#      tests (bindings.*: a CUDA engine, CUDA tensors) must run rather than skip;
+#   3. `pip install .` into a virtual environment (seeing the system's torch), then the Python
+#      tests with TIER_TEST_DEVICE=cuda: tier.torch trains on the GPU against PyTorch's AdamW;
+#   4. `tier-bench copy` on the CUDA device: host-to-device and device-to-host bandwidth from the
+#      pinned arena through the device layer, beside plain cudaMemcpyAsync from cudaHostAlloc'd
 #      memory measured in the same run (target: a ratio of at least 0.9 each way);
-#   4. prints a short table last and exits non-zero when a step failed or a target was missed.
+#   5. prints a table last and writes it to summary.txt in the log directory (--out).
+# Exit status: 0 all ran and passed; 1 something failed; 2 not run (no GPU, bad usage);
+# 3 incomplete: nothing failed but a step could not run (no torch with CUDA, time budget), named
+# in the table.
 #
 # usage: bench/gpu_check.sh [--no-gpu] [--deps DIR] [--build-dir DIR] [--skip-build] [--size N] [--out DIR]
+#                           [--budget SECONDS]
 #        bench/gpu_check.sh --fetch-deps DIR
-#   --no-gpu        everything that needs no GPU: the CUDA build, the tests (CUDA entries skip), and
-#                   the copy benchmark on the emulated device, paced (target: within 5% of the limit)
+#   --no-gpu        everything that needs no GPU: the CUDA build, the tests on the emulated device
+#                   (CUDA entries skip), and the copy benchmark on the emulated device, paced
+#                   (target: within 5% of the limit)
 #   --fetch-deps D  on a Debian machine with apt: download the .deb files of tier's build
-#                   dependencies into D and exit (for a GPU machine that has a compiler, CMake and
-#                   the CUDA toolkit but not these libraries, and no network)
-#   --deps D        unpack the .deb files in D into D/root and build against them
+#                   dependencies into D, and the wheels `pip install .` builds with (scikit-build-core,
+#                   nanobind) into D/wheels, then exit (for a GPU machine with a compiler, CMake and
+#                   the CUDA toolkit but not these, and no network)
+#   --deps D        unpack the .deb files in D into D/root and build against them; install D/wheels
 #   --build-dir D   build directory (default build-gpu)
 #   --skip-build    use the binaries already in the build directory
 #   --size N        bytes per copy pass (default 1G)
-#   --out D         also keep the logs and copy.json in D
+#   --out D         where the logs, copy.json and summary.txt go (default BUILD_DIR/gpu-check)
+#   --budget S      seconds for the whole check (default 470)
 #
 # In this workplace, with the device tool: here `bench/gpu_check.sh --fetch-deps build-gpu-deps`,
 # then run `bench/gpu_check.sh --deps build-gpu-deps --out $OUT` there with carry=["build-gpu-deps"].
@@ -28,7 +40,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root_dir=$PWD
 
-no_gpu=0 deps="" fetch="" build_dir=build-gpu skip_build=0 size=1G out=""
+no_gpu=0 deps="" fetch="" build_dir=build-gpu skip_build=0 size=1G out="" budget=470
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-gpu) no_gpu=1 ;;
@@ -38,7 +50,8 @@ while [ $# -gt 0 ]; do
     --skip-build) skip_build=1 ;;
     --size) size="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --budget) budget="$2"; shift ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -58,7 +71,11 @@ if [ -n "$fetch" ]; then
       exit 1
     }
   fi
-  echo "gpu_check: $(ls "$fetch"/*.deb | wc -l) packages ($(du -sh "$fetch" | cut -f1)) in $fetch"
+  if ! python3 -m pip download -q --only-binary=:all: -d "$fetch/wheels" scikit-build-core nanobind; then
+    echo "gpu_check: pip download of scikit-build-core and nanobind failed; \`pip install .\` will need them there" >&2
+  fi
+  echo "gpu_check: $(ls "$fetch"/*.deb | wc -l) packages and $(ls "$fetch"/wheels/*.whl 2>/dev/null | wc -l) wheels" \
+       "($(du -sh "$fetch" | cut -f1)) in $fetch"
   exit 0
 fi
 
@@ -67,25 +84,37 @@ mkdir -p "$log_dir"
 log_dir=$(cd "$log_dir" && pwd)
 start=$(date +%s)
 declare -a rows=()
-failed=0
+failed=0 incomplete=0
 row() { rows+=("$(printf '%-28s %s' "$1" "$2")"); }
 fail() { row "$1" "FAILED: $2"; failed=1; }
+not_run() { row "$1" "NOT RUN: $2"; incomplete=1; }
 elapsed() { echo "$(( $(date +%s) - $1 )) s"; }
+left() { echo $(( budget - ($(date +%s) - start) )); }
+# Time for a step: what the budget has left, less what the steps after it need (at least 10 s).
+step_limit() { local l=$(( $(left) - $1 )); [ "$l" -lt 10 ] && l=10; echo "$l"; }
 
 finish() {
-  echo
-  echo "== gpu_check ($(elapsed "$start"), logs in $log_dir) =="
-  printf '%s\n' "${rows[@]}"
-  if [ "$failed" = 0 ]; then echo "gpu_check: PASSED"; else echo "gpu_check: FAILED"; fi
-  exit "$failed"
+  local verdict=PASSED rc=0
+  if [ "$failed" != 0 ]; then verdict=FAILED rc=1
+  elif [ "$incomplete" != 0 ]; then verdict="INCOMPLETE (nothing failed; see NOT RUN)" rc=3; fi
+  {
+    echo
+    echo "== gpu_check ($(elapsed "$start") of a ${budget} s budget, logs in $log_dir) =="
+    printf '%s\n' "${rows[@]}"
+    echo "gpu_check: $verdict"
+  } | tee "$log_dir/summary.txt"
+  exit "$rc"
 }
 
 # ---------------------------------------------------------------- 0. is there a GPU?
 if [ "$no_gpu" = 0 ]; then
   if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$log_dir/nvidia-smi.txt" 2>&1 \
      || ! grep -q '^GPU ' "$log_dir/nvidia-smi.txt"; then
-    echo "gpu_check: no NVIDIA GPU usable here ($(head -c 200 "$log_dir/nvidia-smi.txt" 2>/dev/null || echo 'nvidia-smi not found'))." >&2
-    echo "gpu_check: run it on a machine with a GPU, or with --no-gpu to check everything that needs none." >&2
+    why="no NVIDIA GPU usable here ($(head -c 200 "$log_dir/nvidia-smi.txt" 2>/dev/null || echo 'nvidia-smi not found'))"
+    {
+      echo "gpu_check: NOT RUN: $why; nothing was built or run."
+      echo "gpu_check: run it on a machine with a GPU, or with --no-gpu to check everything that needs none."
+    } | tee "$log_dir/summary.txt" >&2
     exit 2
   fi
   row "gpu" "$(head -1 "$log_dir/nvidia-smi.txt" | cut -c1-70)"
@@ -126,39 +155,107 @@ if [ -n "$deps" ]; then
 fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 
+# The Python module is built when nanobind is there (pip install . builds its own copy anyway).
+py=python3
+if "$py" -c 'import nanobind' >/dev/null 2>&1; then cmake_args+=(-DTIER_BUILD_PYTHON=ON); fi
 if [ "$skip_build" = 0 ]; then
   t=$(date +%s)
+  # Everything: every test program, tier-bench, the C ABI and its consumer checks.
   if cmake -S . -B "$build_dir" "${cmake_args[@]}" >"$log_dir/configure.log" 2>&1 &&
-     cmake --build "$build_dir" --target gpu_tests tier-bench -j "$(nproc)" >"$log_dir/build.log" 2>&1; then
-    if grep -q "CUDA=ON" "$log_dir/configure.log"; then row "build (CUDA)" "ok in $(elapsed "$t")"
-    else fail "build (CUDA)" "configured without CUDA (see configure.log)"; fi
+     timeout "$(step_limit 240)" cmake --build "$build_dir" -j "$(nproc)" >"$log_dir/build.log" 2>&1; then
+    if grep -q "CUDA=ON" "$log_dir/configure.log"; then row "build (CUDA, all targets)" "ok in $(elapsed "$t")"
+    else fail "build (CUDA, all targets)" "configured without CUDA (see configure.log)"; fi
   else
     tail -30 "$log_dir/configure.log" "$log_dir/build.log" 2>/dev/null
-    fail "build (CUDA)" "see $log_dir/configure.log and build.log"
+    fail "build (CUDA, all targets)" "after $(elapsed "$t"); see $log_dir/configure.log and build.log"
     finish
   fi
 fi
 bin="$build_dir/bin"
 
-# ---------------------------------------------------------------- 2. device tests
-t=$(date +%s)
+# ---------------------------------------------------------------- 2. the whole ctest suite
+# TIER_TEST_DEVICE=cuda puts the tests that take a device choice on the GPU (the real engine;
+# the Python tests below); TIER_REQUIRE_CUDA=1 turns a CUDA entry that would skip into a failure.
 test_env=()
-[ "$no_gpu" = 0 ] && test_env=(TIER_REQUIRE_CUDA=1)
-env "${test_env[@]}" "$bin/gpu_tests" --gtest_color=no >"$log_dir/gpu_tests.log" 2>&1
-rc=$?
-passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$log_dir/gpu_tests.log")
-skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$log_dir/gpu_tests.log")
-nfailed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' "$log_dir/gpu_tests.log")
-cuda_ran=$(grep -c '^\[       OK \] .*\(/cuda\b\|CudaDevice\)' "$log_dir/gpu_tests.log")
-summary="${passed:-0} passed (${cuda_ran} on CUDA), ${skipped:-0} skipped, ${nfailed:-0} failed in $(elapsed "$t")"
-if [ "$rc" = 0 ] && { [ "$no_gpu" = 1 ] || [ "$cuda_ran" -gt 0 ]; }; then
-  row "device tests" "ok: $summary"
+[ "$no_gpu" = 0 ] && test_env=(TIER_TEST_DEVICE=cuda TIER_REQUIRE_CUDA=1)
+t=$(date +%s)
+env "${test_env[@]}" timeout "$(step_limit 150)" \
+  ctest --test-dir "$build_dir" -j "$(nproc)" --timeout 120 --output-on-failure >"$log_dir/ctest.log" 2>&1
+ctest_rc=$?
+# ctest prints one line per test: "  N/M Test  #K: name ....   Passed  0.01 sec" (or ***Failed,
+# ***Skipped, ***Timeout, ***Exception, Not Run).
+count() {  # $1: name pattern (extended regex), $2: result pattern
+  grep -E "Test +#[0-9]+: " "$log_dir/ctest.log" | grep -E "Test +#[0-9]+: ($1)" | grep -cE "$2"
+}
+group_row() {  # $1: label, $2: name pattern, $3: 1 when at least one must pass on CUDA
+  local p s f
+  p=$(count "$2" ' Passed ') s=$(count "$2" 'Skipped') f=$(count "$2" 'Failed|Timeout|Exception|Not Run')
+  if [ "$f" != 0 ]; then
+    fail "$1" "$p passed, $s skipped, $f failed: $(grep -E "Test +#[0-9]+: ($2)" "$log_dir/ctest.log" |
+      grep -E 'Failed|Timeout|Exception|Not Run' | sed -E 's/.*Test +#[0-9]+: ([^ ]+).*/\1/' | head -5 | tr '\n' ' ')"
+  elif [ "$p" = 0 ] && [ "$3" = 1 ]; then
+    fail "$1" "none passed ($s skipped): the GPU was not used"
+  else
+    row "$1" "ok: $p passed, $s skipped"
+  fi
+}
+if [ "$ctest_rc" = 124 ]; then
+  fail "ctest (whole suite)" "stopped by the time limit after $(elapsed "$t"); see ctest.log"
+fi
+need_cuda=$(( 1 - no_gpu ))
+group_row "device tests on CUDA" '[^ ]*(/cuda|Cuda)[^ ]*' "$need_cuda"
+group_row "engine (real tiers)" 'Engines/RealEngine|RealEngine' "$need_cuda"
+group_row "C ABI tests" 'bindings\.' 1
+total_p=$(count '.' ' Passed ') total_s=$(count '.' 'Skipped') total_f=$(count '.' 'Failed|Timeout|Exception|Not Run')
+if [ "$ctest_rc" != 0 ] || [ "$total_f" != 0 ]; then
+  fail "ctest (whole suite)" "$total_p passed, $total_s skipped, $total_f failed in $(elapsed "$t") (ctest.log)"
 else
-  grep -E '^\[  FAILED  \]|Failure|error' "$log_dir/gpu_tests.log" | head -20
-  fail "device tests" "$summary (see gpu_tests.log)"
+  row "ctest (whole suite)" "ok: $total_p passed, $total_s skipped in $(elapsed "$t")"
 fi
 
-# ---------------------------------------------------------------- 3. copy bandwidth
+# ---------------------------------------------------------------- 3. pip install . and the Python tests
+t=$(date +%s)
+venv="$build_dir/venv"
+py_ok=1
+if [ "$(left)" -lt 120 ]; then
+  not_run "pip install ." "the time budget is spent ($(left) s left)"; py_ok=0
+elif ! "$py" -m venv --system-site-packages "$venv" >"$log_dir/pip.log" 2>&1; then
+  fail "pip install ." "python3 -m venv failed (pip.log)"; py_ok=0
+else
+  if ! "$venv/bin/python" -c 'import scikit_build_core, nanobind' >/dev/null 2>&1 && [ -d "${deps:-/nonexistent}/wheels" ]; then
+    "$venv/bin/python" -m pip install -q --no-index --find-links "$deps/wheels" scikit-build-core nanobind >>"$log_dir/pip.log" 2>&1
+  fi
+  if ! "$venv/bin/python" -c 'import scikit_build_core, nanobind' >/dev/null 2>&1; then
+    not_run "pip install ." "scikit-build-core or nanobind missing (give --deps from --fetch-deps)"; py_ok=0
+  elif CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(step_limit 90)" "$venv/bin/python" -m pip install -v \
+         --no-build-isolation --no-deps -Cbuild-dir="$build_dir/pip" -Ccmake.define.TIER_WITH_CUDA=ON . \
+         >>"$log_dir/pip.log" 2>&1 &&
+       (cd "$log_dir" && "$venv/bin/python" -c 'import tier, sys; sys.exit(0 if "site-packages" in tier.__file__ else 1)'); then
+    row "pip install ." "ok in $(elapsed "$t")"
+  else
+    tail -20 "$log_dir/pip.log"
+    fail "pip install ." "see pip.log"; py_ok=0
+  fi
+fi
+if [ "$py_ok" = 1 ]; then
+  t=$(date +%s)
+  py_device=cuda
+  [ "$no_gpu" = 1 ] && py_device=emulated
+  if [ "$py_device" = cuda ] && ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+       >"$log_dir/torch.log" 2>&1; then
+    not_run "python tests (CUDA)" "no torch with CUDA in $py (torch.log); install it to run tier.torch on the GPU"
+  else
+    # From outside the source tree, so that the installed package is the one imported.
+    (cd "$log_dir" && TIER_TEST_DEVICE=$py_device timeout "$(step_limit 40)" \
+       "$venv/bin/python" -m pytest -q -p no:cacheprovider "$root_dir/tests/python") >"$log_dir/pytest.log" 2>&1
+    rc=$?
+    line=$(grep -E '[0-9]+ (passed|failed)' "$log_dir/pytest.log" | tail -1)
+    if [ "$rc" = 0 ]; then row "python tests ($py_device)" "ok: $line in $(elapsed "$t")"
+    else tail -30 "$log_dir/pytest.log"; fail "python tests ($py_device)" "${line:-rc $rc} (pytest.log)"; fi
+  fi
+fi
+
+# ---------------------------------------------------------------- 4. copy bandwidth
 check_copy() {  # $1: label, $2: json file, $3: lower bound of the ratio, $4: upper bound
   python3 - "$1" "$2" "$3" "$4" <<'EOF'
 import json, sys
@@ -178,7 +275,11 @@ run_copy() {  # $1: label, $2: lower, $3: upper, rest: tier-bench copy options
   local label=$1 lo=$2 hi=$3
   shift 3
   local json="$log_dir/copy-${label}.json"
-  if "$bin/tier-bench" copy --json "$@" >"$json" 2>"$log_dir/copy-${label}.log"; then
+  if [ "$(left)" -lt 15 ]; then
+    not_run "copy $label" "the time budget is spent"
+    return
+  fi
+  if timeout "$(step_limit 0)" "$bin/tier-bench" copy --json "$@" >"$json" 2>"$log_dir/copy-${label}.log"; then
     local lines
     lines=$(check_copy "$label" "$json" "$lo" "$hi")
     local rc=$?

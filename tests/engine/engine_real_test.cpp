@@ -1,13 +1,16 @@
-// The engine on its real tiers: the emulated device, the pinned host arena and a swap space on
-// disk through each I/O engine. Data integrity under random concurrent use, injected NVMe
+// The engine on its real tiers: the emulated device (the GPU with TIER_TEST_DEVICE=cuda, as
+// bench/gpu_check.sh runs it), the pinned host arena and a swap space on disk through each I/O
+// engine. Data integrity under random concurrent use, injected NVMe
 // failures, and the stats of a real run.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "engine/backend.hpp"
@@ -36,9 +39,16 @@ struct TempDir {
   }
 };
 
+// TIER_TEST_DEVICE=cuda: the tests built on real_config run on the GPU, and fail (not skip) where
+// there is none, so that a GPU run cannot pass without using it.
+DeviceKind test_device() {
+  const char* d = std::getenv("TIER_TEST_DEVICE");
+  return d != nullptr && std::string(d) == "cuda" ? DeviceKind::kCuda : DeviceKind::kEmulated;
+}
+
 EngineConfig real_config(const std::string& swap_dir, IoEngineKind io) {
   EngineConfig c;
-  c.tier.device = DeviceKind::kEmulated;
+  c.tier.device = test_device();
   c.tier.device_budget = 1u << 20;
   c.tier.host_budget = 1u << 20;  // 16 of the 24 test tensors: the rest come from NVMe
   c.tier.nvme_budget = 64u << 20;
@@ -111,7 +121,11 @@ TEST_P(RealEngine, RandomConcurrentUseKeepsEveryByte) {
   EXPECT_GT(s.link(Link::kNvmeToHost).bytes, 0u);
   EXPECT_GT(s.link(Link::kHostToDevice).bytes, 0u);
   EXPECT_LE(s.tier(Tier::kDevice).peak_bytes, 1u << 20);
-  EXPECT_EQ(s.info.at("device"), "emulated");
+  if (test_device() == DeviceKind::kCuda) {
+    EXPECT_EQ(s.info.at("device").rfind("cuda: ", 0), 0u) << s.info.at("device");
+  } else {
+    EXPECT_EQ(s.info.at("device"), "emulated");
+  }
   EXPECT_FALSE(s.info.at("io_engine").empty());
 }
 
