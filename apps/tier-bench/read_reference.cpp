@@ -8,81 +8,104 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <thread>
-#include <vector>
 
 #include "tier/units.hpp"
 
 namespace tier::bench {
 
+namespace fs = std::filesystem;
+
 std::string ReadReference::describe() const {
-  return str("sequential ", direct ? "O_DIRECT" : "buffered", " read, ", format_bytes(block_bytes), " blocks, depth ",
-             depth);
+  return str("sequential ", direct ? "O_DIRECT" : "buffered", bytes_written ? " read + write (1:1)" : " read", ", ",
+             format_bytes(block_bytes), " blocks, depth ", depth);
 }
 
-Result<ReadReference> measure_sequential_read(const std::string& dir, std::uint64_t bytes, std::uint64_t block_bytes,
-                                              int depth) {
-  namespace fs = std::filesystem;
-  if (block_bytes == 0 || block_bytes % 4096 != 0 || depth < 1) {
-    return invalid_argument("read reference: the block must be a non-zero multiple of 4096 and the depth at least 1");
+namespace {
+
+struct OpenFile {
+  int fd = -1;
+  std::uint64_t length = 0;  // bytes to move, whole blocks
+  bool write = false;
+};
+
+struct Request {
+  std::size_t file;
+  std::uint64_t offset;
+};
+
+// Opens with O_DIRECT, or without where the file system refuses it (clearing *direct).
+int open_file(const fs::path& p, int flags, bool* direct) {
+  int fd = ::open(p.c_str(), flags | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0 && errno == EINVAL) {
+    *direct = false;  // tmpfs and a few others refuse O_DIRECT
+    fd = ::open(p.c_str(), flags | O_CLOEXEC, 0600);
   }
+  return fd;
+}
+
+// The regular files under `dirs` (recursively), sorted, each to be read up to its share of `bytes`.
+Status open_for_reading(const std::vector<std::string>& dirs, std::uint64_t bytes, std::uint64_t block,
+                        std::vector<OpenFile>* files, bool* direct) {
   std::vector<fs::path> paths;
-  std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
-       it.increment(ec)) {
-    if (it->is_regular_file(ec)) paths.push_back(it->path());
+  for (const auto& dir : dirs) {
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec)) {
+      if (it->is_regular_file(ec)) paths.push_back(it->path());
+    }
   }
-  if (paths.empty()) return not_found(str("read reference: no file under ", dir, " to read"));
+  if (paths.empty()) return not_found("NVMe reference: no file to read under the given directories");
   std::sort(paths.begin(), paths.end());
-
-  struct File {
-    int fd = -1;
-    std::uint64_t length = 0;  // bytes to read, whole blocks
-  };
-  std::vector<File> files;
-  bool direct = true;
-  const std::uint64_t per_file = (bytes / paths.size() + block_bytes - 1) / block_bytes * block_bytes;
+  const std::uint64_t per_file = (bytes / paths.size() + block - 1) / block * block;
   for (const auto& p : paths) {
-    int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-    if (fd < 0 && errno == EINVAL) {
-      direct = false;  // tmpfs and a few others refuse O_DIRECT
-      fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    }
-    if (fd < 0) {
-      const int err = errno;
-      for (auto& f : files) ::close(f.fd);
-      return errno_status(err, str("read reference: open ", p.string()));
-    }
+    const int fd = open_file(p, O_RDONLY, direct);
+    if (fd < 0) return errno_status(errno, str("NVMe reference: open ", p.string()));
+    std::error_code ec;
     const std::uint64_t size = fs::file_size(p, ec);
-    files.push_back({fd, std::min(per_file, ec ? 0 : size / block_bytes * block_bytes)});
+    files->push_back({fd, std::min(per_file, ec ? 0 : size / block * block), false});
   }
+  return {};
+}
 
-  // One sequence of blocks over the files in order; each reader takes the next block, so `depth`
-  // consecutive blocks are in flight, as a sequential stream at that queue depth.
-  std::vector<std::pair<std::size_t, std::uint64_t>> blocks;  // (file, offset)
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    for (std::uint64_t off = 0; off < files[f].length; off += block_bytes) blocks.emplace_back(f, off);
-  }
+// Runs `requests` with `depth` threads, each taking the next request: a sequential stream (or two,
+// interleaved) with `depth` blocks in flight. Returns the wall time.
+Result<double> run_requests(const std::vector<OpenFile>& files, const std::vector<Request>& requests,
+                            std::uint64_t block, int depth) {
   std::atomic<std::size_t> next{0};
   std::atomic<int> first_error{0};
+  static std::atomic<std::uint64_t> passes{0};
+  const std::uint64_t nonce = (static_cast<std::uint64_t>(::getpid()) << 32) ^ passes.fetch_add(1) ^
+                              static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::thread> readers;
-  for (int r = 0; r < depth; ++r) {
-    readers.emplace_back([&] {
+  std::vector<std::thread> threads;
+  for (int t = 0; t < depth; ++t) {
+    threads.emplace_back([&] {
       void* buf = nullptr;
-      if (posix_memalign(&buf, 4096, block_bytes) != 0) {
+      if (posix_memalign(&buf, 4096, block) != 0) {
         first_error.store(ENOMEM);
         return;
       }
+      std::memset(buf, 0x5a, block);
       while (first_error.load() == 0) {
         const std::size_t i = next.fetch_add(1);
-        if (i >= blocks.size()) break;
-        const auto [f, off] = blocks[i];
+        if (i >= requests.size()) break;
+        const OpenFile& f = files[requests[i].file];
+        if (f.write) {
+          // Every 512-byte sector gets bytes no other write had (pass, request, sector), so that a
+          // deduplicating or compressing virtual disk cannot flatter the reference.
+          for (std::uint64_t sector = 0; sector < block / 512; ++sector) {
+            const std::uint64_t stamp[2] = {nonce, (static_cast<std::uint64_t>(i) << 24) | sector};
+            std::memcpy(static_cast<char*>(buf) + sector * 512, stamp, sizeof stamp);
+          }
+        }
         std::uint64_t done = 0;
-        while (done < block_bytes) {
-          const ssize_t n =
-              ::pread(files[f].fd, static_cast<char*>(buf) + done, block_bytes - done, static_cast<off_t>(off + done));
+        while (done < block) {
+          char* p = static_cast<char*>(buf) + done;
+          const auto off = static_cast<off_t>(requests[i].offset + done);
+          const ssize_t n = f.write ? ::pwrite(f.fd, p, block - done, off) : ::pread(f.fd, p, block - done, off);
           if (n < 0 && errno == EINTR) continue;
           if (n <= 0) {
             first_error.store(n < 0 ? errno : EIO);
@@ -94,14 +117,98 @@ Result<ReadReference> measure_sequential_read(const std::string& dir, std::uint6
       std::free(buf);
     });
   }
-  for (auto& t : readers) t.join();
+  for (auto& t : threads) t.join();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (auto& f : files) ::close(f.fd);
-  if (int err = first_error.load(); err != 0) return errno_status(err, str("read reference: reading under ", dir));
+  if (int err = first_error.load(); err != 0) return errno_status(err, "NVMe reference: a request failed");
+  return secs;
+}
 
+void close_all(std::vector<OpenFile>& files) {
+  for (auto& f : files) {
+    if (f.fd >= 0) ::close(f.fd);
+  }
+}
+
+std::vector<Request> blocks_of(const std::vector<OpenFile>& files, bool write, std::uint64_t block) {
+  std::vector<Request> out;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    if (files[f].write != write) continue;
+    for (std::uint64_t off = 0; off < files[f].length; off += block) out.push_back({f, off});
+  }
+  return out;
+}
+
+Status check_shape(std::uint64_t block, int depth) {
+  if (block == 0 || block % 4096 != 0 || depth < 1) {
+    return invalid_argument("NVMe reference: the block must be a non-zero multiple of 4096 and the depth at least 1");
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<ReadReference> measure_sequential_read(const std::string& dir, std::uint64_t bytes, std::uint64_t block_bytes,
+                                              int depth) {
+  TIER_RETURN_IF_ERROR(check_shape(block_bytes, depth));
+  std::vector<OpenFile> files;
+  bool direct = true;
+  Status s = open_for_reading({dir}, bytes, block_bytes, &files, &direct);
+  const std::vector<Request> reads = blocks_of(files, false, block_bytes);
+  Result<double> secs = s.ok() ? run_requests(files, reads, block_bytes, depth) : Result<double>(s);
+  close_all(files);
+  if (!secs.ok()) return secs.status();
   ReadReference r;
-  r.bytes = blocks.size() * block_bytes;
-  r.bytes_per_second = secs > 0 ? static_cast<double>(r.bytes) / secs : 0;
+  r.bytes_read = reads.size() * block_bytes;
+  r.bytes_per_second = *secs > 0 ? static_cast<double>(r.bytes_read) / *secs : 0;
+  r.block_bytes = block_bytes;
+  r.depth = depth;
+  r.direct = direct;
+  r.files = static_cast<int>(files.size());
+  return r;
+}
+
+Result<ReadReference> measure_mixed_read_write(const std::vector<std::string>& dirs, std::uint64_t bytes,
+                                               std::uint64_t block_bytes, int depth) {
+  TIER_RETURN_IF_ERROR(check_shape(block_bytes, depth));
+  if (dirs.empty()) return invalid_argument("NVMe reference: no directory given");
+  std::vector<OpenFile> files;
+  bool direct = true;
+  std::vector<fs::path> scratch;
+  auto cleanup = [&] {
+    close_all(files);
+    std::error_code ec;
+    for (const auto& p : scratch) fs::remove(p, ec);
+  };
+  Status s = open_for_reading(dirs, bytes, block_bytes, &files, &direct);
+  const std::uint64_t per_dir = (bytes / dirs.size() + block_bytes - 1) / block_bytes * block_bytes;
+  for (std::size_t d = 0; s.ok() && d < dirs.size(); ++d) {
+    scratch.push_back(fs::path(dirs[d]) / str("tier-bench-reference-", ::getpid(), ".tmp"));
+    const int fd = open_file(scratch.back(), O_RDWR | O_CREAT | O_TRUNC, &direct);
+    if (fd < 0) {
+      s = errno_status(errno, str("NVMe reference: create ", scratch.back().string()));
+      break;
+    }
+    files.push_back({fd, per_dir, true});
+  }
+  // Untimed: the scratch files' first writes allocate their blocks.
+  const std::vector<Request> writes = blocks_of(files, true, block_bytes);
+  if (s.ok()) {
+    if (auto first = run_requests(files, writes, block_bytes, depth); !first.ok()) s = first.status();
+  }
+  // Timed: reads and writes alternate in one sequence.
+  const std::vector<Request> reads = blocks_of(files, false, block_bytes);
+  std::vector<Request> mixed;
+  for (std::size_t i = 0; i < std::max(reads.size(), writes.size()); ++i) {
+    if (i < reads.size()) mixed.push_back(reads[i]);
+    if (i < writes.size()) mixed.push_back(writes[i]);
+  }
+  Result<double> secs = s.ok() ? run_requests(files, mixed, block_bytes, depth) : Result<double>(s);
+  cleanup();
+  if (!secs.ok()) return secs.status();
+  ReadReference r;
+  r.bytes_read = reads.size() * block_bytes;
+  r.bytes_written = writes.size() * block_bytes;
+  r.bytes_per_second = *secs > 0 ? static_cast<double>(r.bytes_read + r.bytes_written) / *secs : 0;
   r.block_bytes = block_bytes;
   r.depth = depth;
   r.direct = direct;
