@@ -51,7 +51,7 @@ while [ $# -gt 0 ]; do
     --size) size="$2"; shift ;;
     --out) out="$2"; shift ;;
     --budget) budget="$2"; shift ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo pipefail/{/^set/!p}' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -187,14 +187,14 @@ ctest_rc=$?
 count() {  # $1: name pattern (extended regex), $2: result pattern
   grep -E "Test +#[0-9]+: " "$log_dir/ctest.log" | grep -E "Test +#[0-9]+: ($1)" | grep -cE "$2"
 }
-group_row() {  # $1: label, $2: name pattern, $3: 1 when at least one must pass on CUDA
+group_row() {  # $1: label, $2: name pattern, $3: 1 when at least one must pass, $4: why that matters
   local p s f
   p=$(count "$2" ' Passed ') s=$(count "$2" 'Skipped') f=$(count "$2" 'Failed|Timeout|Exception|Not Run')
   if [ "$f" != 0 ]; then
     fail "$1" "$p passed, $s skipped, $f failed: $(grep -E "Test +#[0-9]+: ($2)" "$log_dir/ctest.log" |
       grep -E 'Failed|Timeout|Exception|Not Run' | sed -E 's/.*Test +#[0-9]+: ([^ ]+).*/\1/' | head -5 | tr '\n' ' ')"
   elif [ "$p" = 0 ] && [ "$3" = 1 ]; then
-    fail "$1" "none passed ($s skipped): the GPU was not used"
+    fail "$1" "none passed ($s skipped): $4"
   else
     row "$1" "ok: $p passed, $s skipped"
   fi
@@ -203,9 +203,9 @@ if [ "$ctest_rc" = 124 ]; then
   fail "ctest (whole suite)" "stopped by the time limit after $(elapsed "$t"); see ctest.log"
 fi
 need_cuda=$(( 1 - no_gpu ))
-group_row "device tests on CUDA" '[^ ]*(/cuda|Cuda)[^ ]*' "$need_cuda"
-group_row "engine (real tiers)" 'Engines/RealEngine|RealEngine' "$need_cuda"
-group_row "C ABI tests" 'bindings\.' 1
+group_row "device tests on CUDA" '[^ ]*(/cuda|Cuda)[^ ]*' "$need_cuda" "the GPU was not used"
+group_row "engine (real tiers)" 'Engines/RealEngine|RealEngine' "$need_cuda" "the engine did not run"
+group_row "C ABI tests" 'bindings\.' 1 "the C ABI tests did not run"
 total_p=$(count '.' ' Passed ') total_s=$(count '.' 'Skipped') total_f=$(count '.' 'Failed|Timeout|Exception|Not Run')
 if [ "$ctest_rc" != 0 ] || [ "$total_f" != 0 ]; then
   fail "ctest (whole suite)" "$total_p passed, $total_s skipped, $total_f failed in $(elapsed "$t") (ctest.log)"
@@ -220,7 +220,7 @@ py_ok=1
 if [ "$(left)" -lt 120 ]; then
   not_run "pip install ." "the time budget is spent ($(left) s left)"; py_ok=0
 elif ! "$py" -m venv --system-site-packages "$venv" >"$log_dir/pip.log" 2>&1; then
-  fail "pip install ." "python3 -m venv failed (pip.log)"; py_ok=0
+  not_run "pip install ." "python3 -m venv is unavailable here (pip.log; install python3-venv)"; py_ok=0
 else
   if ! "$venv/bin/python" -c 'import scikit_build_core, nanobind' >/dev/null 2>&1 && [ -d "${deps:-/nonexistent}/wheels" ]; then
     "$venv/bin/python" -m pip install -q --no-index --find-links "$deps/wheels" scikit-build-core nanobind >>"$log_dir/pip.log" 2>&1
