@@ -238,7 +238,7 @@ int run_prefetch_cmd(Args& args) {
              format_bytes(static_cast<std::uint64_t>(r->nvme_bytes_per_step)), " from NVMe at ",
              format_rate(r->nvme_reference.bytes_per_second), " (reference)")});
   t.add({"NVMe read reference", format_rate(r->nvme_reference.bytes_per_second),
-         str(r->nvme_reference.describe(), " of ", format_bytes(r->nvme_reference.bytes),
+         str(r->nvme_reference.describe(), " of ", format_bytes(r->nvme_reference.bytes_read),
              ", best of 3, outside the engine; the engine's own reads ran at ",
              format_rate(r->nvme_read_bytes_per_second))});
   t.add({"step / max(bounds)", fmt(r->step_seconds / bound, 3), "1.0 is perfect overlap"});
