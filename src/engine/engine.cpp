@@ -356,29 +356,32 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
   }
   c.prefetched = false;
   const std::uint64_t gen = t.generation;
-  ensure_copy(id, tier, access != Access::kWrite, kNever, [this, id, tier, access, st, gen](Status s) {
-    TensorRec& t2 = tensors[id];
-    if (!t2.live || t2.generation != gen) {
-      s = cancelled("the tensor was unregistered while it was being acquired");
-    }
-    if (!s.ok()) {
-      if (t2.generation == gen) {
-        if (access != Access::kRead) {
-          t2.writer = false;
-        } else if (t2.readers > 0) {
-          --t2.readers;
+  ensure_copy(
+      id, tier, access != Access::kWrite, kNever,
+      [this, id, tier, access, st, gen](Status s) {
+        TensorRec& t2 = tensors[id];
+        if (!t2.live || t2.generation != gen) {
+          s = cancelled("the tensor was unregistered while it was being acquired");
         }
-        wake_blocked(t2);
-      }
-      std::lock_guard<std::mutex> lock(st->mu);
-      if (st->cancelled) return;  // the give-up already answered the future
-      st->status = s.with_context(str("acquire '", t2.desc.name, "' on ", tier_name(tier)));
-      st->done = true;
-      st->cv.notify_all();
-      return;
-    }
-    grant(id, tier, access, st);
-  }, /*staging=*/false, access == Access::kWrite ? st : nullptr);
+        if (!s.ok()) {
+          if (t2.generation == gen) {
+            if (access != Access::kRead) {
+              t2.writer = false;
+            } else if (t2.readers > 0) {
+              --t2.readers;
+            }
+            wake_blocked(t2);
+          }
+          std::lock_guard<std::mutex> lock(st->mu);
+          if (st->cancelled) return;  // the give-up already answered the future
+          st->status = s.with_context(str("acquire '", t2.desc.name, "' on ", tier_name(tier)));
+          st->done = true;
+          st->cv.notify_all();
+          return;
+        }
+        grant(id, tier, access, st);
+      },
+      /*staging=*/false, access == Access::kWrite ? st : nullptr);
   issue_prefetches();
 }
 
@@ -430,15 +433,18 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
       return done(Status::Ok());
     }
     const std::uint64_t gen = t.generation;
-    make_room(tier, t.desc.bytes(), id, horizon, [this, id, tier, gen, done](Status s, Buffer b) {
-      TensorRec& t2 = tensors[id];
-      if (!s.ok()) return done(s);
-      if (!t2.live || t2.generation != gen) return done(cancelled("tensor unregistered"));
-      Copy& c2 = t2.copies[static_cast<int>(tier)];
-      c2.buf = std::move(b);
-      c2.state = CopyState::kReserved;
-      done(Status::Ok());
-    }, std::move(owner));
+    make_room(
+        tier, t.desc.bytes(), id, horizon,
+        [this, id, tier, gen, done](Status s, Buffer b) {
+          TensorRec& t2 = tensors[id];
+          if (!s.ok()) return done(s);
+          if (!t2.live || t2.generation != gen) return done(cancelled("tensor unregistered"));
+          Copy& c2 = t2.copies[static_cast<int>(tier)];
+          c2.buf = std::move(b);
+          c2.state = CopyState::kReserved;
+          done(Status::Ok());
+        },
+        std::move(owner));
     return;
   }
   // Copies move between adjacent tiers only: device <-> host <-> nvme.
@@ -940,15 +946,16 @@ Status Engine::Impl::check_invariants_locked() const {
     }
     for (Tier x : kAllTiers) {
       if (t.copies[static_cast<int>(x)].state == CopyState::kReserved && !t.writer) {
-        return internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(x), " is reserved without a writer"));
+        return internal_error(
+            str("tensor '", t.desc.name, "': copy on ", tier_name(x), " is reserved without a writer"));
       }
     }
   }
   for (const auto& list : room_waiters) {
     for (const RoomRequest& r : list) {
       if (r.abandoned()) {
-        return internal_error(str("a given-up acquire of tensor ", r.for_tensor, " still waits for room on ",
-                                  tier_name(r.tier)));
+        return internal_error(
+            str("a given-up acquire of tensor ", r.for_tensor, " still waits for room on ", tier_name(r.tier)));
       }
     }
   }

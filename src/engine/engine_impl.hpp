@@ -136,11 +136,12 @@ struct Engine::Impl {
   // `staging`: the copy is an intermediate hop of a longer move (NVMe -> host on the way to the
   // device); a prefetch counts only its final hop against max_inflight_bytes.
   // `owner`: the acquire a writer's reservation is for (see RoomRequest::owner).
-  void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done,
-                   bool staging = false, std::shared_ptr<detail::AcquireState> owner = nullptr);
+  void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done, bool staging = false,
+                   std::shared_ptr<detail::AcquireState> owner = nullptr);
   void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done, bool staging = false);
   void make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
-                 std::function<void(Status, detail::Buffer)> done, std::shared_ptr<detail::AcquireState> owner = nullptr);
+                 std::function<void(Status, detail::Buffer)> done,
+                 std::shared_ptr<detail::AcquireState> owner = nullptr);
   bool try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, detail::Buffer* out,
                  Status* fatal);
   // Gives room to the queued requests that now fit (and ends given-up and failed ones). Callbacks
@@ -180,10 +181,10 @@ struct Engine::Impl {
   std::unordered_map<std::string, TensorId> by_name;
   std::vector<TensorId> free_ids;
   std::array<std::list<RoomRequest>, kNumTiers> room_waiters;
-  bool shutting_down = false;     // set by fail_everything: new acquires fail at once with
-  Status shutdown_status;         // this
-  bool serving_rooms = false;     // serve_room_waiters is running (further calls only mark tiers)
-  unsigned rooms_to_serve = 0;    // tiers (bit per tier) to walk again before it returns
+  bool shutting_down = false;   // set by fail_everything: new acquires fail at once with
+  Status shutdown_status;       // this
+  bool serving_rooms = false;   // serve_room_waiters is running (further calls only mark tiers)
+  unsigned rooms_to_serve = 0;  // tiers (bit per tier) to walk again before it returns
   AccessTrace trace;
   std::uint64_t clock = 0;
   mutable std::vector<std::uint64_t> seen_mark;  // device_keeps' scratch: the walk each tensor was last seen in

@@ -451,11 +451,10 @@ TEST_P(OptimizerHome, OutputsGoToAnNvmeHomeInTheSamePass) {
 // thread count: partitions straddle the update threads' 32 Ki-element pieces and the chunks, and
 // reach the caller both through on_output (packed staging) and in place (destination).
 TEST_P(OptimizerHome, LowPrecisionOutputsAreTheRoundedMastersForAnyThreadCount) {
-  const std::vector<PartDesc> model = {{1, 0, ParamOutput::kBF16},      {100003, 0, ParamOutput::kBF16},
-                                       {65537, 0, ParamOutput::kF16},   {40000, 0, ParamOutput::kBF16},
-                                       {32768, 0, ParamOutput::kF16},   {70001, 0, ParamOutput::kBF16},
-                                       {5, 0, ParamOutput::kF16},       {33000, 0, ParamOutput::kNone},
-                                       {98304, 0, ParamOutput::kBF16}};
+  const std::vector<PartDesc> model = {
+      {1, 0, ParamOutput::kBF16},     {100003, 0, ParamOutput::kBF16}, {65537, 0, ParamOutput::kF16},
+      {40000, 0, ParamOutput::kBF16}, {32768, 0, ParamOutput::kF16},   {70001, 0, ParamOutput::kBF16},
+      {5, 0, ParamOutput::kF16},      {33000, 0, ParamOutput::kNone},  {98304, 0, ParamOutput::kBF16}};
   const std::vector<cpu::AdamHyperParams> groups = {test::three_groups()[0]};
   for (const int threads : {1, 2, 3, 16}) {
     for (const bool in_place : {false, true}) {
