@@ -346,7 +346,8 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   TIER_RETURN_IF_ERROR(im.usable("save_checkpoint"));
   if (path.empty()) return invalid_argument("optimizer save_checkpoint: empty path");
   const std::string tmp = path + ".tmp";
-  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
+  // Model state is private to its owner, like the swap files.
+  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (f.fd < 0) return errno_status(errno, str("checkpoint ", tmp, ": cannot create it"));
   bool keep = false;
   struct Unlink {

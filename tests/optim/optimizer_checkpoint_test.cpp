@@ -63,6 +63,9 @@ TEST_P(OptimizerCheckpoint, LoadedCheckpointContinuesBitIdentical) {
   const std::string file = dir.sub("opt.ckpt");
   ASSERT_TRUE(a.opt().save_checkpoint(file).ok());
   EXPECT_FALSE(std::filesystem::exists(file + ".tmp"));
+  // Private to its owner (as the swap files), whatever the umask lets through.
+  EXPECT_EQ(std::filesystem::status(file).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   const double scale = a.opt().loss_scale();
   EXPECT_EQ(scale, 2048);
 
