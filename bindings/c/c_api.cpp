@@ -594,9 +594,13 @@ Result<Lease> host_lease(tier_engine_t* engine, tier_tensor_t tensor, std::size_
   EngineCore& core = core_of(engine);
   tier::AcquireFuture future;
   TIER_RETURN_IF_ERROR(core.with_tensor(tensor.id, [&](TensorId id, const TensorMeta& meta) -> Status {
-    std::uint64_t numel = 1;
-    for (int i = 0; i < meta.ndim; ++i) numel *= static_cast<std::uint64_t>(meta.shape[static_cast<std::size_t>(i)]);
-    const std::uint64_t want = numel * tier::dtype_size(meta.dtype);
+    // The shape was checked at registration; the arithmetic is checked again rather than trusted.
+    std::uint64_t want = tier::dtype_size(meta.dtype);
+    for (int i = 0; i < meta.ndim; ++i) {
+      if (__builtin_mul_overflow(want, static_cast<std::uint64_t>(meta.shape[static_cast<std::size_t>(i)]), &want)) {
+        return tier::internal_error(str("tensor shape[", i, "]: its byte size overflows 64 bits"));
+      }
+    }
     if (bytes != want) {
       return tier::invalid_argument(str("argument 'bytes' is ", bytes, " but the tensor holds ", want, " bytes; ",
                                         buffer_arg, " must cover all of it"));

@@ -61,6 +61,12 @@ Shape row_major_strides(const Shape& shape, int ndim) noexcept {
   return s;
 }
 
+namespace {
+// No host or device buffer is larger than this: user address spaces are at most 2^56 bytes (57-bit
+// virtual addresses with 5-level paging), so a tensor whose elements span more is not real.
+constexpr std::int64_t kMaxSpanBytes = std::int64_t{1} << 56;
+}  // namespace
+
 Result<SourceLayout> inspect_source(const DLTensor& t) {
   SourceLayout l;
   auto dtype = from_dl_dtype(t.dtype);
@@ -73,32 +79,67 @@ Result<SourceLayout> inspect_source(const DLTensor& t) {
   l.ndim = t.ndim;
   if (t.ndim > 0 && t.shape == nullptr) return invalid_argument("src->dl_tensor.shape is NULL");
   if (t.data == nullptr) return invalid_argument("src->dl_tensor.data is NULL");
-  const std::uint64_t esize = dtype_size(l.dtype);
-  const std::uint64_t max_numel = (std::numeric_limits<std::uint64_t>::max() >> 1) / esize;
-  std::uint64_t numel = 1;
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(l.dtype));
+  // Element count and byte size, overflow-checked: the bytes must fit in an int64.
+  std::int64_t numel = 1;
   for (int i = 0; i < t.ndim; ++i) {
     const std::int64_t n = t.shape[i];
     if (n < 0) return invalid_argument(str("src->dl_tensor.shape[", i, "] is ", n));
     l.shape[static_cast<std::size_t>(i)] = n;
-    if (n != 0 && numel > max_numel / static_cast<std::uint64_t>(n)) {
-      return invalid_argument("src->dl_tensor.shape: the tensor has more bytes than fit in 63 bits");
+    std::int64_t bytes = 0;
+    if (__builtin_mul_overflow(numel, n, &numel) || __builtin_mul_overflow(numel, esize, &bytes)) {
+      return invalid_argument(str("src->dl_tensor.shape[", i, "] is ", n,
+                                  ": the tensor's byte size overflows 63 bits; pass the tensor's real shape"));
     }
-    numel *= static_cast<std::uint64_t>(n);
   }
   if (numel == 0) {
     return invalid_argument(
         "src->dl_tensor.shape: the tensor has no elements; tier registers tensors with at least one");
   }
-  l.numel = numel;
-  l.bytes = numel * esize;
+  l.numel = static_cast<std::uint64_t>(numel);
+  l.bytes = static_cast<std::uint64_t>(numel * esize);
+
+  // The bytes the elements span, relative to data + byte_offset: [lo, hi). Every product and sum
+  // is checked, and the span must fit in an address space, so that a stride of 2^60 elements (past
+  // any buffer) or 2^62 (whose byte offset wraps to 0) is refused instead of read.
+  std::int64_t lo = 0;
+  std::int64_t hi = esize;
   if (t.strides != nullptr) {
     const Shape want = row_major_strides(l.shape, l.ndim);
     for (int i = 0; i < t.ndim; ++i) {
+      const std::int64_t n = l.shape[static_cast<std::size_t>(i)];
       // The stride of a dimension of extent 1 never matters.
-      if (l.shape[static_cast<std::size_t>(i)] != 1 && t.strides[i] != want[static_cast<std::size_t>(i)]) {
-        l.compact = false;
+      if (n == 1) continue;
+      const std::int64_t stride = t.strides[i];
+      if (stride != want[static_cast<std::size_t>(i)]) l.compact = false;
+      std::int64_t reach = 0;  // bytes from the first to the last element along dimension i
+      bool overflow = __builtin_mul_overflow(stride, n - 1, &reach) || __builtin_mul_overflow(reach, esize, &reach);
+      std::int64_t span = 0;
+      if (!overflow) {
+        std::int64_t& grown = reach < 0 ? lo : hi;
+        overflow = __builtin_add_overflow(grown, reach, &grown) || __builtin_sub_overflow(hi, lo, &span);
+      }
+      if (overflow || span > kMaxSpanBytes) {
+        return invalid_argument(str("src->dl_tensor.strides[", i, "] is ", stride, " with shape[", i, "] ", n,
+                                    ": the elements would span more than 2^56 bytes, past any buffer; pass the "
+                                    "tensor's real strides (in elements, not bytes)"));
       }
     }
+  } else if (l.bytes > static_cast<std::uint64_t>(kMaxSpanBytes)) {
+    return invalid_argument(
+        str("src->dl_tensor.shape: the tensor's ", l.bytes, " bytes are more than 2^56, past any buffer"));
+  }
+  // The addresses [data + byte_offset + lo, data + byte_offset + hi) must not wrap around.
+  const auto data = reinterpret_cast<std::uintptr_t>(t.data);
+  std::uintptr_t base = 0;
+  std::uintptr_t end = 0;
+  if (t.byte_offset > static_cast<std::uint64_t>(kMaxSpanBytes) ||
+      __builtin_add_overflow(data, static_cast<std::uintptr_t>(t.byte_offset), &base) ||
+      (lo < 0 && base < static_cast<std::uintptr_t>(-lo)) ||
+      __builtin_add_overflow(base, static_cast<std::uintptr_t>(hi), &end)) {
+    return invalid_argument(str("src->dl_tensor.byte_offset is ", t.byte_offset,
+                                ": with the strides it addresses memory outside the address space; pass the "
+                                "tensor's real byte_offset"));
   }
   l.base = static_cast<const std::uint8_t*>(t.data) + t.byte_offset;
   return l;

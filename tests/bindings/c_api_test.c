@@ -1076,6 +1076,62 @@ static int test_engine_outlives_handle(void) {
   return 0;
 }
 
+/* Strides, shapes and offsets whose byte arithmetic overflows or reaches past any buffer are
+ * refused naming the dimension; before the checks a stride of 2^60 read far outside the buffer and
+ * one of 2^62 wrapped to offset 0 and registered silently. */
+static int test_register_overflowing_layouts(void) {
+  fixture f;
+  if (setup(&f)) return 1;
+  int deleted = 0;
+  const int64_t two = 2;
+  const int64_t past[1] = {(int64_t)1 << 60};
+  if (expect_register_fails(f.engine, "x", make_tensor(kF32, 1, &two, past, 8, &deleted), NULL,
+                            TIER_ERROR_INVALID_ARGUMENT, "strides[0] is 1152921504606846976", &deleted))
+    return 1;
+  const int64_t wraps[1] = {(int64_t)1 << 62};
+  if (expect_register_fails(f.engine, "x", make_tensor(kF32, 1, &two, wraps, 8, &deleted), NULL,
+                            TIER_ERROR_INVALID_ARGUMENT, "strides[0] is 4611686018427387904", &deleted))
+    return 1;
+  const int64_t backwards[1] = {-((int64_t)1 << 60)};
+  if (expect_register_fails(f.engine, "x", make_tensor(kF32, 1, &two, backwards, 8, &deleted), NULL,
+                            TIER_ERROR_INVALID_ARGUMENT, "strides[0]", &deleted))
+    return 1;
+  const int64_t shape2[2] = {3, 2};
+  const int64_t max_stride[2] = {INT64_MAX, 1};
+  if (expect_register_fails(f.engine, "x", make_tensor(kI64, 2, shape2, max_stride, 48, &deleted), NULL,
+                            TIER_ERROR_INVALID_ARGUMENT, "strides[0] is 9223372036854775807 with shape[0] 3", &deleted))
+    return 1;
+  /* Two strides that each fit but together span past any buffer. */
+  const int64_t each_fits[2] = {(int64_t)1 << 51, (int64_t)1 << 52};
+  if (expect_register_fails(f.engine, "x", make_tensor(kI64, 2, shape2, each_fits, 48, &deleted), NULL,
+                            TIER_ERROR_INVALID_ARGUMENT, "strides[1]", &deleted))
+    return 1;
+  const int64_t huge_shape[3] = {(int64_t)1 << 30, (int64_t)1 << 30, 4};
+  if (expect_register_fails(f.engine, "x", make_tensor(kF32, 3, huge_shape, NULL, 4, &deleted), NULL,
+                            TIER_ERROR_INVALID_ARGUMENT, "shape[2] is 4: the tensor's byte size overflows", &deleted))
+    return 1;
+  DLManagedTensor* far = make_f32(4, 0, &deleted);
+  far->dl_tensor.byte_offset = (uint64_t)1 << 63;
+  if (expect_register_fails(f.engine, "x", far, NULL, TIER_ERROR_INVALID_ARGUMENT, "byte_offset is 9223372036854775808",
+                            &deleted))
+    return 1;
+
+  /* A real reversed view still registers: shape {4}, stride -1, starting at the last element. */
+  const int64_t four = 4;
+  const int64_t reverse[1] = {-1};
+  DLManagedTensor* rev = make_tensor(kI32, 1, &four, reverse, 4 * sizeof(int32_t), &deleted);
+  for (int i = 0; i < 4; ++i) ((int32_t*)rev->dl_tensor.data)[i] = 10 + i;
+  rev->dl_tensor.byte_offset = 3 * sizeof(int32_t);
+  tier_tensor_t t;
+  CHECK_OK(tier_tensor_register(f.engine, "reversed", rev, NULL, &t));
+  int32_t back[4];
+  CHECK_OK(tier_tensor_read(f.engine, t, back, sizeof back));
+  for (int i = 0; i < 4; ++i) CHECK(back[i] == 13 - i);
+  CHECK_OK(tier_engine_check(f.engine));
+  teardown(&f);
+  return 0;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Driver */
 
@@ -1091,6 +1147,7 @@ static const test_case kCases[] = {
     {"register_and_read", test_register_and_read},
     {"register_strided", test_register_strided},
     {"register_errors", test_register_errors},
+    {"register_overflowing_layouts", test_register_overflowing_layouts},
     {"acquire_dlpack", test_acquire_dlpack},
     {"write_through_lease", test_write_through_lease},
     {"tickets", test_tickets},
