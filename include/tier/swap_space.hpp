@@ -3,7 +3,12 @@
 //
 // Each path gets one file, created fresh (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, so it is never
 // someone else's file nor a symlink's target), preallocated with fallocate (a full disk fails at
-// creation, naming the path and the bytes needed) and removed when the swap space closes. Files are
+// creation, naming the path and the bytes needed, and any other engine's swap files still there)
+// and removed when the swap space closes. A file's name records its owner (pid, process start time,
+// boot), and the owner holds an flock on it; at creation, swap files of owners that are gone (a
+// killed process) are removed with one log line; nothing else in the directory is touched. A swap
+// path that is a symlink to a directory is followed; a dangling symlink, a file or another
+// non-directory is refused saying what it is. Files are
 // opened with O_DIRECT when tier.io.use_direct is set; a file system that refuses it (ramfs, some
 // network and FUSE file systems) gets buffered I/O through the posix engine, with one log line.
 //

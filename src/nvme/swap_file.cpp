@@ -1,7 +1,9 @@
 #include "nvme/swap_file.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
@@ -11,6 +13,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string_view>
 #include <system_error>
 
 #include "tier/log.hpp"
@@ -45,7 +52,208 @@ std::string fs_name(int fd) {
   return buf;
 }
 
+constexpr std::string_view kSwapPrefix = "tier-swap-";
+constexpr std::string_view kSwapSuffix = ".bin";
+
+// Start time of process `pid` in clock ticks since boot, or nothing when no such process runs (a
+// zombie counts as gone: it holds no files).
+std::optional<std::uint64_t> process_start_time(long pid) {
+  std::ifstream in(str("/proc/", pid, "/stat"));
+  std::string line;
+  if (!in || !std::getline(in, line)) return std::nullopt;
+  // The command name (field 2) may hold spaces and parentheses: fields resume after the last ')'.
+  const auto close = line.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream rest(line.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22 && rest >> field; ++i) {
+    if (i == 3 && (field == "Z" || field == "X")) return std::nullopt;
+    if (i == 22) return std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return std::nullopt;
+}
+
+// The first 8 hex digits of this boot's id, or "00000000" when the kernel does not say.
+const std::string& boot_token() {
+  static const std::string token = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string id;
+    if (in >> id && id.size() >= 8) return id.substr(0, 8);
+    return std::string("00000000");
+  }();
+  return token;
+}
+
+bool all_digits(std::string_view s) {
+  if (s.empty() || s.size() > 19) return false;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+  }
+  return true;
+}
+
+bool all_hex(std::string_view s) {
+  for (char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+// The owner a swap file's name records; nothing unless the name is exactly tier's pattern.
+struct NamedOwner {
+  long pid = 0;
+  bool legacy = false;  // tier-swap-<pid>-<n>.bin, written before names carried the start time
+  std::uint64_t start = 0;
+  std::string boot;
+};
+
+std::optional<NamedOwner> owner_from_name(std::string_view name) {
+  if (name.size() <= kSwapPrefix.size() + kSwapSuffix.size() || !name.starts_with(kSwapPrefix) ||
+      !name.ends_with(kSwapSuffix)) {
+    return std::nullopt;
+  }
+  std::string_view body = name.substr(kSwapPrefix.size(), name.size() - kSwapPrefix.size() - kSwapSuffix.size());
+  std::vector<std::string_view> parts;
+  for (std::size_t at = 0;;) {
+    const auto dash = body.find('-', at);
+    parts.push_back(body.substr(at, dash == std::string_view::npos ? std::string_view::npos : dash - at));
+    if (dash == std::string_view::npos) break;
+    at = dash + 1;
+  }
+  NamedOwner o;
+  if (parts.size() == 2 && all_digits(parts[0]) && all_digits(parts[1])) {
+    o.legacy = true;
+  } else if (parts.size() == 4 && all_digits(parts[0]) && all_digits(parts[1]) && parts[2].size() == 8 &&
+             all_hex(parts[2]) && all_digits(parts[3])) {
+    o.start = std::strtoull(std::string(parts[1]).c_str(), nullptr, 10);
+    o.boot = std::string(parts[2]);
+  } else {
+    return std::nullopt;
+  }
+  o.pid = std::strtol(std::string(parts[0]).c_str(), nullptr, 10);
+  if (o.pid <= 0) return std::nullopt;
+  return o;
+}
+
+// Whether the process a name records still runs: same boot, and a process with that pid that
+// started at the recorded time. A legacy name only has the pid, so any process with it counts.
+bool named_owner_alive(const NamedOwner& o) {
+  const auto start = process_start_time(o.pid);
+  if (!start) return false;
+  if (o.legacy) return true;
+  return o.boot == boot_token() && *start == o.start;
+}
+
+std::string list_files(const std::vector<FoundSwapFile>& files) {
+  std::string out;
+  std::size_t shown = 0;
+  for (const auto& f : files) {
+    if (shown == 8) {
+      out += str(" and ", files.size() - shown, " more");
+      break;
+    }
+    out += str(shown ? ", " : "", f.name, " (", format_bytes(f.bytes), ", pid ", f.pid,
+               f.alive ? " running" : " gone but the file could not be removed", ")");
+    ++shown;
+  }
+  return out;
+}
+
+// What an unusable swap path is, for a message: "a dangling symlink to /x", "a regular file", ...
+// Empty when the path is a directory (or a symlink to one), or does not exist.
+std::string odd_path(const std::string& dir) {
+  struct stat lst {};
+  if (::lstat(dir.c_str(), &lst) != 0) return {};
+  std::string link;
+  if (S_ISLNK(lst.st_mode)) {
+    std::error_code ec;
+    link = std::filesystem::read_symlink(dir, ec).string();
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) {
+      return str("a symbolic link to ", link, ", which does not resolve (", std::strerror(errno), "); create ", link,
+                 " as a directory or point the swap path at an existing directory");
+    }
+    lst = st;
+  }
+  if (S_ISDIR(lst.st_mode)) return {};
+  const char* what = S_ISREG(lst.st_mode)    ? "a regular file"
+                     : S_ISCHR(lst.st_mode)  ? "a character device"
+                     : S_ISBLK(lst.st_mode)  ? "a block device"
+                     : S_ISFIFO(lst.st_mode) ? "a FIFO"
+                     : S_ISSOCK(lst.st_mode) ? "a socket"
+                                             : "not a directory";
+  return str(link.empty() ? "" : str("a symbolic link to ", link, ", which is "), what,
+             ", not a directory; give a directory on the SSD (zero_optimization.offload_*.nvme_path or "
+             "tier.swap_paths)");
+}
+
 }  // namespace
+
+std::string swap_file_prefix() {
+  // Cached per pid: a forked child computes its own (its files must name it, not its parent).
+  static std::mutex mu;
+  static long cached_pid = 0;
+  static std::string cached;
+  const long pid = ::getpid();
+  std::lock_guard<std::mutex> lock(mu);
+  if (cached_pid != pid) {
+    cached = str(kSwapPrefix, pid, "-", process_start_time(pid).value_or(0), "-", boot_token(), "-");
+    cached_pid = pid;
+  }
+  return cached;
+}
+
+std::vector<FoundSwapFile> reclaim_stale_swap_files(int dir_fd, const std::string& dir) {
+  std::vector<FoundSwapFile> left;
+  const int list_fd = ::openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (list_fd < 0) return left;
+  DIR* d = ::fdopendir(list_fd);
+  if (d == nullptr) {
+    ::close(list_fd);
+    return left;
+  }
+  std::vector<std::string> removed;
+  std::uint64_t removed_bytes = 0;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    const auto owner = owner_from_name(name);
+    if (!owner) continue;
+    // O_NOFOLLOW: a symlink with a swap file's name is never followed, never removed.
+    const int fd = ::openat(dir_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+      ::close(fd);
+      continue;
+    }
+    FoundSwapFile found{name, static_cast<std::uint64_t>(st.st_blocks) * 512, static_cast<int>(owner->pid), true};
+    // A live owner keeps its file locked, so a lock we can take proves nobody uses the file, even
+    // an owner whose pid this process cannot see.
+    const bool unlocked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (unlocked && !named_owner_alive(*owner)) {
+      struct stat now {};
+      // Remove by name only while the name still refers to the file checked above.
+      if (::fstatat(dir_fd, name.c_str(), &now, AT_SYMLINK_NOFOLLOW) == 0 && now.st_dev == st.st_dev &&
+          now.st_ino == st.st_ino && ::unlinkat(dir_fd, name.c_str(), 0) == 0) {
+        removed.push_back(name);
+        removed_bytes += found.bytes;
+        ::close(fd);
+        continue;
+      }
+      found.alive = false;
+    }
+    ::close(fd);
+    left.push_back(std::move(found));
+  }
+  ::closedir(d);
+  if (!removed.empty()) {
+    std::string names;
+    for (const auto& n : removed) names += str(names.empty() ? "" : ", ", n);
+    TIER_LOG(kWarn, "swap path ", dir, ": removed ", removed.size(), " swap file", removed.size() == 1 ? "" : "s", " (",
+             format_bytes(removed_bytes), ") left by tier processes that are gone: ", names);
+  }
+  return left;
+}
 
 SwapFile& SwapFile::operator=(SwapFile&& o) noexcept {
   if (this != &o) {
@@ -118,11 +326,24 @@ Status set_direct(SwapFile& f, bool on) {
 
 Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, bool want_direct) {
   if (dir.empty()) return invalid_argument("swap path is empty; give a directory on the SSD");
+  if (std::string odd = odd_path(dir); !odd.empty()) {
+    return failed_precondition(str("swap path ", dir, " is ", odd));
+  }
   std::error_code ec;
   if (!std::filesystem::exists(dir, ec)) {
     std::filesystem::create_directories(dir, ec);
     if (ec) {
-      return errno_status(ec.value(), str("swap path ", dir, ": cannot create the directory"));
+      const int err = ec.value();
+      if (err == EACCES || err == EPERM || err == EROFS) {
+        return errno_status(err, str("swap path ", dir,
+                                     ": cannot create the directory; create it writable by this user or choose "
+                                     "another path"));
+      }
+      if (err == ENOTDIR || err == EEXIST) {
+        return errno_status(
+            err, str("swap path ", dir, ": cannot create the directory: a part of the path is not a directory"));
+      }
+      return errno_status(err, str("swap path ", dir, ": cannot create the directory"));
     }
     std::filesystem::permissions(dir, std::filesystem::perms::owner_all, ec);
   }
@@ -130,8 +351,19 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
   f.dir = dir;
   f.bytes = bytes;
   f.dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (f.dir_fd < 0) return errno_status(errno, str("swap path ", dir, ": cannot open the directory"));
+  if (f.dir_fd < 0) {
+    const int err = errno;
+    if (err == EACCES) {
+      return errno_status(err, str("swap path ", dir,
+                                   ": cannot open the directory; make it readable and writable by "
+                                   "this user or choose another path"));
+    }
+    return errno_status(err, str("swap path ", dir, ": cannot open the directory"));
+  }
   f.fs = fs_name(f.dir_fd);
+  const std::vector<FoundSwapFile> others = reclaim_stale_swap_files(f.dir_fd, dir);
+  const std::string others_note =
+      others.empty() ? std::string() : str("; tier swap files of other engines remain here: ", list_files(others));
 
   // File systems without space accounting (ramfs) report no blocks at all; fallocate decides there.
   struct statvfs vfs {};
@@ -141,18 +373,24 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
       return Status(
           StatusCode::kNoSpace,
           str("swap path ", dir, ": needs ", format_bytes(bytes), " (", bytes, " bytes) for its swap file but ",
-              format_bytes(avail), " are free; free space, lower the swap size or add another path"),
+              format_bytes(avail), " are free", others_note, "; free space, lower the swap size or add another path"),
           ENOSPC);
     }
   }
 
   for (int attempt = 0; attempt < 1000 && f.fd < 0; ++attempt) {
-    f.name = str("tier-swap-", ::getpid(), "-", g_sequence.fetch_add(1), ".bin");
+    f.name = str(swap_file_prefix(), g_sequence.fetch_add(1), kSwapSuffix);
     f.fd = ::openat(f.dir_fd, f.name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (f.fd < 0 && errno == EACCES) {
+      return errno_status(errno, str("swap path ", dir, ": cannot create ", f.name,
+                                     "; make the directory writable by this user or choose another path"));
+    }
     if (f.fd < 0 && errno != EEXIST) {
       return errno_status(errno, str("swap path ", dir, ": cannot create ", f.name));
     }
   }
+  // Held until the file closes: tells reclaim_stale_swap_files in other processes that it is in use.
+  if (f.fd >= 0) (void)::flock(f.fd, LOCK_EX | LOCK_NB);
   if (f.fd < 0) return already_exists(str("swap path ", dir, ": no fresh swap file name after 1000 tries"));
   f.path = dir + (dir.back() == '/' ? "" : "/") + f.name;
   struct stat st {};
@@ -163,10 +401,11 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
   if (bytes > 0 && fallocate(f.fd, 0, 0, static_cast<off_t>(bytes)) != 0) {
     const int err = errno;
     if (err == ENOSPC || err == EDQUOT) {
-      return Status(StatusCode::kNoSpace,
-                    str("swap path ", dir, ": cannot preallocate ", format_bytes(bytes), " (", bytes,
-                        " bytes): no space left on ", f.fs, "; free space, lower the swap size or add another path"),
-                    err);
+      return Status(
+          StatusCode::kNoSpace,
+          str("swap path ", dir, ": cannot preallocate ", format_bytes(bytes), " (", bytes,
+              " bytes): no space left on ", f.fs, others_note, "; free space, lower the swap size or add another path"),
+          err);
     }
     if (err != EOPNOTSUPP) return errno_status(err, str("swap file ", f.path, ": fallocate of ", format_bytes(bytes)));
     if (ftruncate(f.fd, static_cast<off_t>(bytes)) != 0) {

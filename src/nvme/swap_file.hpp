@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tier/status.hpp"
 
@@ -35,10 +36,36 @@ struct SwapFile {
   void remove() noexcept;
 };
 
-// Creates `dir` when missing (mode 0700), then a new file in it with O_CREAT|O_EXCL|O_NOFOLLOW and
-// mode 0600, and preallocates `bytes` with fallocate. With `want_direct`, switches the file to
+// Swap files are named tier-swap-<pid>-<start>-<boot>-<n>.bin: the creating process's pid, its
+// start time in clock ticks since boot (field 22 of /proc/<pid>/stat), the first 8 hex digits of
+// the boot id, and a sequence number. A recycled pid has another start time and a reboot another
+// boot id, so the name says whether its owner still runs. The owner also holds an flock on the file
+// while it is open, which covers owners in another pid namespace.
+//
+// The name prefix of this process's swap files ("tier-swap-<pid>-<start>-<boot>-").
+std::string swap_file_prefix();
+
+// A tier swap file found in a directory: its name, bytes held on disk and the owner's state.
+struct FoundSwapFile {
+  std::string name;
+  std::uint64_t bytes = 0;  // allocated blocks, i.e. what removing it frees
+  int pid = 0;
+  bool alive = false;  // the owner runs (or holds the file's lock)
+};
+
+// Removes the swap files in `dir_fd` (named `dir`) whose owner is gone: only regular files of this
+// user whose names match tier's pattern exactly (also the older tier-swap-<pid>-<n>.bin, when that
+// pid no longer exists), that no process holds locked. Logs one line when it removed any. Returns
+// the tier swap files left (of live owners, or not removable).
+std::vector<FoundSwapFile> reclaim_stale_swap_files(int dir_fd, const std::string& dir);
+
+// Creates `dir` when missing (mode 0700), reclaims stale swap files in it (see above), then a new
+// file in it with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600, and preallocates `bytes` with fallocate.
+// A symlink to a directory is followed; a dangling one, a file or another non-directory gets
+// kFailedPrecondition naming what the path is. With `want_direct`, switches the file to
 // O_DIRECT; a file system that refuses it leaves the file buffered with direct_refusal set.
-// Errors name the path: kNoSpace when the file system lacks `bytes`, kAlreadyExists when no fresh
+// Errors name the path: kNoSpace when the file system lacks `bytes` (naming the tier swap files of
+// other processes that remain there and their sizes), kAlreadyExists when no fresh
 // name could be found, kIoError/kInvalidArgument/... from the system calls.
 Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, bool want_direct);
 

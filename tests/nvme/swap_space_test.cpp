@@ -18,6 +18,7 @@
 #include <random>
 #include <thread>
 
+#include "nvme/swap_file.hpp"
 #include "nvme_test_util.hpp"
 #include "tier/host_arena.hpp"
 #include "tier/log.hpp"
@@ -322,7 +323,7 @@ TEST_P(SwapConformance, NeverOpensSomeoneElsesFileOrASymlink) {
   }
   // Every name the swap space could pick in this process, taken by symlinks to the victim.
   for (int seq = 0; seq < 1000; ++seq) {
-    const std::string name = d + "/tier-swap-" + std::to_string(::getpid()) + "-" + std::to_string(seq) + ".bin";
+    const std::string name = d + "/" + detail::swap_file_prefix() + std::to_string(seq) + ".bin";
     ASSERT_EQ(::symlink(victim.c_str(), name.c_str()), 0);
   }
   auto sp = SwapSpace::create(options(1, 1 << 20));
@@ -336,7 +337,7 @@ TEST_P(SwapConformance, NeverOpensSomeoneElsesFileOrASymlink) {
   sp = Status(StatusCode::kCancelled, "closed");
   EXPECT_EQ(std::filesystem::file_size(victim), 8u);
   for (int seq = 0; seq < 1000; ++seq) {
-    const std::string name = d + "/tier-swap-" + std::to_string(::getpid()) + "-" + std::to_string(seq) + ".bin";
+    const std::string name = d + "/" + detail::swap_file_prefix() + std::to_string(seq) + ".bin";
     EXPECT_TRUE(std::filesystem::is_symlink(std::filesystem::symlink_status(name))) << name;
   }
 }
