@@ -32,10 +32,12 @@ for t in "${targets[@]}"; do
   mkdir -p "build-fuzz/corpus/$t"
   echo "fuzz.sh: $t for ${seconds} s"
   # New inputs go to the first (writable) corpus folder; the seeds in the repo are only read.
+  seeds=()
+  if [ -d "tests/fuzz/corpus/$t" ]; then seeds=("tests/fuzz/corpus/$t"); fi
   rc=0
   TMPDIR="$PWD/build-fuzz/tmp" "build-fuzz/bin/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
     -max_len=65536 -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$t-" \
-    "build-fuzz/corpus/$t" "tests/fuzz/corpus/$t" >"build-fuzz/$t.log" 2>&1 || rc=$?
+    "build-fuzz/corpus/$t" "${seeds[@]+"${seeds[@]}"}" >"build-fuzz/$t.log" 2>&1 || rc=$?
   grep -E '^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::new_units_added)' \
     "build-fuzz/$t.log" || true
   if [ "$rc" -ne 0 ]; then
