@@ -32,7 +32,7 @@ std::string g_path;
 std::unique_ptr<OffloadedOptimizer> make_optimizer() {
   tier::optim::OffloadedOptimizerOptions o;
   o.home = tier::optim::StateHome::kHost;
-  o.chunk_elements = 64;
+  o.chunk_elements = 1024;
   o.buffer_count = 2;
   o.threads = 1;
   tier::cpu::AdamHyperParams second;
