@@ -38,7 +38,7 @@ for t in "${targets[@]}"; do
   TMPDIR="$PWD/build-fuzz/tmp" "build-fuzz/bin/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
     -max_len=65536 -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$t-" \
     "build-fuzz/corpus/$t" "${seeds[@]+"${seeds[@]}"}" >"build-fuzz/$t.log" 2>&1 || rc=$?
-  grep -E '^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::new_units_added)' \
+  grep -E '^(#[0-9]+[[:space:]]+DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::new_units_added)' \
     "build-fuzz/$t.log" || true
   if [ "$rc" -ne 0 ]; then
     tail -n 60 "build-fuzz/$t.log" >&2
