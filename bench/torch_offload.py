@@ -54,7 +54,7 @@ def run_tier(args, data, swap):
     model = ex.make_model(args)
     args.swap_dir = swap
     args.gas = 1
-    engine = tier.torch.initialize(model, ex.default_config(args, model))
+    engine, *_ = tier.torch.initialize(model, ex.default_config(args, model))
     times = []
     before = None
     for i, ids in enumerate(batches(args, data, args.steps + 1)):

@@ -66,7 +66,7 @@ def config(swap_dir):
 
 
 def new_engine(swap_dir, seed=SEED):
-    return tier.torch.initialize(make_model(seed), config(swap_dir))
+    return tier.torch.initialize(make_model(seed), config(swap_dir))[0]
 
 
 def train_step(engine):

@@ -83,9 +83,9 @@ def initialize_and_train_one_step(cfg):
     if "optimizer" not in cfg:
         # As the Trainer does for a config without an optimizer: it builds one and passes it.
         kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
-    engine = tier.torch.initialize(model, cfg, **kwargs)
+    engine, *_ = tier.torch.initialize(model, cfg, **kwargs)
     x = torch.randn(4, 8, dtype=engine.compute_dtype)
-    for _ in range(engine.gradient_accumulation_steps):
+    for _ in range(engine.gradient_accumulation_steps()):
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
@@ -125,7 +125,7 @@ def test_check_and_initialize_reach_the_same_verdict(name, swap_dir):
 
 def test_nested_aio_values_reach_the_engine(swap_dir):
     cfg = with_local_paths(json.loads((CORPUS / "hf_zero3_nvme_nested_aio.json").read_text()), swap_dir)
-    engine = tier.torch.initialize(tiny_model(), cfg)
+    engine, *_ = tier.torch.initialize(tiny_model(), cfg)
     resolved = json.loads(engine.config.to_json())
     assert resolved["aio"]["block_size"] == 262144
     assert resolved["aio"]["queue_depth"] == 32
@@ -149,7 +149,7 @@ def test_a_client_adamw_is_taken_over_with_its_hyper_parameters_and_groups():
         {"params": list(model[2].parameters()), "lr": 1e-4, "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=5e-4, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05)
-    engine = tier.torch.initialize(model, base_config(), optimizer=opt)
+    engine, *_ = tier.torch.initialize(model, base_config(), optimizer=opt)
     assert engine.optimizer.group_count == 2
     assert engine.get_lr() == pytest.approx([3e-4, 1e-4])
     params = json.loads(engine.config.to_json())["optimizer"]["params"]
@@ -159,8 +159,8 @@ def test_a_client_adamw_is_taken_over_with_its_hyper_parameters_and_groups():
 
 def test_a_client_adam_keeps_torchs_l2_weight_decay():
     model = tiny_model()
-    engine = tier.torch.initialize(model, base_config(), optimizer=torch.optim.Adam(model.parameters(), lr=1e-3,
-                                                                                     weight_decay=0.1))
+    engine, *_ = tier.torch.initialize(model, base_config(), optimizer=torch.optim.Adam(model.parameters(), lr=1e-3,
+                                                                                         weight_decay=0.1))
     params = json.loads(engine.config.to_json())["optimizer"]["params"]
     assert params["adam_w_mode"] is False
 
@@ -193,7 +193,7 @@ def test_auto_host_budget_is_a_cap_not_touched_at_startup(swap_dir):
         "tier": {"device": "emulated", "budgets": {"nvme": "64M"}},
     }
     before = rss_bytes()
-    engine = tier.torch.initialize(tiny_model(), cfg)
+    engine, *_ = tier.torch.initialize(tiny_model(), cfg)
     grown = rss_bytes() - before
     host = engine.stats()["tiers"]["host"]["budget_bytes"]
     if host < (2 << 30):

@@ -280,7 +280,7 @@ def lrs_used_by_engine(engine, steps):
 def test_engine_runs_deepspeeds_schedule_without_running_a_step_ahead():
     sec = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
                                           "warmup_type": "linear"}}
-    engine = tier.torch.initialize(tiny_model(), engine_config(sec))
+    engine, *_ = tier.torch.initialize(tiny_model(), engine_config(sec))
     used = lrs_used_by_engine(engine, 6)
     expected = drive_reference(lambda it: ref_warmup_lr(it, 0.0, 1e-3, 10, "linear"), 6)
     assert expected[:3] == pytest.approx([0.0, 0.0, 1e-4])
@@ -291,7 +291,7 @@ def test_engine_runs_deepspeeds_schedule_without_running_a_step_ahead():
 
 def test_engine_initializes_the_hugging_face_auto_warmup_of_one_step():
     sec = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 1}}
-    engine = tier.torch.initialize(tiny_model(), engine_config(sec))
+    engine, *_ = tier.torch.initialize(tiny_model(), engine_config(sec))
     used = lrs_used_by_engine(engine, 4)
     assert used == pytest.approx(drive_reference(lambda it: ref_warmup_lr(it, 0.0, 1e-3, 1), 4), abs=1e-12)
 
@@ -301,13 +301,13 @@ def test_engine_fills_auto_total_num_steps_from_initialize():
                                                "warmup_max_lr": "auto"}}
     with pytest.raises(ValueError, match="total_num_steps"):
         tier.torch.initialize(tiny_model(), engine_config(sec))
-    engine = tier.torch.initialize(tiny_model(), engine_config(sec), total_num_steps=4, warmup_num_steps=2)
+    engine, *_ = tier.torch.initialize(tiny_model(), engine_config(sec), total_num_steps=4, warmup_num_steps=2)
     used = lrs_used_by_engine(engine, 6)
     assert used == pytest.approx(drive_reference(lambda it: ref_warmup_decay_lr(it, 4, 0.0, 1e-3, 2), 6), abs=1e-12)
 
 
 def test_engine_runs_onecycle_with_its_momentum_cycle():
     sec = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2}}
-    engine = tier.torch.initialize(tiny_model(), engine_config(sec))
+    engine, *_ = tier.torch.initialize(tiny_model(), engine_config(sec))
     used = lrs_used_by_engine(engine, 5)
     assert used == pytest.approx(drive_reference(lambda it: ref_onecycle(it, 1e-4, 1e-3, 2), 5), abs=1e-12)

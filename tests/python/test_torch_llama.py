@@ -106,7 +106,7 @@ def max_rel_diff(a, b):
 def test_fp32_losses_match_pytorch_adamw_with_clipping_and_accumulation(swap_dir):
     steps = 20
     expected = baseline_losses(steps)
-    engine = tier.torch.initialize(make_model(), tier_config(swap_dir))
+    engine, *_ = tier.torch.initialize(make_model(), tier_config(swap_dir))
     got = tier_losses(engine, steps)
     assert len(got) == len(expected) == 2 * steps
     assert max_rel_diff(got, expected) <= 1e-5, (got[-3:], expected[-3:])
@@ -123,7 +123,7 @@ def test_fp32_losses_match_pytorch_adamw_with_clipping_and_accumulation(swap_dir
 def test_gradients_leave_the_device_as_the_device_allows(swap_dir):
     # On CUDA every gradient goes through an asynchronous copy into pinned staging, all of it
     # consumed by the end of backward; on the CPU there is nothing to stage.
-    engine = tier.torch.initialize(make_model(), tier_config(swap_dir))
+    engine, *_ = tier.torch.initialize(make_model(), tier_config(swap_dir))
     losses = tier_losses(engine, 2)
     expected = baseline_losses(2)
     assert max_rel_diff(losses, expected) <= 1e-5, (losses, expected)
@@ -143,10 +143,10 @@ def test_gradients_leave_the_device_as_the_device_allows(swap_dir):
 
 def test_bf16_tracks_fp32_within_bf16_tolerance(swap_dir, tmp_path):
     steps = 8
-    fp32 = tier_losses(tier.torch.initialize(make_model(), tier_config(swap_dir)), steps)
+    fp32 = tier_losses(tier.torch.initialize(make_model(), tier_config(swap_dir))[0], steps)
     other = str(tmp_path / "swap-bf16")
     os.makedirs(other)
-    bf16 = tier_losses(tier.torch.initialize(make_model(), tier_config(other, dtype="bf16")), steps)
+    bf16 = tier_losses(tier.torch.initialize(make_model(), tier_config(other, dtype="bf16"))[0], steps)
     assert max_rel_diff(bf16, fp32) <= 2e-2, (bf16[-3:], fp32[-3:])
     assert bf16 != fp32, "bf16 really computed in bf16"
 
@@ -157,7 +157,7 @@ sys.path[:0] = json.loads(sys.argv[1])
 import test_torch_llama as t
 import tier.torch
 cfg, ckpt, start, steps = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-engine = tier.torch.initialize(t.make_model(seed=123), cfg)  # another init: everything must come from the checkpoint
+engine, *_ = tier.torch.initialize(t.make_model(seed=123), cfg)  # another init: everything must come from the checkpoint
 engine.load_checkpoint(ckpt)
 print(json.dumps(t.tier_losses(engine, steps, start=start)))
 """
@@ -166,7 +166,7 @@ print(json.dumps(t.tier_losses(engine, steps, start=start)))
 def test_save_kill_load_continue_gives_identical_losses(swap_dir, tmp_path):
     steps, split = 12, 6
     cfg = tier_config(swap_dir)
-    engine = tier.torch.initialize(make_model(), cfg)
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
     first = tier_losses(engine, split)
     ckpt = str(tmp_path / "ckpt")
     engine.save_checkpoint(ckpt)
@@ -189,7 +189,7 @@ def test_save_kill_load_continue_gives_identical_losses(swap_dir, tmp_path):
 
 
 def test_corrupt_checkpoint_is_refused_and_state_kept(swap_dir, tmp_path):
-    engine = tier.torch.initialize(make_model(), tier_config(swap_dir))
+    engine, *_ = tier.torch.initialize(make_model(), tier_config(swap_dir))
     tier_losses(engine, 2)
     ckpt = str(tmp_path / "ckpt")
     path = engine.save_checkpoint(ckpt)

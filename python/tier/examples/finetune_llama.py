@@ -157,7 +157,7 @@ def run(args, swap_dir):
     model = make_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     config = args.config or default_config(args, model)
-    engine = tier.torch.initialize(model, config)
+    engine, *_ = tier.torch.initialize(model, config)
     s0 = engine.stats()
     print(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * 4)} fp32), "
           f"{args.layers} layers; device: {s0['info'].get('device', '?')}, budget "

@@ -158,7 +158,7 @@ def _link_target(directory, tag):
 
 
 # ---------------------------------------------------------------------------- save
-def save(engine, save_dir, tag, client_state):
+def save(engine, save_dir, tag, client_state, save_latest=True):
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     save_dir = os.fspath(save_dir)
     meta = {
@@ -224,10 +224,11 @@ def save(engine, save_dir, tag, client_state):
     os.replace(link_tmp, final)
     _fsync_dir(save_dir)
 
-    latest_tmp = os.path.join(save_dir, f".latest~{version}")
-    _write_new(latest_tmp, tag.encode())
-    os.replace(latest_tmp, os.path.join(save_dir, LATEST))
-    _fsync_dir(save_dir)
+    if save_latest:
+        latest_tmp = os.path.join(save_dir, f".latest~{version}")
+        _write_new(latest_tmp, tag.encode())
+        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+        _fsync_dir(save_dir)
 
     _collect_garbage(save_dir)
     return final

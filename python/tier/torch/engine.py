@@ -9,17 +9,19 @@ offloaded optimizer, which keeps fp32 master params and Adam moments on NVMe or 
 
 The training loop is DeepSpeed's::
 
-    engine = tier.torch.initialize(model, config)
+    engine, optimizer, loader, lr_scheduler = tier.torch.initialize(model, config)
     for batch in data:
         loss = engine(**batch).loss
         engine.backward(loss)   # scales by 1 / gradient_accumulation_steps (and the fp16 loss scale)
         engine.step()           # applies the update at the accumulation boundary
 """
 
+import atexit
 import collections
 import json
 import os
 import time
+import warnings
 import weakref
 
 import torch
@@ -110,6 +112,41 @@ class _GradStaging:
         self._free.setdefault((buf.dtype, buf.numel()), []).append(buf)
 
 
+class _MicroStepGrads:
+    """Sums the gradients of a step's micro-steps in fp32 and hands the native optimizer one final
+    gradient per partition when the step runs.
+
+    The native optimizer is created with one micro-step per step, so the number of micro-steps is
+    the caller's: the engine's counter, or the boundary set from outside
+    (``set_gradient_accumulation_boundary``), as accelerate does; a second backward before
+    ``step()`` adds to the sum instead of failing. Held sums cost 4 bytes per trainable element.
+    With ``gradient_accumulation_steps == 1`` and no boundary set from outside, a gradient goes to
+    the optimizer at once (nothing held, and its sum of squares is computed during backward).
+    """
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+        self.held = {}  # partition -> fp32 CPU tensor
+
+    def add_grad(self, pid, grad):
+        engine = self._engine()
+        acc = self.held.get(pid)
+        if acc is None and engine._gas == 1 and engine._boundary is None:
+            engine.optimizer.add_grad(pid, grad)
+        elif acc is None:
+            self.held[pid] = grad.detach().reshape(-1).to(torch.float32, copy=True)
+        else:
+            acc.add_(grad.reshape(-1))
+
+    def flush(self, optimizer):
+        for pid in sorted(self.held):
+            optimizer.add_grad(pid, self.held[pid])
+        self.held.clear()
+
+    def clear(self):
+        self.held.clear()
+
+
 def _load_config(config):
     if config is None:
         return {}
@@ -159,42 +196,168 @@ def _client_optimizer_section(optimizer):
 
 
 def initialize(
-    model,
+    model=None,
     config=None,
     *,
+    args=None,
     model_parameters=None,
     optimizer=None,
+    lr_scheduler=None,
+    training_data=None,
+    collate_fn=None,
+    config_params=None,
+    dist_init_required=None,
+    mpu=None,
     total_num_steps=None,
     warmup_num_steps=None,
     progress=None,
 ):
     """Wraps ``model`` in a :class:`TierEngine` configured by ``config`` (a dict or a JSON path in
-    DeepSpeed's format plus tier's ``tier`` section). ``model_parameters`` may give parameter groups
-    (dicts with ``params`` and overrides of ``lr``/``weight_decay``/``betas``/``eps``), as
-    ``deepspeed.initialize`` accepts them.
+    DeepSpeed's format plus tier's ``tier`` section; ``config_params`` is the same argument under
+    DeepSpeed's other name) and returns ``(engine, optimizer, dataloader, lr_scheduler)`` as
+    ``deepspeed.initialize`` does:
 
-    ``optimizer``: a ``torch.optim.Adam`` or ``AdamW`` whose type, hyper-parameters and param groups
-    tier takes over, for a config without an ``optimizer`` section (as DeepSpeed takes a client
-    optimizer); giving both is an error. ``total_num_steps`` and ``warmup_num_steps`` fill the
-    scheduler's ``"auto"`` step counts, as the Hugging Face Trainer does."""
-    return TierEngine(
+    - ``optimizer``: a ``torch.optim.Optimizer`` view of the engine's offloaded optimizer
+      (``param_groups`` with each group's ``lr``, ``state_dict``/``load_state_dict`` of the
+      hyper-parameters, ``zero_grad``); its ``step`` is the engine's business.
+    - ``dataloader``: a ``torch.utils.data.DataLoader`` over ``training_data`` with the config's
+      micro-batch size (shuffled; ``collate_fn`` if given), or None without ``training_data``.
+    - ``lr_scheduler``: the config's scheduler, or the client's ``lr_scheduler`` (a torch LR
+      scheduler over the returned optimizer or over the client ``optimizer``, or a callable that
+      takes the returned optimizer and returns one), stepped by the engine after each applied
+      step; None without either.
+
+    ``model_parameters`` may give parameter groups (dicts with ``params`` and overrides of
+    ``lr``/``weight_decay``/``betas``/``eps``). ``optimizer``: a ``torch.optim.Adam`` or ``AdamW``
+    whose type, hyper-parameters and param groups tier takes over, for a config without an
+    ``optimizer`` section; giving both is an error. ``args``: read only for
+    ``args.deepspeed_config`` (a path) when no config is given. ``total_num_steps`` and
+    ``warmup_num_steps`` fill the scheduler's ``"auto"`` step counts, as the Hugging Face Trainer
+    does. ``dist_init_required`` and ``mpu`` concern several processes, which tier does not run:
+    only None (or ``dist_init_required=False``) is accepted."""
+    if model is None:
+        raise ValueError("initialize needs model=")
+    if config is not None and config_params is not None:
+        raise ValueError("initialize got both config= and config_params=; they are the same argument, give one")
+    if config is None:
+        config = config_params
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None)
+        if config is None and from_args:
+            config = from_args
+        else:
+            warnings.warn(
+                "tier.torch.initialize(args=...): ignored; tier reads only args.deepspeed_config, and only when "
+                "no config is given",
+                stacklevel=2,
+            )
+    if mpu is not None or dist_init_required:
+        raise NotImplementedError(
+            "initialize(mpu=..., dist_init_required=True): tier trains in one process; model parallelism and "
+            "torch.distributed set-up are not supported"
+        )
+    engine = TierEngine(
         model,
         config,
         model_parameters=model_parameters,
         optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
         total_num_steps=total_num_steps,
         warmup_num_steps=warmup_num_steps,
     )
+    loader = None
+    if training_data is not None:
+        loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    return engine, engine.torch_optimizer, loader, engine.lr_scheduler
+
+
+class _OptimizerView(torch.optim.Optimizer):
+    """What ``initialize`` returns as the optimizer: torch's optimizer surface over the engine's
+    offloaded one. ``param_groups`` hold the model's parameters and each group's hyper-parameters;
+    an ``lr`` written into a group (by a client LR scheduler, say) is the one the next step uses,
+    and the engine writes its own scheduler's lr back. The state (fp32 masters and moments) lives
+    in the engine: ``state_dict`` carries the hyper-parameters only; checkpoints go through
+    ``engine.save_checkpoint``."""
+
+    def __init__(self, engine, groups, shared_groups=None):
+        super().__init__(groups, {})
+        if shared_groups is not None:
+            # A client optimizer's own groups: its scheduler then drives this view too.
+            self.param_groups = shared_groups
+        self._engine = weakref.ref(engine)
+
+    def step(self, closure=None):
+        """The engine steps (``engine.step()``); calling this does nothing, as with DeepSpeed's
+        wrapped optimizers under accelerate."""
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none=True):
+        engine = self._engine()
+        if engine is not None:
+            engine.zero_grad()
+
+    @property
+    def overflow(self):
+        """Whether the last boundary step was skipped (fp16 overflow), as accelerate reads it."""
+        engine = self._engine()
+        return bool(engine is not None and engine.last_report is not None and not engine.last_report["applied"])
+
+    def state_dict(self):
+        groups = []
+        index = 0
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(entry)
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(groups)} param groups, the engine's optimizer {len(self.param_groups)}"
+            )
+        for g, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        engine = self._engine()
+        if engine is not None:
+            engine._apply_lr()
+
+
+_LIVE_ENGINES = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_live_engines():
+    # The native engines must go before the interpreter tears the extension down, or nanobind
+    # reports them as leaked (an engine kept alive by a reference cycle or a global).
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.destroy()
+        except Exception:  # noqa: BLE001 - at exit, nothing is left to report to
+            pass
 
 
 class TierEngine(torch.nn.Module):
     """The model with its parameters and optimizer state managed by tier. Call it like the model."""
 
     def __init__(
-        self, model, config=None, *, model_parameters=None, optimizer=None, total_num_steps=None, warmup_num_steps=None
+        self,
+        model,
+        config=None,
+        *,
+        model_parameters=None,
+        optimizer=None,
+        lr_scheduler=None,
+        total_num_steps=None,
+        warmup_num_steps=None,
     ):
         super().__init__()
         cfg = _load_config(config)
+        client_optimizer = optimizer
         if optimizer is not None:
             if "optimizer" in cfg:
                 raise ValueError(
@@ -220,8 +383,10 @@ class TierEngine(torch.nn.Module):
             )
         resolved = json.loads(self.config.to_json())
         self._resolved = resolved
-        self.gradient_accumulation_steps = int(resolved.get("gradient_accumulation_steps", 1))
-        self.gradient_clipping = float(resolved.get("gradient_clipping", 0.0))
+        self._gas = int(resolved.get("gradient_accumulation_steps", 1))
+        self._clip = float(resolved.get("gradient_clipping", 0.0))
+        self._boundary = None  # set from outside: the caller decides where a step ends
+        self._step_applied = False
         if resolved.get("bf16", {}).get("enabled"):
             self.compute_dtype_name = "bf16"
         elif resolved.get("fp16", {}).get("enabled"):
@@ -278,7 +443,13 @@ class TierEngine(torch.nn.Module):
                 )
 
         trainable_numel = sum(s.numel for s in self._slots if s.trainable)
-        self.optimizer = _tier.Optimizer.create(self.config, trainable_numel, self.native)
+        # Micro-steps are summed here (_MicroStepGrads), so the native optimizer takes one gradient
+        # per partition and step, however many micro-steps the caller makes.
+        opt_cfg = dict(cfg, gradient_accumulation_steps=1)
+        opt_cfg.pop("train_batch_size", None)
+        opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
+        self.optimizer = _tier.Optimizer.create(opt_config, trainable_numel, self.native)
+        self._grads = _MicroStepGrads(self)
         groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):
@@ -304,8 +475,14 @@ class TierEngine(torch.nn.Module):
             total_num_steps=total_num_steps,
             warmup_num_steps=warmup_num_steps,
         )
+        self.torch_optimizer = self._make_optimizer_view(model_parameters, client_optimizer)
+        self.client_lr_scheduler = self._take_client_scheduler(lr_scheduler, client_optimizer)
+        self.lr_scheduler = self.client_lr_scheduler if self.client_lr_scheduler is not None else self.scheduler
+        self._param_version = 0
         self._apply_lr()
         self._install_hooks(model)
+        self._install_state_dict_hooks(model)
+        _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ setup helpers
     def _build_groups(self, model_parameters):
@@ -332,6 +509,55 @@ class TierEngine(torch.nn.Module):
             for p in params:
                 owner[id(p)] = gid
         return owner
+
+    def _make_optimizer_view(self, model_parameters, client_optimizer):
+        """The torch optimizer handed back by initialize: one param group per native group."""
+        owner = {}
+        if model_parameters:
+            listed = list(model_parameters)
+            if listed and isinstance(listed[0], dict):
+                for gid, g in enumerate(listed):
+                    for p in g["params"]:
+                        owner[id(p)] = gid
+        groups = [dict(params=[]) for _ in range(self.optimizer.group_count)]
+        for slot in self._slots:
+            if slot.trainable:
+                groups[owner.get(id(slot.param), 0)]["params"].append(slot.param)
+        for g, h in zip(groups, self._group_hparams):
+            g.update(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
+        groups = [g for g in groups if g["params"]] or [dict(groups[0], params=[torch.zeros(0, requires_grad=True)])]
+        shared = None
+        if client_optimizer is not None and len(client_optimizer.param_groups) == self.optimizer.group_count:
+            shared = client_optimizer.param_groups
+        return _OptimizerView(self, groups, shared)
+
+    def _take_client_scheduler(self, lr_scheduler, client_optimizer):
+        if lr_scheduler is None:
+            return None
+        if self.scheduler is not None:
+            raise ValueError(
+                "initialize got an lr_scheduler and the config has a \"scheduler\" section; keep one, so that "
+                "there is no doubt which schedule runs"
+            )
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.torch_optimizer)
+        if not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer")):
+            raise TypeError(
+                f"initialize(lr_scheduler=...): expected a torch LR scheduler (or a callable returning one), not "
+                f"{type(lr_scheduler).__name__}"
+            )
+        ok = lr_scheduler.optimizer is self.torch_optimizer or (
+            client_optimizer is not None
+            and lr_scheduler.optimizer is client_optimizer
+            and self.torch_optimizer.param_groups is client_optimizer.param_groups
+        )
+        if not ok:
+            raise ValueError(
+                "initialize(lr_scheduler=...): the scheduler drives another optimizer than the one tier runs; build it "
+                "over the optimizer passed to initialize, or pass a callable that takes the returned optimizer and "
+                "returns the scheduler"
+            )
+        return lr_scheduler
 
     @staticmethod
     def _group_kwargs(base, g):
@@ -431,7 +657,7 @@ class TierEngine(torch.nn.Module):
                 self.native.note_transfer(
                     "device_to_host", host.numel() * host.element_size(), time.perf_counter() - t0
                 )
-                self.optimizer.add_grad(slot.pid, host)
+                self._grads.add_grad(slot.pid, host)
             param.grad = None
         while slot.backward_fetches > 0:
             slot.backward_fetches -= 1
@@ -440,7 +666,7 @@ class TierEngine(torch.nn.Module):
     def _grad_staging(self):
         staging = self.__dict__.get("_grad_staging_state")
         if staging is None:
-            staging = _GradStaging(self.optimizer, self.native)
+            staging = _GradStaging(self._grads, self.native)
             self._grad_staging_state = staging
         return staging
 
@@ -461,12 +687,14 @@ class TierEngine(torch.nn.Module):
         self._timers["forward"] += time.perf_counter() - t0
         return out
 
-    def backward(self, loss, retain_graph=False):
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+    def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False, scale_wrt_gas=True):
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); with
+        ``scale_wrt_gas=False`` the loss is not divided. ``allreduce_gradients`` and
+        ``release_loss`` are DeepSpeed's and moot in one process."""
         t0 = time.perf_counter()
         scaled = loss
-        if self.gradient_accumulation_steps > 1:
-            scaled = scaled / self.gradient_accumulation_steps
+        if scale_wrt_gas and self._gas > 1:
+            scaled = scaled / self._gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
         scaled.backward(retain_graph=retain_graph)
@@ -484,35 +712,71 @@ class TierEngine(torch.nn.Module):
         return loss
 
     def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        """Whether the current micro-step ends a step: the value set by
+        ``set_gradient_accumulation_boundary`` if any, else every ``gradient_accumulation_steps``-th
+        micro-step by the engine's counter."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self._gas == 0
 
-    def step(self):
-        """Counts a micro-step; at the accumulation boundary runs the offloaded optimizer."""
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """Lets the caller decide where a step ends (accelerate does, before each backward): from now
+        on the gradients of every micro-step are summed until one runs with ``is_boundary=True``,
+        whatever ``gradient_accumulation_steps`` says; ``step()`` then applies the update."""
+        self._boundary = bool(is_boundary)
+
+    def step(self, lr_kwargs=None):
+        """Counts a micro-step; at the accumulation boundary runs the offloaded optimizer (clipping,
+        fp16 overflow check, Adam/AdamW) and then the LR scheduler. Returns the optimizer's report,
+        or None off the boundary."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._step_applied = False
         if not boundary:
             return None
         t0 = time.perf_counter()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
+        self._grads.flush(self.optimizer)
         self._apply_lr()
         report = self.optimizer.step_into(self.native, self._tensor_of_partition)
+        self._param_version += 1
         self.last_report = report
         if report["applied"]:
             self.global_steps += 1
-            if self.scheduler is not None:
+            self._step_applied = True
+            if self.client_lr_scheduler is not None:
+                with warnings.catch_warnings():
+                    # torch warns when the scheduler steps before its optimizer did; here the
+                    # engine's step is the optimizer's.
+                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                    self.client_lr_scheduler.step(**(lr_kwargs or {}))
+            elif self.scheduler is not None:
                 # DeepSpeed steps the scheduler after each applied step (not after a skipped one).
                 self.scheduler.last_step = self.global_steps
-                self._apply_lr()
+            self._apply_lr()
         else:
             self.skipped_steps += 1
         self._timers["step"] += time.perf_counter() - t0
         return report
 
     def zero_grad(self, set_to_none=True):
-        """Gradients leave the model as soon as they are final; nothing is left to zero."""
+        """Forgets every gradient taken since the last step: the micro-steps' sums held for the
+        boundary and what the optimizer took already (``set_to_none`` is accepted and moot: the
+        model's ``.grad`` are freed as soon as they are final)."""
+        self._drain_grads()
+        self._grads.clear()
+        self.optimizer.clear_grads()
+        for slot in self._slots:
+            slot.param.grad = None
 
     def _apply_lr(self):
+        view = self.__dict__.get("torch_optimizer")
         if self.scheduler is None:
+            if view is None:
+                return
+            # The groups' lr (a client scheduler's, or the caller's own) is the next step's.
+            for g, group in enumerate(view.param_groups[: self.optimizer.group_count]):
+                self.optimizer.set_lr(g, float(group["lr"]))
             return
         lrs = self.scheduler.lrs(self.global_steps)
         betas = self.scheduler.betas(self.global_steps)
@@ -524,6 +788,10 @@ class TierEngine(torch.nn.Module):
                 h = self._group_hparams[g]
                 beta1, beta2 = betas[min(g, len(betas) - 1)]
                 self.optimizer.set_group(g, lr, beta1, beta2, h["eps"], h["weight_decay"])
+            if view is not None and g < len(view.param_groups):
+                view.param_groups[g]["lr"] = lr
+                if betas is not None:
+                    view.param_groups[g]["betas"] = tuple(betas[min(g, len(betas) - 1)])
 
     def get_lr(self):
         return [self.optimizer.lr(g) for g in range(self.optimizer.group_count)]
@@ -564,25 +832,201 @@ class TierEngine(torch.nn.Module):
             out[slot.name] = t
         return out
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None):
-        """Saves everything needed to resume as ``save_dir/<tag>`` (default ``global_step<N>``) and
-        makes it ``latest``; a process killed meanwhile leaves the previous checkpoint loadable.
-        ``client_state`` must be JSON-serializable. Returns the checkpoint's path."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """Saves everything needed to resume as ``save_dir/<tag>`` (default ``global_step<N>``) and,
+        with ``save_latest``, makes it ``latest``; a process killed meanwhile leaves the previous
+        checkpoint loadable. ``client_state`` must be JSON-serializable. Returns the checkpoint's
+        path. ``exclude_frozen_parameters=True`` is refused: a tier checkpoint is always complete."""
         from .checkpoint import save
 
-        return save(self, save_dir, tag, client_state or {})
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True): tier checkpoints always hold the frozen "
+                "parameters (load checks them against the model); drop the argument"
+            )
+        return save(self, save_dir, tag, client_state or {}, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+    ):
         """Restores the checkpoint ``tag`` (default: the one ``load_dir/latest`` names), all or
         nothing: every file is checked against its manifest (``tier.DataLoss`` if damaged) and all
         metadata against the model (ValueError) before the engine changes. Returns the directory
-        loaded and the client state."""
+        loaded and the client state.
+
+        The keyword arguments are DeepSpeed's; tier restores module, optimizer and scheduler
+        together, so only their defaults (what the Hugging Face Trainer passes) are accepted, and a
+        partial load is refused with the reason."""
         from .checkpoint import load
 
-        return load(self, load_dir, tag)
+        partial = {
+            "load_module_strict": (load_module_strict, True),
+            "load_optimizer_states": (load_optimizer_states, True),
+            "load_lr_scheduler_states": (load_lr_scheduler_states, True),
+            "load_module_only": (load_module_only, False),
+            "custom_load_fn": (custom_load_fn, None),
+        }
+        for key, (value, default) in partial.items():
+            if value != default if default is not None else value is not None:
+                raise NotImplementedError(
+                    f"load_checkpoint({key}={value!r}): a tier checkpoint is restored whole (module, optimizer and "
+                    f"scheduler state together, names checked strictly); leave {key} at {default!r}"
+                )
+        self.zero_grad()
+        out = load(self, load_dir, tag)
+        self._param_version += 1
+        return out
+
+    # ------------------------------------------------------------------ DeepSpeed's engine surface
+    def gradient_accumulation_steps(self):
+        """Micro-steps per step, from the config (the boundary set from outside may differ)."""
+        return self._gas
+
+    def gradient_clipping(self):
+        """The global-norm clipping threshold (0: none)."""
+        return self._clip
+
+    def get_global_grad_norm(self):
+        """The global L2 norm of the last boundary step's gradient, before clipping (inf or nan
+        when it overflowed); None before the first step."""
+        if self.last_report is None:
+            return None
+        return float(self.last_report["grad_norm"])
+
+    def was_step_applied(self):
+        """Whether the last ``step()`` updated the parameters (False off the boundary and when an
+        fp16 overflow skipped the update)."""
+        return self._step_applied
+
+    def fp16_enabled(self):
+        return self.compute_dtype_name == "fp16"
+
+    def bfloat16_enabled(self):
+        return self.compute_dtype_name == "bf16"
+
+    def zero_optimization_stage(self):
+        return int(self._resolved.get("zero_optimization", {}).get("stage", 0))
+
+    def zero_optimization(self):
+        return self.zero_optimization_stage() > 0
+
+    def train_micro_batch_size_per_gpu(self):
+        """The config's micro-batch size; from ``train_batch_size / gradient_accumulation_steps``
+        when only that is given; 1 when neither is (one process: no world size to divide by)."""
+        micro = self._raw_config.get("train_micro_batch_size_per_gpu")
+        if micro is not None:
+            return int(micro)
+        total = self._raw_config.get("train_batch_size")
+        if total is not None:
+            return max(1, int(total) // self._gas)
+        return 1
+
+    def train_batch_size(self):
+        """Samples per step: the config's ``train_batch_size``, else micro-batch size x
+        gradient_accumulation_steps (one process)."""
+        total = self._raw_config.get("train_batch_size")
+        if total is not None:
+            return int(total)
+        return self.train_micro_batch_size_per_gpu() * self._gas
+
+    def get_global_step(self):
+        return self.global_steps
+
+    def deepspeed_io(self, dataset, batch_size=None, shuffle=True, collate_fn=None, num_workers=0):
+        """A DataLoader over ``dataset`` with the micro-batch size (what initialize returns)."""
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            shuffle=shuffle,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+        )
+
+    # ------------------------------------------------------------------ gathered weights
+    def _install_state_dict_hooks(self, model):
+        """``module.state_dict()`` (and so ``save_pretrained``) returns the engine's current values
+        instead of the empty placeholders the parameters hold between forwards."""
+        ref = weakref.ref(self)
+        for mod in model.modules():
+            if mod._parameters:
+                self._hook_handles.append(
+                    mod._register_state_dict_hook(
+                        lambda m, sd, prefix, meta, r=ref: r()._fill_state_dict(m, sd, prefix)
+                    )
+                )
+
+    def _gathered(self, slot, memo):
+        t = memo.get(slot.name)
+        if t is None:
+            t = self.parameter(slot.name)
+            memo[slot.name] = t
+        return t
+
+    def _fill_state_dict(self, module, state_dict, prefix):
+        if self.__dict__.get("native") is None:
+            return
+        key = (id(state_dict), self._param_version)
+        memo_key, memo = self.__dict__.get("_gather_memo", (None, None))
+        if memo_key != key:
+            memo = {}
+            self._gather_memo = (key, memo)
+        for name, p in module._parameters.items():
+            slot = self._slot_of.get(id(p)) if p is not None else None
+            full = prefix + name
+            if slot is None or full not in state_dict or p.numel() == slot.numel:
+                continue  # not ours, not saved, or fetched right now (the view is current)
+            t = self._gathered(slot, memo)
+            state_dict[full] = t.requires_grad_(p.requires_grad) if state_dict[full].requires_grad else t
+
+    def module_state_dict(self, exclude_frozen_parameters=False):
+        """The model's state dict with every parameter gathered from the engine (compute dtype, CPU)."""
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        """Writes the gathered weights (and persistent buffers) as ``save_dir/save_filename`` with
+        ``torch.save``, in the compute dtype: bf16 or fp16 when enabled, else fp32 (as DeepSpeed
+        saves what the model computes in). Returns True."""
+        os.makedirs(save_dir, exist_ok=True)
+        sd = {k: v.detach().cpu() for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
+        path = os.path.join(save_dir, save_filename)
+        tmp = path + ".tmp"
+        torch.save(sd, tmp)
+        os.replace(tmp, path)
+        return True
 
     def close(self):
         """Removes the hooks; the engine's files are removed when it is destroyed."""
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+
+    def destroy(self):
+        """Ends the engine: removes the hooks and releases the native optimizer and engine (their
+        swap files go with them). The model's parameters keep their empty placeholders; read what
+        you need (``module_state_dict``, ``save_16bit_model``) before. Calling it twice is harmless."""
+        if self.__dict__.get("native") is None:
+            return
+        self._drain_grads()
+        self._end_finished_leases(wait=True)
+        self.close()
+        self._grads.clear()
+        self.__dict__.pop("_grad_staging_state", None)
+        self._deferred.clear()
+        for slot in self._slots:
+            slot.param.grad = None
+            slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self.optimizer.close()
+        self.optimizer = None
+        self.native = None
+        _LIVE_ENGINES.discard(self)

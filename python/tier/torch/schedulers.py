@@ -137,6 +137,13 @@ class Scheduler:
             return [float(p["lr_range_test_min_lr"]) * (1 + p["lr_range_test_step_rate"] * interval)] * n
         raise AssertionError(self.kind)
 
+    def get_last_lr(self):
+        """Each group's lr for the next optimizer step (torch's name, which the Trainer reads)."""
+        return self.lrs(self.last_step)
+
+    def get_lr(self):
+        return self.get_last_lr()
+
     def lr(self, step):
         return self.lrs(step)[0]
 
