@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 seconds="${1:-30}"
 shift || true
 targets=("$@")
-if [ "${#targets[@]}" -eq 0 ]; then targets=(fuzz_config fuzz_checkpoint fuzz_c_api_tensor); fi
+if [ "${#targets[@]}" -eq 0 ]; then targets=(fuzz_config fuzz_checkpoint fuzz_c_api_tensor fuzz_engine_ops); fi
 case "$seconds" in '' | *[!0-9]*) echo "usage: scripts/fuzz.sh [seconds per target] [target ...]" >&2; exit 2 ;; esac
 if ! command -v clang++ >/dev/null; then
   echo "fuzz.sh: clang++ not found; scripts/install-deps.sh installs clang" >&2
