@@ -3,6 +3,8 @@
 # build-asan/) or tsan (in build-tsan/). Extra arguments go to cmake's configure step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ccache (when CMake finds it) shares objects between clones of the tree: paths relative to here.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 flavour="${1:-release}"
 shift || true
 jobs="$(nproc)"

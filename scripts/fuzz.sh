@@ -7,6 +7,8 @@
 # build-fuzz/artifacts/ (reproduce: build-fuzz/bin/<target> <that file>).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ccache (when CMake finds it) shares objects between clones of the tree: paths relative to here.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 seconds="${1:-30}"
 shift || true
 targets=("$@")
