@@ -71,6 +71,29 @@ std::vector<std::uint32_t> words(std::size_t n, std::uint32_t seed) {
   return v;
 }
 
+// Hooks that wrap each of the engine's I/O engines in a fault injector the test can reach.
+struct Injectors {
+  std::mutex mu;
+  std::vector<nvme::FaultInjectingEngine*> all;
+  detail::EngineHooks hooks() {
+    detail::EngineHooks h;
+    h.wrap_io_engine = [this](std::unique_ptr<nvme::IoEngine> inner) -> std::unique_ptr<nvme::IoEngine> {
+      auto f = std::make_unique<nvme::FaultInjectingEngine>(std::move(inner));
+      std::lock_guard<std::mutex> lock(mu);
+      all.push_back(f.get());
+      return f;
+    };
+    return h;
+  }
+  // fn(injector) for each, under the lock; false when the engine made none.
+  template <class F>
+  bool each(F&& fn) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto* f : all) fn(*f);
+    return !all.empty();
+  }
+};
+
 class RealEngine : public testing::TestWithParam<IoEngineKind> {};
 
 TEST_P(RealEngine, RandomConcurrentUseKeepsEveryByte) {
@@ -136,15 +159,8 @@ TEST_P(RealEngine, RandomConcurrentUseKeepsEveryByte) {
 // tensor is what its last released write left, and the state machine's invariants hold.
 TEST_P(RealEngine, GiveUpsAndInjectedFaultsKeepEveryByte) {
   TempDir dir(fs::temp_directory_path());
-  std::vector<nvme::FaultInjectingEngine*> injectors;
-  std::mutex mu;
-  detail::EngineHooks hooks;
-  hooks.wrap_io_engine = [&](std::unique_ptr<nvme::IoEngine> inner) -> std::unique_ptr<nvme::IoEngine> {
-    auto f = std::make_unique<nvme::FaultInjectingEngine>(std::move(inner));
-    std::lock_guard<std::mutex> lock(mu);
-    injectors.push_back(f.get());
-    return f;
-  };
+  Injectors injectors;
+  const detail::EngineHooks hooks = injectors.hooks();
   auto engine = detail::create_engine(real_config(dir.path.string(), GetParam()), hooks);
   ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
@@ -160,13 +176,9 @@ TEST_P(RealEngine, GiveUpsAndInjectedFaultsKeepEveryByte) {
     ids.push_back(*id);
   }
   ASSERT_TRUE(e.flush().ok());
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ASSERT_FALSE(injectors.empty());
-    for (auto* f : injectors) {
-      for (std::uint64_t k = 7; k < 400; k += 23) f->fail_nth(k, EIO);  // about one request in 23
-    }
-  }
+  ASSERT_TRUE(injectors.each([](nvme::FaultInjectingEngine& f) {
+    for (std::uint64_t k = 7; k < 400; k += 23) f.fail_nth(k, EIO);  // about one request in 23
+  }));
   std::vector<std::mutex> locks(kTensors);
   std::atomic<int> mismatches{0}, gave_up{0}, failed{0};
   auto worker = [&](int seed) {
@@ -206,13 +218,10 @@ TEST_P(RealEngine, GiveUpsAndInjectedFaultsKeepEveryByte) {
   for (int t = 0; t < 3; ++t) threads.emplace_back(worker, 300 + t);
   for (auto& t : threads) t.join();
   std::uint64_t injected = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (auto* f : injectors) {
-      injected += f->counters().errors;
-      f->clear_faults();
-    }
-  }
+  injectors.each([&](nvme::FaultInjectingEngine& f) {
+    injected += f.counters().errors;
+    f.clear_faults();
+  });
   EXPECT_GT(injected, 0u);
   EXPECT_EQ(mismatches.load(), 0);
   EXPECT_GT(gave_up.load(), 0);
@@ -233,15 +242,8 @@ INSTANTIATE_TEST_SUITE_P(Engines, RealEngine,
 
 TEST(RealEngine, FailedNvmeReadLeavesTheHomeCopyValidAndReportsTheError) {
   TempDir dir(fs::temp_directory_path());
-  std::vector<nvme::FaultInjectingEngine*> injectors;
-  std::mutex mu;
-  detail::EngineHooks hooks;
-  hooks.wrap_io_engine = [&](std::unique_ptr<nvme::IoEngine> inner) -> std::unique_ptr<nvme::IoEngine> {
-    auto f = std::make_unique<nvme::FaultInjectingEngine>(std::move(inner));
-    std::lock_guard<std::mutex> lock(mu);
-    injectors.push_back(f.get());
-    return f;
-  };
+  Injectors injectors;
+  const detail::EngineHooks hooks = injectors.hooks();
   EngineConfig cfg = real_config(dir.path.string(), IoEngineKind::kPosix);
   cfg.tier.host_budget = 1u << 20;  // room for one tensor: the other must come from NVMe
   auto engine = detail::create_engine(cfg, hooks);
@@ -253,11 +255,7 @@ TEST(RealEngine, FailedNvmeReadLeavesTheHomeCopyValidAndReportsTheError) {
   auto b = e.register_tensor({"b", DType::kI32, n}, Tier::kNvme, b_data.data());
   ASSERT_TRUE(a.ok() && b.ok());
   ASSERT_TRUE(e.flush().ok());
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ASSERT_FALSE(injectors.empty());
-    for (auto* f : injectors) f->fail_nth(1, EIO, nvme::IoOp::kRead);
-  }
+  ASSERT_TRUE(injectors.each([](nvme::FaultInjectingEngine& f) { f.fail_nth(1, EIO, nvme::IoOp::kRead); }));
   // "a" was pushed out of the host by "b": reading it needs the NVMe, whose next read fails.
   auto lease = e.acquire_now(*a, Tier::kDevice, Access::kRead);
   ASSERT_FALSE(lease.ok());
