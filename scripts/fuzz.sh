@@ -22,7 +22,8 @@ jobs="${FUZZ_BUILD_JOBS:-$(nproc)}"
 start=$(date +%s)
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
   -DCMAKE_CXX_COMPILER=clang++ -DTIER_SANITIZER=asan -DTIER_BUILD_FUZZERS=ON -DTIER_BUILD_TESTS=OFF \
-  -DTIER_BUILD_BENCH=OFF -DTIER_WITH_CUDA=OFF -DTIER_BUILD_PYTHON=OFF >/dev/null
+  -DTIER_BUILD_BENCH=OFF -DTIER_WITH_CUDA=OFF -DTIER_BUILD_PYTHON=OFF \
+  -DCMAKE_CXX_FLAGS=-DHWY_COMPILE_ONLY_STATIC=1 >/dev/null  # the fuzzed code is not SIMD: one target
 cmake --build build-fuzz -j "$jobs" --target "${targets[@]}"
 built=$(date +%s)
 echo "fuzz.sh: built ${targets[*]} in $((built - start)) s"
