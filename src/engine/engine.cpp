@@ -52,9 +52,13 @@ void detail::LeaseState::end(bool abandon) noexcept {
   const Tier t = tier;
   const Access a = access;
   const std::uint64_t g = generation;
-  link->with([&](Engine::Impl& e) {
+  link->post([id, t, a, g, abandon](Engine::Impl& e) { e.on_release(id, t, a, g, abandon); });
+}
+
+bool detail::EngineLink::post(std::function<void(Engine::Impl&)> fn) {
+  return with([&](Engine::Impl& e) {
     Engine::Impl* pe = &e;
-    e.post([pe, id, t, a, g, abandon] { pe->on_release(id, t, a, g, abandon); });
+    e.post([pe, fn = std::move(fn)] { fn(*pe); });
   });
 }
 
@@ -126,11 +130,7 @@ void AcquireFuture::cancel() {
     granted->end(/*abandon=*/true);
   } else if (state_->link) {
     // Tell the scheduler, so that an acquire queued for room lets go of the tensor now.
-    auto st = state_;
-    state_->link->with([&](Engine::Impl& e) {
-      Engine::Impl* pe = &e;
-      e.post([pe, st] { pe->give_up(st); });
-    });
+    state_->link->post([st = state_](Engine::Impl& e) { e.give_up(st); });
   }
 }
 

@@ -37,6 +37,8 @@ struct EngineLink {
     fn(*engine);
     return true;
   }
+  // Queues fn(engine) on the scheduler thread while the engine is attached; false when it is not.
+  bool post(std::function<void(tier::Engine::Impl&)> fn);
 };
 
 struct AcquireState {
