@@ -28,6 +28,7 @@ import torch
 
 from .. import _tier
 from . import linear as _linear
+from . import zero_init as _zero_init
 from . import schedulers as _schedulers
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -354,6 +355,7 @@ class TierEngine(torch.nn.Module):
         lr_scheduler=None,
         total_num_steps=None,
         warmup_num_steps=None,
+        initial_values=None,
     ):
         super().__init__()
         cfg = _load_config(config)
@@ -368,10 +370,7 @@ class TierEngine(torch.nn.Module):
             if model_parameters is None:
                 model_parameters = optimizer.param_groups
 
-        # The training loop feeds the batches; these "auto"s have nothing to resolve against.
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
-            if cfg.get(key) == "auto":
-                del cfg[key]
+        cfg = _zero_init.engine_config(cfg)
         self._raw_config = cfg
         self.config = _tier.Config.from_json(json.dumps(cfg))
         if "optimizer" not in cfg:
@@ -397,7 +396,20 @@ class TierEngine(torch.nn.Module):
         zero = resolved.get("zero_optimization", {})
         param_home = _HOME[zero.get("offload_param", {}).get("device", "none")]
 
-        self.native = _tier.Engine.create(self.config)
+        # A model built under tier.torch.init has its parameters staged in an engine already.
+        stores = {id(st): st for st in map(_zero_init.staged_store, model.parameters()) if st is not None}
+        if len(stores) > 1:
+            raise ValueError("the model's parameters were staged by more than one tier.torch.init context")
+        store = next(iter(stores.values()), None)
+        if store is not None:
+            if not store.same_engine_config(cfg):
+                raise ValueError(
+                    "initialize got a config whose engine settings (tier, aio, offload_param, offload_optimizer) "
+                    "differ from those tier.torch.init built the model with; pass the same config to both"
+                )
+            self.native = store.native
+        else:
+            self.native = _tier.Engine.create(self.config)
         if self.native.device_kind == "cuda":
             self.device = torch.device("cuda", self.native.device_id)
         else:
@@ -453,14 +465,21 @@ class TierEngine(torch.nn.Module):
         groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):
-            data = slot.param.detach().to("cpu")
+            data = self._initial_value(slot, store, initial_values)
             low = data.to(self.compute_dtype).contiguous()
             slot.tid = self.native.register(slot.name, self.compute_dtype_name, slot.numel, "param", index, param_home, low)
             if slot.trainable:
                 master = data.float().contiguous()
                 group = groups.get(id(slot.param), 0)
                 slot.pid = self.optimizer.add_partition(slot.numel, group, self.compute_dtype_name, master, slot.name)
-            slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            if slot.param.device.type == "meta":
+                _zero_init.swap_data(slot.param, placeholder)
+            else:
+                slot.param.data = placeholder
+            del data, low
+        if store is not None:
+            store.drop_rest()
         self.optimizer.finish_registration()
         self._tensor_of_partition = [-1] * self.optimizer.partition_count
         for slot in self._slots:
@@ -485,6 +504,23 @@ class TierEngine(torch.nn.Module):
         _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _initial_value(slot, store, initial_values):
+        """A parameter's starting values as a CPU tensor: from ``initial_values`` (a checkpoint
+        being loaded), from the tier.torch.init staging copy, or the parameter itself."""
+        if initial_values is not None:
+            value = initial_values(slot.name, slot.param)
+            if value is not None:
+                return value
+        if store is not None and _zero_init.staged_store(slot.param) is store:
+            return store.take(slot.param)
+        if slot.param.device.type == "meta":
+            raise ValueError(
+                f"parameter {slot.name!r} is a meta tensor with no values: build the model under "
+                "tier.torch.init(config), load it with tier.torch.from_pretrained, or give it real weights"
+            )
+        return slot.param.detach().to("cpu")
+
     def _build_groups(self, model_parameters):
         """Parameter groups: group 0 is the config's optimizer; each extra group overrides it."""
         base = json.loads(self.config.to_json()).get("optimizer", {}).get("params", {})
@@ -992,6 +1028,14 @@ class TierEngine(torch.nn.Module):
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
+
+    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype=None, save_config=True):
+        """Writes the current weights to ``save_dir`` as a transformers safetensors checkpoint
+        (sharded, with its index and the model's ``config.json``), one tensor in host memory at a
+        time; see :func:`tier.torch.hf.save_pretrained`. Returns the files written."""
+        from . import hf
+
+        return hf.save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype, save_config=save_config)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Writes the gathered weights (and persistent buffers) as ``save_dir/save_filename`` with

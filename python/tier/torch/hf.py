@@ -1,0 +1,331 @@
+"""Hugging Face checkpoints in and out of tier, one tensor at a time.
+
+``from_pretrained(path, config)`` builds the model described by ``path/config.json`` with its
+parameters as meta tensors (nothing allocated, no random initialisation) and hands them to a
+:class:`~tier.torch.engine.TierEngine` whose registration reads each parameter from the
+checkpoint's safetensors files (memory-mapped) just before registering it: host memory holds one
+tensor of the checkpoint at a time, never the model.
+
+``save_pretrained(engine, save_dir)`` (also ``TierEngine.save_pretrained``) writes the trained
+weights as a safetensors checkpoint that ``transformers`` loads unchanged: shards of at most
+``max_shard_size`` bytes, each written tensor by tensor as it is read from the engine, with
+``model.safetensors.index.json`` when there is more than one shard, and the model's
+``config.json`` (and ``generation_config.json``). Files appear under their final names only when
+complete (written under a temporary name, then renamed).
+"""
+
+import json
+import os
+import re
+import struct
+
+import torch
+
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_NAMED_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def parse_size(size):
+    """``max_shard_size`` as bytes: an int, or a string such as "5GB", "500MB", "2GiB"."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r} is not a size such as 5GB, 500MB or 2GiB")
+    unit = m.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(float(m.group(1)) * base**power)
+
+
+# ------------------------------------------------------------------------------------ reading
+class CheckpointReader:
+    """The tensors of a transformers safetensors checkpoint (one file or sharded with an index),
+    opened lazily and memory-mapped."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.path = path
+        single = os.path.join(path, SINGLE_FILE)
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    self.weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        elif os.path.isfile(single):
+            self.weight_map = None
+        else:
+            raise FileNotFoundError(
+                f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; tier.torch.from_pretrained reads safetensors checkpoints "
+                "(save one with model.save_pretrained(dir, safe_serialization=True))"
+            )
+        self._files = {}
+        if self.weight_map is None:
+            self.weight_map = {k: SINGLE_FILE for k in self._open(SINGLE_FILE).keys()}
+        self.key_of = {k: k for k in self.weight_map}  # the model's name -> the checkpoint's
+        self.converted = {}  # the model's name -> checkpoint key needing a conversion tier lacks
+
+    def _open(self, filename):
+        handle = self._files.get(filename)
+        if handle is None:
+            full = os.path.join(self.path, filename)
+            if not os.path.isfile(full):
+                raise FileNotFoundError(f"{full}: listed in {INDEX_FILE} but missing")
+            try:
+                handle = self._safe_open(full, framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise ValueError(f"{full}: not a readable safetensors file ({e}); is it truncated?") from None
+            self._files[filename] = handle
+        return handle
+
+
+    def follow_renamings(self, model):
+        """Maps the checkpoint's names onto ``model``'s as transformers does when it loads (v5
+        renames legacy names, e.g. GPT-NeoX's ``embed_out`` to ``lm_head``, and adds or strips
+        the base model's prefix). Keys that transformers would also convert (split, merge,
+        transpose) are refused when the model needs them."""
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightRenaming, rename_source_key
+        except ImportError:  # transformers 4: names are the model's
+            return
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        wanted = {n: True for n, _ in model.named_parameters(remove_duplicate=False)}
+        wanted.update({n: True for n, _ in model.named_buffers()})
+        prefix = getattr(model, "base_model_prefix", None) or None
+        for key in self.weight_map:
+            new, converter = rename_source_key(key, renamings, converters, prefix, wanted)
+            if converter is not None:
+                self.converted[new] = key
+            elif new != key:
+                self.key_of[new] = key
+
+    def __contains__(self, name):
+        return name in self.key_of or name in self.converted
+
+    def where(self, name):
+        return os.path.join(self.path, self.weight_map[self.key_of.get(name, name)])
+
+    def tensor(self, name, shape):
+        """The model's tensor ``name`` (under its checkpoint name), checked against ``shape``."""
+        if name not in self.key_of and name in self.converted:
+            raise ValueError(
+                f"{os.path.join(self.path, self.weight_map[self.converted[name]])}: tensor "
+                f"{self.converted[name]!r} needs a weight conversion (transformers' conversion mapping) that "
+                f"tier.torch.from_pretrained does not apply; load with transformers and save it back first"
+            )
+        key = self.key_of[name]
+        handle = self._open(self.weight_map[key])
+        if key not in handle.keys():
+            raise KeyError(f"{self.where(name)}: tensor {key!r} is listed in the index but not in the file")
+        try:
+            got = tuple(handle.get_slice(key).get_shape())
+        except Exception as e:
+            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e})") from None
+        if got != tuple(shape):
+            raise ValueError(
+                f"{self.where(name)}: tensor {name!r} has shape {list(got)} but the model's parameter has "
+                f"{list(shape)}"
+            )
+        try:
+            return handle.get_tensor(key)
+        except Exception as e:
+            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
+
+
+class _EmptyParameters:
+    """Parameters are created as meta tensors and no weight initialisation runs (the checkpoint
+    provides every value); buffers stay real, so values computed at construction (rotary
+    frequencies) survive."""
+
+    def __enter__(self):
+        self._register = torch.nn.Module.register_parameter
+
+        def register(module, name, param):
+            if param is not None and param.device.type != "meta":
+                param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            return self._register(module, name, param)
+
+        torch.nn.Module.register_parameter = register
+        self._no_init = None
+        try:
+            from transformers import initialization
+
+            self._no_init = initialization.no_init_weights()
+            self._no_init.__enter__()
+        except (ImportError, AttributeError):
+            self._no_init = None
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.register_parameter = self._register
+        if self._no_init is not None:
+            self._no_init.__exit__(*exc)
+        return False
+
+
+def from_pretrained(path, config, *, model_class=None, **initialize_kwargs):
+    """A :class:`TierEngine` over the transformers model saved in the folder ``path`` (its
+    ``config.json`` and safetensors weights; nothing is downloaded), configured by ``config``
+    (as ``initialize``'s). ``engine.module`` is the transformers model. ``model_class``: the
+    class to build (default ``transformers.AutoModelForCausalLM``). Other keyword arguments go to
+    ``initialize``. Errors name the file and the tensor: a missing folder, file or tensor, a
+    shape that differs from the model's, a truncated file."""
+    import transformers
+
+    from .engine import TierEngine
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a folder; tier.torch.from_pretrained reads a local transformers checkpoint")
+    reader = CheckpointReader(path)
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    cls = model_class or transformers.AutoModelForCausalLM
+    with _EmptyParameters():
+        if hasattr(cls, "from_config"):
+            model = cls.from_config(hf_config)
+        else:
+            model = cls(hf_config)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # the weight initialisation that would tie them did not run
+
+    reader.follow_renamings(model)
+    # Every name a parameter is known by (tied weights have several): the checkpoint may hold any.
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+
+    def initial_values(name, param):
+        for alias in aliases.get(id(param), [name]):
+            if alias in reader:
+                return reader.tensor(alias, param.shape)
+        files = sorted(set(reader.weight_map.values()))
+        raise KeyError(f"{path}: the checkpoint ({', '.join(files)}) has no tensor {name!r}")
+
+    # Persistent buffers saved in the checkpoint (most models have none) are loaded as they are.
+    for mod_name, mod in model.named_modules():
+        for bname, buf in list(mod._buffers.items()):
+            full = f"{mod_name}.{bname}" if mod_name else bname
+            if buf is not None and bname not in mod._non_persistent_buffers_set and full in reader:
+                mod._buffers[bname] = reader.tensor(full, buf.shape).to(buf.dtype)
+
+    return TierEngine(model, config, initial_values=initial_values, **initialize_kwargs)
+
+
+# ------------------------------------------------------------------------------------ writing
+def _persistent_buffers(model):
+    out = []
+    for mod_name, mod in model.named_modules():
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{bname}" if mod_name else bname, buf))
+    return out
+
+
+def _write_shard(path, entries):
+    """Writes one safetensors file at ``path`` (under a temporary name, then renamed): ``entries``
+    is a list of (name, dtype, shape, nbytes, fetch), fetch() returning the CPU tensor."""
+    header, offset = {}, 0
+    for name, dtype, shape, nbytes, _ in entries:
+        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape, nbytes, fetch in entries:
+            t = fetch()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise RuntimeError(f"save_pretrained: {name!r} came back as {t.dtype} {list(t.shape)}")
+            data = t.contiguous().view(torch.uint8).numpy().tobytes()
+            if len(data) != nbytes:
+                raise RuntimeError(f"save_pretrained: {name!r} has {len(data)} bytes, expected {nbytes}")
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_config=True):
+    """Writes ``engine``'s current weights to ``save_dir`` as a transformers safetensors
+    checkpoint, one tensor in memory at a time. ``dtype``: None for the compute dtype (what the
+    model computes with), or "fp32" for the optimizer's fp32 master weights (frozen parameters are
+    widened), "bf16" or "fp16". Tied weights are written once, under their first name, as
+    transformers does. Returns the list of files written."""
+    want = _NAMED_DTYPE.get(dtype, engine.compute_dtype) if dtype is not None else engine.compute_dtype
+    if dtype is not None and dtype not in _NAMED_DTYPE:
+        raise ValueError(f"save_pretrained: dtype {dtype!r} is not one of None, fp32, bf16, fp16")
+    limit = parse_size(max_shard_size)
+    os.makedirs(save_dir, exist_ok=True)
+
+    def param_fetch(slot):
+        def fetch():
+            if want == torch.float32 and slot.pid is not None:
+                t = torch.empty(slot.shape, dtype=torch.float32)
+                engine.optimizer.read_params(slot.pid, "fp32", t)
+                return t
+            t = torch.empty(slot.shape, dtype=engine.compute_dtype)
+            engine.native.read(slot.tid, t)
+            return t.to(want)
+
+        return fetch
+
+    esize = torch.empty(0, dtype=want).element_size()
+    items = [(s.name, want, s.shape, s.numel * esize, param_fetch(s)) for s in engine._slots]
+    for name, buf in _persistent_buffers(engine.module):
+        b = buf.detach().cpu()
+        if b.dtype in _ST_DTYPE:
+            items.append((name, b.dtype, tuple(b.shape), b.numel() * b.element_size(), lambda b=b: b))
+
+    shards, current, size = [], [], 0
+    for item in items:
+        if current and size + item[3] > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item[3]
+    if current or not shards:
+        shards.append(current)
+
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, entries in zip(names, shards):
+        _write_shard(os.path.join(save_dir, name), entries)
+    written = list(names)
+    index_path = os.path.join(save_dir, INDEX_FILE)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(e[3] for s in shards for e in s)},
+            "weight_map": {e[0]: n for n, s in zip(names, shards) for e in s},
+        }
+        with open(index_path + ".tmp", "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        os.replace(index_path + ".tmp", index_path)
+        written.append(INDEX_FILE)
+    # Shards of an earlier save that this one does not use would confuse a loader: remove them.
+    keep = set(written)
+    for old in os.listdir(save_dir):
+        stale_shard = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old)
+        if stale_shard and old not in keep:
+            os.remove(os.path.join(save_dir, old))
+    module = engine.module
+    if save_config and hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
+        module.config.save_pretrained(save_dir)
+        written.append("config.json")
+        gen = getattr(module, "generation_config", None)
+        if gen is not None and hasattr(gen, "save_pretrained"):
+            gen.save_pretrained(save_dir)
+            written.append("generation_config.json")
+    return written

@@ -1,0 +1,273 @@
+"""tier.torch.init: build a model whose parameters go straight into tier's engine, so that the
+model never exists whole in host memory (in the manner of DeepSpeed's ``zero.Init``).
+
+    with tier.torch.init(config):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    engine, *_ = tier.torch.initialize(model, config)
+
+Inside the context every ``torch.nn.Module`` subclass's ``__init__`` is wrapped: when a module's
+construction ends, each of its parameters that is still a real tensor is copied into the engine
+(homed where ``zero_optimization.offload_param.device`` says: NVMe or host) and replaced, in
+place (the same ``Parameter`` object, so ties and references hold), by a meta tensor of the same
+shape and dtype. At most one module's parameters exist in host memory at a time, plus what the
+engine's host budget holds.
+
+Construction runs exactly as it would outside the context, so the random numbers drawn are the
+same: PyTorch's default initialisation runs in each module's constructor on real tensors, and
+Hugging Face's weight initialisation (``PreTrainedModel._initialize_weights``, called from
+``post_init``) is given each module's parameters back from the engine for the call and stores
+them again afterwards (as ``transformers.integrations.deepspeed.initialize_weights_zero3`` does
+for ZeRO-3). A model built under ``init`` therefore has the same weights as one built eagerly
+with the same seed.
+
+``initialize`` then adopts the staged parameters one at a time (each is read back, registered
+as a parameter and in the optimizer, and its staging copy dropped) on the same engine; it must be
+given the same config. Until then the model's parameters are meta tensors: do not run it.
+Buffers (e.g. rotary frequencies) stay ordinary CPU tensors.
+"""
+
+import functools
+import json
+import threading
+
+import torch
+
+from .. import _tier
+
+_DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_HOME = {"nvme": "nvme", "cpu": "host", "none": "host"}
+
+
+def engine_config(cfg):
+    """The config the native engine is created from: the training loop feeds the batches, so
+    their "auto" sizes have nothing to resolve against and are dropped."""
+    cfg = json.loads(json.dumps(cfg))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        if cfg.get(key) == "auto":
+            del cfg[key]
+    return cfg
+
+
+def _engine_part(cfg):
+    """What of a config decides how the native engine is built (for the same-config check)."""
+    zero = cfg.get("zero_optimization", {}) or {}
+    return json.dumps(
+        {
+            "tier": cfg.get("tier"),
+            "aio": cfg.get("aio"),
+            "offload_param": zero.get("offload_param"),
+            "offload_optimizer": zero.get("offload_optimizer"),
+        },
+        sort_keys=True,
+    )
+
+
+class StagedParameters:
+    """The engine a model was built into and its staged parameters (``param -> tensor id``)."""
+
+    def __init__(self, cfg):
+        from .engine import _load_config
+
+        self.raw_config = engine_config(_load_config(cfg))
+        self.config = _tier.Config.from_json(json.dumps(self.raw_config))
+        resolved = json.loads(self.config.to_json())
+        zero = resolved.get("zero_optimization", {})
+        self.home = _HOME[zero.get("offload_param", {}).get("device", "none")]
+        self.native = _tier.Engine.create(self.config)
+        self.count = 0
+        self.staged_bytes = 0
+        self.live = {}  # staged tensor id -> bytes, for those not yet taken
+
+    def same_engine_config(self, cfg):
+        return _engine_part(engine_config(cfg)) == _engine_part(self.raw_config)
+
+    def stage(self, param):
+        """Copies ``param`` into the engine and turns it into a meta tensor of its shape."""
+        dtype = _DTYPE_NAME.get(param.dtype)
+        if dtype is None:
+            raise TypeError(
+                f"tier.torch.init: a parameter of dtype {param.dtype} cannot be staged; tier holds fp32, bf16 and "
+                "fp16 parameters"
+            )
+        data = param.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        data = data.contiguous()
+        tid = self.native.register(f"init/{self.count}", dtype, data.numel(), "user", 0, self.home, data)
+        self.count += 1
+        self.live[tid] = data.numel() * data.element_size()
+        self.staged_bytes += data.numel() * data.element_size()
+        swap_data(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        param._tier_staged = (self, tid)
+
+    def materialize(self, param):
+        """Gives a staged parameter its values back as a CPU tensor (until ``restage``)."""
+        _, tid = param._tier_staged
+        real = torch.empty(param.shape, dtype=param.dtype)
+        self.native.read(tid, real)
+        swap_data(param, real)
+
+    def restage(self, param):
+        """Stores a materialized parameter's (possibly changed) values and makes it meta again."""
+        _, tid = param._tier_staged
+        self.native.write(tid, param.detach().contiguous())
+        swap_data(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+
+    def take(self, param):
+        """The staged values of ``param`` as a CPU tensor, and drops the staging copy."""
+        _, tid = param._tier_staged
+        out = torch.empty(param.shape, dtype=param.dtype)
+        self.native.read(tid, out)
+        self.native.unregister(tid)
+        self.staged_bytes -= self.live.pop(tid)
+        del param._tier_staged
+        return out
+
+
+    def drop_rest(self):
+        """Drops the staging copies no parameter of the adopted model took (e.g. a weight replaced
+        by a tied one after its module was built)."""
+        for tid in sorted(self.live):
+            self.native.unregister(tid)
+            self.staged_bytes -= self.live[tid]
+        self.live.clear()
+
+
+def swap_data(param, tensor):
+    """Gives ``param`` (the same object) the contents of ``tensor``, keeping its attributes
+    (``torch.utils.swap_tensors`` swaps the objects' ``__dict__`` too)."""
+    attrs = dict(param.__dict__)
+    new = torch.nn.Parameter(tensor, param.requires_grad)
+    torch.utils.swap_tensors(param, new)
+    param.__dict__.clear()
+    param.__dict__.update(attrs)
+
+
+def staged_store(param):
+    staged = getattr(param, "_tier_staged", None)
+    return staged[0] if staged is not None else None
+
+
+def _all_module_classes():
+    seen, stack = set(), [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+    seen.add(torch.nn.Module)
+    return seen
+
+
+class init:
+    """Context manager: modules built inside it put their parameters into tier's engine as their
+    construction ends (see the module's documentation). ``config`` is the config that
+    ``initialize`` will be given. ``enabled=False`` makes it a no-op (as DeepSpeed's)."""
+
+    _active = threading.local()
+
+    def __init__(self, config=None, *, enabled=True):
+        self.enabled = enabled
+        self.store = StagedParameters(config) if enabled else None
+        self._patched = []
+        self._depth = {}
+
+    def _stage_module(self, module):
+        for p in module._parameters.values():
+            if p is None or p.device.type == "meta" or p.numel() == 0 or staged_store(p) is not None:
+                continue
+            self.store.stage(p)
+
+    def _wrap_init(self, cls):
+        original = cls.__dict__["__init__"]
+        ctx = self
+
+        @functools.wraps(original)
+        def wrapped(module, *args, **kwargs):
+            key = id(module)
+            ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                ctx._depth[key] -= 1
+                if ctx._depth[key] == 0:
+                    del ctx._depth[key]
+            if key not in ctx._depth:
+                ctx._stage_module(module)
+
+        wrapped._tier_original = original
+        cls.__init__ = wrapped
+        self._patched.append((cls, "__init__", original))
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if getattr(init._active, "on", False):
+            raise RuntimeError("tier.torch.init: contexts do not nest")
+        init._active.on = True
+        for cls in _all_module_classes():
+            if "__init__" in cls.__dict__:
+                self._wrap_init(cls)
+        ctx = self
+        previous_subclass_hook = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls, **kwargs):
+            if previous_subclass_hook is not None:
+                previous_subclass_hook.__func__(cls, **kwargs)
+            else:
+                super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            if "__init__" in cls.__dict__:
+                ctx._wrap_init(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._patched.append((torch.nn.Module, "__init_subclass__", previous_subclass_hook))
+        self._patch_hf_init()
+        return self
+
+    def _patch_hf_init(self):
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return
+        original = PreTrainedModel.__dict__.get("_initialize_weights")
+        if original is None:
+            return
+        store = self.store
+
+        @functools.wraps(original)
+        def initialize_weights(model, module, *args, **kwargs):
+            # As initialize_weights_zero3: _init_weights may touch the direct children's parameters.
+            params = list(module.parameters(recurse=False))
+            for child in module.children():
+                if not isinstance(child, PreTrainedModel):
+                    params.extend(child.parameters(recurse=False))
+            staged, seen = [], set()
+            for p in params:
+                if id(p) not in seen and staged_store(p) is store:
+                    seen.add(id(p))
+                    store.materialize(p)
+                    staged.append(p)
+            try:
+                return original(model, module, *args, **kwargs)
+            finally:
+                for p in staged:
+                    store.restage(p)
+
+        PreTrainedModel._initialize_weights = initialize_weights
+        self._patched.append((PreTrainedModel, "_initialize_weights", original))
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        for cls, name, original in reversed(self._patched):
+            if original is None:
+                try:
+                    delattr(cls, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(cls, name, original)
+        self._patched.clear()
+        init._active.on = False
+        return False

@@ -1,0 +1,203 @@
+"""tier.torch.init, from_pretrained and save_pretrained: models built, loaded and saved without
+holding them whole, with the same losses and logits as the eager path."""
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tier  # noqa: E402
+import tier.torch  # noqa: E402
+from test_torch_llama import TORCH_DEVICE, batch, tier_config  # noqa: E402
+
+STEPS = 4
+
+
+def llama_config(tied=True):
+    return transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
+    )
+
+
+def neox_config():
+    # Another family: LayerNorm with biases, fused QKV, untied output embedding.
+    return transformers.GPTNeoXConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+
+
+def build(hf_config, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+def losses(engine, steps=STEPS):
+    out = []
+    for i in range(steps):
+        b = batch(i)
+        b = {k: v % engine.module.config.vocab_size for k, v in b.items()}
+        loss = engine(**b).loss
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
+def cfg(swap_dir):
+    return tier_config(swap_dir, gas=1, device_budget="4M")
+
+
+@pytest.mark.parametrize("make_config", [llama_config, neox_config], ids=["llama-tied", "gpt-neox"])
+def test_a_model_built_under_init_trains_exactly_like_the_eager_one(swap_dir, make_config):
+    expected = losses(tier.torch.initialize(build(make_config()), cfg(swap_dir))[0])
+    torch.manual_seed(0)
+    with tier.torch.init(cfg(swap_dir)):
+        model = transformers.AutoModelForCausalLM.from_config(make_config())
+    params = list(model.parameters())
+    assert params and all(p.device.type == "meta" for p in params), "parameters must be staged, not held"
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    got = losses(tier.torch.initialize(model, cfg(swap_dir))[0])
+    assert got == expected  # same random numbers drawn in the same order, same arithmetic
+
+
+def test_init_keeps_ties_and_drops_staging_copies(swap_dir):
+    with tier.torch.init(cfg(swap_dir)) as ctx:
+        model = transformers.AutoModelForCausalLM.from_config(llama_config(tied=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    staged = ctx.store.staged_bytes
+    assert staged >= sum(p.numel() * 4 for p in model.parameters())
+    engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
+    assert ctx.store.staged_bytes == 0 and not ctx.store.live
+    assert engine.native is ctx.store.native
+
+
+def test_init_restores_torch_and_refuses_a_different_engine_config(swap_dir, tmp_path):
+    before = torch.nn.Linear.__init__
+    with tier.torch.init(cfg(swap_dir)):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    assert torch.nn.Linear.__init__ is before
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"  # outside the context: ordinary modules
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    with pytest.raises(ValueError, match="same config"):
+        tier.torch.initialize(model, cfg(other))
+
+
+def test_a_plain_torch_model_built_under_init_matches_eager(swap_dir):
+    def make():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    eager = make()
+    expected = [p.detach().clone() for p in eager.parameters()]
+    with tier.torch.init(cfg(swap_dir)):
+        model = make()
+    engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
+    got = [engine.parameter(s.name) for s in engine._slots]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_meta_parameter_without_values_is_refused(swap_dir):
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta tensor"):
+        tier.torch.initialize(model, cfg(swap_dir))
+
+
+@pytest.mark.parametrize("shard", ["40KB", "100MB"], ids=["sharded", "single-file"])
+@pytest.mark.parametrize("make_config", [llama_config, neox_config], ids=["llama-tied", "gpt-neox"])
+def test_from_pretrained_trains_like_the_eager_model(swap_dir, tmp_path, shard, make_config):
+    src = str(tmp_path / "src")
+    build(make_config()).save_pretrained(src, max_shard_size=shard)
+    assert os.path.exists(os.path.join(src, "model.safetensors.index.json")) == (shard == "40KB")
+    expected = losses(tier.torch.initialize(build(make_config()), cfg(swap_dir))[0])
+    got = losses(tier.torch.from_pretrained(src, cfg(swap_dir)))
+    assert got == expected
+
+
+def test_from_pretrained_reads_a_bf16_checkpoint(swap_dir, tmp_path):
+    src = str(tmp_path / "src")
+    build(llama_config()).to(torch.bfloat16).save_pretrained(src)
+    engine = tier.torch.from_pretrained(src, cfg(swap_dir))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for slot in engine._slots:
+        assert torch.equal(engine.parameter(slot.name), ref.get_parameter(slot.name).detach())
+
+
+@pytest.mark.parametrize("shard", ["30KB", "5GB"], ids=["sharded", "single-file"])
+@pytest.mark.parametrize("make_config", [llama_config, neox_config], ids=["llama-tied", "gpt-neox"])
+def test_save_pretrained_reloads_in_plain_transformers_with_the_same_logits(swap_dir, tmp_path, shard, make_config):
+    engine, *_ = tier.torch.initialize(build(make_config()), cfg(swap_dir))
+    losses(engine, 2)
+    out = str(tmp_path / "out")
+    written = engine.save_pretrained(out, max_shard_size=shard)
+    assert "config.json" in written
+    if shard == "30KB":
+        index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+        assert len(set(index["weight_map"].values())) > 1
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).to(TORCH_DEVICE)
+    ids = batch(9)["input_ids"] % engine.module.config.vocab_size
+    with torch.no_grad():
+        ours = engine(input_ids=ids).logits.float()
+        theirs = back(input_ids=ids).logits.float()
+    assert (ours - theirs).abs().max().item() <= 1e-6
+
+
+def test_save_pretrained_fp32_writes_the_masters_and_a_new_save_replaces_old_shards(swap_dir, tmp_path):
+    engine, *_ = tier.torch.initialize(build(llama_config()), tier_config(swap_dir, gas=1, device_budget="4M", dtype="bf16"))
+    losses(engine, 2)
+    out = str(tmp_path / "out")
+    engine.save_pretrained(out, max_shard_size="30KB", dtype="fp32")
+    masters = engine.state_dict_fp32()
+    from safetensors.torch import load_file
+
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    for name, fname in index["weight_map"].items():
+        if name in masters:
+            assert torch.equal(load_file(os.path.join(out, fname))[name], masters[name])
+    engine.save_pretrained(out)  # bf16, one file
+    files = sorted(f for f in os.listdir(out) if f.startswith("model"))
+    assert files == ["model.safetensors"]
+    back = load_file(os.path.join(out, "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in back.values())
+
+
+def test_from_pretrained_errors_name_the_file_and_the_tensor(swap_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        tier.torch.from_pretrained(str(tmp_path / "nowhere"), cfg(swap_dir))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    llama_config().save_pretrained(str(empty))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        tier.torch.from_pretrained(str(empty), cfg(swap_dir))
+
+    from safetensors.torch import load_file, save_file
+
+    src = str(tmp_path / "src")
+    build(llama_config()).save_pretrained(src)
+    weights = os.path.join(src, "model.safetensors")
+    tensors = load_file(weights)
+
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    save_file(missing, weights, metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        tier.torch.from_pretrained(src, cfg(swap_dir))
+
+    wrong = dict(tensors)
+    wrong["model.norm.weight"] = torch.ones(65)
+    save_file(wrong, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[65\]"):
+        tier.torch.from_pretrained(src, cfg(swap_dir))
+
+    save_file(tensors, weights, metadata={"format": "pt"})
+    size = os.path.getsize(weights)
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(ValueError, match="model.safetensors.*truncated"):
+        tier.torch.from_pretrained(src, cfg(swap_dir))
