@@ -642,6 +642,9 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
                              Status* fatal) {
   const int ti = static_cast<int>(tier);
   const bool prefetch = horizon != kNever;
+  // Set when the budget has room but the store cannot place the bytes (fragmented): then dirty
+  // copies must be written back too, although the budget alone would not ask for it.
+  bool fragmented = false;
   for (int round = 0;; ++round) {
     if (used[ti] + bytes <= budget[ti]) {
       auto r = be.stores[ti]->allocate(bytes);
@@ -657,6 +660,7 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
         return false;
       }
       // The store is fragmented or short although the budget allows: evict more below.
+      fragmented = true;
     }
     // Candidates: unpinned valid copies that are not home copies.
     struct Cand {
@@ -683,7 +687,7 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
         dropped = true;
         break;
       }
-      if (!prefetch && !t.writer && used[ti] - freeing[ti] + bytes > budget[ti] &&
+      if (!prefetch && !t.writer && (fragmented || used[ti] - freeing[ti] + bytes > budget[ti]) &&
           Clock::now() >= t.copies[ti].retry_writeback_after) {
         start_writeback(v.id, tier);
       }

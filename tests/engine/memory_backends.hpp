@@ -18,19 +18,23 @@ namespace tier::testing {
 
 class MemoryStore : public detail::TierStore {
  public:
-  explicit MemoryStore(std::uint64_t capacity) : capacity_(capacity) {}
+  // `granule`: every allocation takes a multiple of it from the capacity, so that the store can be
+  // full while the engine's budget (which counts the bytes asked for) still has room, as a
+  // fragmented pinned arena can be.
+  explicit MemoryStore(std::uint64_t capacity, std::uint64_t granule = 1) : capacity_(capacity), granule_(granule) {}
   Result<detail::Buffer> allocate(std::uint64_t bytes) override {
-    if (used_->load() + bytes > capacity_) return resource_exhausted("memory store full");
+    const std::uint64_t taken = (bytes + granule_ - 1) / granule_ * granule_;
+    if (used_->load() + taken > capacity_) return resource_exhausted("memory store full");
     void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
     if (!p) return resource_exhausted("aligned_alloc failed");
     std::memset(p, 0xA5, bytes);  // garbage: the engine must never read what it did not write
-    used_->fetch_add(bytes);
+    used_->fetch_add(taken);
     auto used = used_;
     detail::Buffer b;
     b.ptr = p;
     b.bytes = bytes;
-    b.holder = std::shared_ptr<void>(p, [used, bytes](void* q) {
-      used->fetch_sub(bytes);
+    b.holder = std::shared_ptr<void>(p, [used, taken](void* q) {
+      used->fetch_sub(taken);
       std::free(q);
     });
     return b;
@@ -40,6 +44,7 @@ class MemoryStore : public detail::TierStore {
 
  private:
   std::uint64_t capacity_;
+  std::uint64_t granule_;
   std::shared_ptr<std::atomic<std::uint64_t>> used_ = std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 
@@ -138,13 +143,14 @@ struct MemoryEngine {
 };
 
 // device/host/nvme capacities in bytes (0: tier absent).
+// `host_granule`: the host store's allocation granule (see MemoryStore).
 inline Result<MemoryEngine> make_memory_engine(EngineConfig cfg, std::uint64_t device, std::uint64_t host,
-                                               std::uint64_t nvme) {
+                                               std::uint64_t nvme, std::uint64_t host_granule = 1) {
   MemoryEngine m;
   m.counters = std::make_shared<Counters>();
   detail::Backends b;
   if (device) b.stores[0] = std::make_unique<MemoryStore>(device);
-  if (host) b.stores[1] = std::make_unique<MemoryStore>(host);
+  if (host) b.stores[1] = std::make_unique<MemoryStore>(host, host_granule);
   if (nvme) b.stores[2] = std::make_unique<MemoryStore>(nvme);
   auto mover = std::make_unique<ThreadMover>(m.counters);
   m.mover = mover.get();
