@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <unordered_map>
 
 #include "tier/config.hpp"
 #include "tier/cpu_kernels.hpp"
@@ -527,10 +528,30 @@ NB_MODULE(_tier, m) {
       .def("clear_grads", [](PyOptimizer& o) { o.get().clear_grads(); })
       .def(
           "step_into",
-          [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors) {
+          [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
+             const std::vector<std::int64_t>& grad_tensors) {
             EngineParamSink sink(engine, tensors, o.get());
             optim::StepOptions so;
             so.on_output = [&](const optim::OutputChunk& c) { return sink.on_output(c); };
+            // Declared gradients are read from their engine tensors, one lease per partition.
+            std::unordered_map<optim::PartitionId, Lease> grad_leases;
+            so.grad_source = [&](optim::PartitionId id) -> Result<cpu::ConstTensorRef> {
+              if (id >= grad_tensors.size() || grad_tensors[id] < 0) {
+                return invalid_argument(str("partition ", id, " has a declared gradient but no gradient tensor"));
+              }
+              const auto tid = static_cast<TensorId>(grad_tensors[id]);
+              TIER_ASSIGN_OR_RETURN(TensorInfo info, engine.info(tid));
+              TIER_ASSIGN_OR_RETURN(Lease lease, engine.acquire_now(tid, Tier::kHost, Access::kRead));
+              const void* data = lease.data();
+              grad_leases[id] = std::move(lease);
+              return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
+            };
+            so.grad_done = [&](optim::PartitionId id) {
+              auto it = grad_leases.find(id);
+              if (it == grad_leases.end()) return;
+              it->second.release().ignore();  // a read lease: nothing to write back
+              grad_leases.erase(it);
+            };
             Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
             Status closed;
             {
@@ -542,8 +563,15 @@ NB_MODULE(_tier, m) {
             check(closed);
             return report_dict(report);
           },
-          "engine"_a, "tensors"_a,
-          "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none).")
+          "engine"_a, "tensors"_a, "grad_tensors"_a = std::vector<std::int64_t>{},
+          "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none); "
+          "a gradient declared with declare_grad is read from engine tensor grad_tensors[i].")
+      .def(
+          "declare_grad",
+          [](PyOptimizer& o, optim::PartitionId id, double sumsq) { check(o.get().declare_grad(id, sumsq)); },
+          "partition"_a, "sumsq"_a,
+          "Partition `partition` has its final gradient of this step in an engine tensor (step_into's "
+          "grad_tensors), with sum of squares `sumsq`.")
       .def("set_lr", [](PyOptimizer& o, int group, double lr) { check(o.get().set_lr(group, lr)); })
       .def("lr", [](PyOptimizer& o, int group) { return unwrap(o.get().hyper_params(group)).lr; })
       .def("group_step", [](PyOptimizer& o, int group) { return unwrap(o.get().group_step(group)); })

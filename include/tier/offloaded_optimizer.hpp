@@ -180,6 +180,16 @@ struct StepOptions {
   // error stops further calls; the state update still completes and is committed, and step()
   // returns that error (the message says the step was applied); read_params() gives the values.
   std::function<Status(const OutputChunk&)> on_output;
+  // (required when a gradient was declared with declare_grad) The gradient of a declared
+  // partition: numel elements of fp32, fp16 or bf16, valid and unchanged until grad_done(id).
+  // Called on the thread that called step(), before the partition's first chunk is updated. An
+  // error fails the step as an I/O error does: with the NVMe home the state is intact and the
+  // gradients are kept; with the host home (updated in place) an error after the first chunk
+  // leaves the state invalid until a checkpoint is loaded.
+  std::function<Result<cpu::ConstTensorRef>(PartitionId)> grad_source;
+  // (optional) The gradient of a declared partition is no longer needed (after its last chunk, or
+  // when the step fails); called once per grad_source call.
+  std::function<void(PartitionId)> grad_done;
 };
 
 // One stream of the pipeline.
@@ -260,6 +270,14 @@ class OffloadedOptimizer {
   // Errors: kInvalidArgument (unknown id, wrong length/dtype, kBorrow with accumulation);
   // kFailedPrecondition (more calls than accumulation steps: call step() or clear_grads()).
   Status add_grad(PartitionId id, cpu::ConstTensorRef grad, GradMode mode = GradMode::kCopy);
+  // Declares that partition `id` has its final gradient of this step, kept by the caller (e.g. in
+  // an engine tensor homed on NVMe, so that host memory does not grow with the model), and that
+  // its sum of squares is `sumsq` (of the values as they will be given, loss scale included).
+  // step() asks for it through StepOptions::grad_source when it reaches the partition's chunks,
+  // in partition order, and hands it back through grad_done after its last chunk. Errors:
+  // kInvalidArgument (unknown id, negative or nan sumsq; inf is an overflow, as with add_grad);
+  // kFailedPrecondition (the partition already has a gradient this step).
+  Status declare_grad(PartitionId id, double sumsq);
   // Forgets every gradient taken since the last step (and borrowed buffers).
   void clear_grads() noexcept;
   // Partitions that have at least one gradient this step.

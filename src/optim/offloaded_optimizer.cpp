@@ -566,10 +566,37 @@ Status OffloadedOptimizer::add_grad(PartitionId id, cpu::ConstTensorRef grad, Gr
   return {};
 }
 
+Status OffloadedOptimizer::declare_grad(PartitionId id, double sumsq) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("declare_grad"));
+  if (id >= im.parts.size()) {
+    return invalid_argument(
+        str("optimizer declare_grad: partition ", id, " does not exist (", im.parts.size(), " partitions)"));
+  }
+  if (std::isnan(sumsq) || sumsq < 0) {
+    return invalid_argument(str("optimizer declare_grad: ", partition_label(id, im.parts[id]), ": sum of squares ",
+                                sumsq, " is not a non-negative number"));
+  }
+  Partition& p = im.parts[id];
+  if (p.contributions != 0) {
+    return failed_precondition(str("optimizer declare_grad: ", partition_label(id, p),
+                                   " already has a gradient this step; call step() or clear_grads() first"));
+  }
+  p.declared = true;
+  p.grad = nullptr;
+  p.grad_dtype = DType::kF32;
+  p.sumsq = sumsq;
+  p.norm_known = true;
+  p.contributions = im.opt.gradient_accumulation_steps;
+  ++im.with_grads;
+  return {};
+}
+
 void OffloadedOptimizer::clear_grads() noexcept {
   Impl& im = *impl_;
   for (Partition& p : im.parts) {
     p.grad = nullptr;
+    p.declared = false;
     p.contributions = 0;
     p.norm_known = false;
     p.sumsq = 0;
@@ -682,10 +709,48 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     }
     fs.clear();
   };
+  // Declared gradients are fetched before a partition's first chunk and handed back after its last.
+  bool any_declared = false;
+  for (const Partition& p : im.parts) any_declared = any_declared || p.declared;
+  if (any_declared && !options.grad_source) {
+    rollback();
+    return failed_precondition(
+        "optimizer step: gradients were declared (declare_grad) but StepOptions::grad_source is not set");
+  }
+  auto fetch_grads = [&](const Chunk& c) -> Status {
+    for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+      Partition& p = im.parts[pid];
+      if (!p.declared || p.grad != nullptr) continue;
+      auto g = options.grad_source(pid);
+      if (!g.ok()) return g.status().with_context(str("the gradient of ", partition_label(pid, p)));
+      const cpu::ConstTensorRef ref = *g;
+      p.grad = ref.data;  // set first, so that a refused gradient is still handed back
+      if (ref.numel != p.numel || !cpu::is_float_dtype(ref.dtype) || ref.data == nullptr) {
+        return invalid_argument(str("optimizer step: grad_source gave ", partition_label(pid, p), " ", ref.numel,
+                                    " elements of ", dtype_name(ref.dtype), "; it needs ", p.numel,
+                                    " elements of fp32, fp16 or bf16"));
+      }
+      p.grad_dtype = ref.dtype;
+    }
+    return {};
+  };
+  auto return_grads = [&](const Chunk* c) {
+    for (PartitionId pid = c ? c->first : 0; pid < (c ? c->last + 1 : im.parts.size()); ++pid) {
+      Partition& p = im.parts[pid];
+      if (!p.declared || p.grad == nullptr) continue;
+      if (c && p.start + p.numel > c->start + c->numel) continue;  // continues in the next chunk
+      p.grad = nullptr;
+      if (options.grad_done) options.grad_done(pid);
+    }
+  };
+  bool updated_any = false;
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
     const Chunk& c = im.chunks[i];
     drain(pending[b]);  // the staging is about to be overwritten
+    if (any_declared) TIER_RETURN_IF_ERROR(fetch_grads(c));
     TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest));
+    updated_any = true;
+    if (any_declared) return_grads(&c);
     if (!options.on_output || !sink_error.ok()) return {};
     const auto ts = Clock::now();
     for (PartitionId pid = c.first; pid <= c.last && sink_error.ok(); ++pid) {
@@ -723,12 +788,13 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   }
   for (auto& fs : pending) drain(fs);
   r.output_seconds = output_seconds;
+  if (any_declared) return_grads(nullptr);  // after a failure: what is still held
   if (!st.ok()) {
     rollback();
     ++im.steps_failed;
-    if (!im.nvme()) {
-      // Host home updates in place: a failure mid-way (only a kernel argument error can get here)
-      // leaves a mix of steps, which must not pass unnoticed.
+    if (!im.nvme() && updated_any) {
+      // Host home updates in place: a failure mid-way (a kernel argument error, or a declared
+      // gradient that could not be fetched) leaves a mix of steps, which must not pass unnoticed.
       im.state_invalid = st.with_context("optimizer step failed mid-way on host-resident state; load a checkpoint");
       return im.state_invalid;
     }

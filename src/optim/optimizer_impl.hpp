@@ -41,6 +41,7 @@ struct Partition {
   DType grad_dtype = DType::kF32;
   FloatPtr acc;  // fp32 accumulator, allocated at the first copied gradient and kept
   int contributions = 0;
+  bool declared = false;  // the caller keeps the gradient; step() asks StepOptions::grad_source
   bool norm_known = false;
   double sumsq = 0;
 };

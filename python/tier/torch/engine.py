@@ -148,6 +148,66 @@ class _MicroStepGrads:
         self.held.clear()
 
 
+class _EngineGrads:
+    """Sums each step's gradients in fp32 in engine tensors homed with the optimizer state on NVMe
+    (``grad/<name>``), so host memory holds only what the engine's host budget caches, however
+    large the model. The first micro-step's gradient is written (no read), later ones added
+    (read, add, write back, as the engine decides). On the boundary micro-step each partition's
+    sum of squares is taken as its gradient is added; ``flush`` declares the gradients to the
+    native optimizer, which reads them from the engine chunk by chunk during its step
+    (``step_into``'s ``grad_tensors``)."""
+
+    _SUMSQ_PIECE = 1 << 20
+
+    def __init__(self, engine, partition_count):
+        self._engine = weakref.ref(engine)
+        self.tensors = [-1] * partition_count  # partition -> engine tensor of its gradient
+        self.held = set()  # partitions with a gradient this step
+        self.sumsq = {}  # partition -> sum of squares of its final gradient (boundary micro-step)
+
+    def register(self, native, pid, name, numel, home):
+        self.tensors[pid] = native.register(f"grad/{name}", "fp32", numel, "grad", 0, home)
+
+    def _sum_of_squares(self, flat):
+        total = 0.0
+        for s in range(0, flat.numel(), self._SUMSQ_PIECE):
+            piece = flat[s : s + self._SUMSQ_PIECE]
+            total += float(torch.dot(piece, piece))
+        return total
+
+    def add_grad(self, pid, grad):
+        engine = self._engine()
+        first = pid not in self.held
+        lease = engine.native.acquire(self.tensors[pid], "host", "write" if first else "read_write")
+        flat = torch.from_dlpack(lease.as_tensor())
+        g = grad.detach().reshape(-1)
+        if first:
+            flat.copy_(g)
+        else:
+            flat.add_(g.float())
+        self.held.add(pid)
+        if engine.is_gradient_accumulation_boundary():
+            self.sumsq[pid] = self._sum_of_squares(flat)
+        del flat  # ends the lease
+
+    def flush(self, optimizer):
+        engine = self._engine()
+        for pid in sorted(self.held):
+            sumsq = self.sumsq.get(pid)
+            if sumsq is None:  # the boundary was not known when the gradient came
+                lease = engine.native.acquire(self.tensors[pid], "host", "read")
+                flat = torch.from_dlpack(lease.as_tensor())
+                sumsq = self._sum_of_squares(flat)
+                del flat
+            optimizer.declare_grad(pid, sumsq)
+        self.held.clear()
+        self.sumsq.clear()
+
+    def clear(self):
+        self.held.clear()
+        self.sumsq.clear()
+
+
 def _load_config(config):
     if config is None:
         return {}
@@ -461,6 +521,9 @@ class TierEngine(torch.nn.Module):
         opt_cfg.pop("train_batch_size", None)
         opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
         self.optimizer = _tier.Optimizer.create(opt_config, trainable_numel, self.native)
+        # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
+        # otherwise (host-resident state) in host memory beside it.
+        self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
         self._grads = _MicroStepGrads(self)
         groups = self._build_groups(model_parameters)
 
@@ -481,6 +544,11 @@ class TierEngine(torch.nn.Module):
         if store is not None:
             store.drop_rest()
         self.optimizer.finish_registration()
+        if self._grads_in_engine:
+            self._grads = _EngineGrads(self, self.optimizer.partition_count)
+            for slot in self._slots:
+                if slot.pid is not None:
+                    self._grads.register(self.native, slot.pid, slot.name, slot.numel, "nvme")
         self._tensor_of_partition = [-1] * self.optimizer.partition_count
         for slot in self._slots:
             if slot.pid is not None:
@@ -774,7 +842,8 @@ class TierEngine(torch.nn.Module):
         self._drain_grads()  # gradients of a backward run outside engine.backward()
         self._grads.flush(self.optimizer)
         self._apply_lr()
-        report = self.optimizer.step_into(self.native, self._tensor_of_partition)
+        grad_tensors = self._grads.tensors if self._grads_in_engine else []
+        report = self.optimizer.step_into(self.native, self._tensor_of_partition, grad_tensors)
         self._param_version += 1
         self.last_report = report
         if report["applied"]:
@@ -1073,4 +1142,5 @@ class TierEngine(torch.nn.Module):
         self.optimizer.close()
         self.optimizer = None
         self.native = None
+        self.config = None  # a native object too: nothing of tier's may outlive the interpreter
         _LIVE_ENGINES.discard(self)

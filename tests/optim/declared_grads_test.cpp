@@ -1,0 +1,171 @@
+// Declared gradients (declare_grad + StepOptions::grad_source): the caller keeps each partition's
+// gradient and the step asks for it chunk by chunk. The result must be the add_grad result, bit
+// for bit; every fetched gradient is handed back once; a failed fetch or a failed step keeps the
+// state and the declarations for a retry.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "optim/optim_test_util.hpp"
+
+namespace tier::optim {
+namespace {
+
+using test::Home;
+using test::Reference;
+using test::Rig;
+
+class DeclaredGrads : public testing::TestWithParam<Home> {
+ protected:
+  void SetUp() override {
+    if (auto why = test::home_unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
+  }
+  std::unique_ptr<Rig> make(OffloadedOptimizerOptions o, const Reference& ref) {
+    o.chunk_elements = 4096;  // several partitions per chunk, and partitions across chunks
+    o.buffer_count = 3;
+    auto rig = std::make_unique<Rig>(GetParam(), o);
+    EXPECT_TRUE(rig->status().ok()) << rig->status();
+    if (rig->status().ok()) {
+      EXPECT_TRUE(rig->register_model(ref, 11).ok());
+    }
+    return rig;
+  }
+};
+
+// The caller's side: gradients kept per partition, and a record of what the step asked for.
+struct Source {
+  std::map<PartitionId, std::vector<std::uint8_t>> grads;
+  DType dtype = DType::kBF16;
+  std::vector<PartitionId> fetched, returned;
+  PartitionId fail_at = ~PartitionId{0};
+
+  StepOptions options(const std::vector<test::PartDesc>& model) {
+    StepOptions so;
+    so.grad_source = [this, &model](PartitionId id) -> Result<cpu::ConstTensorRef> {
+      if (id == fail_at) return Status(StatusCode::kIoError, "the gradient's tier could not be read (injected)");
+      fetched.push_back(id);
+      return cpu::ConstTensorRef(grads.at(id).data(), dtype, model[id].numel);
+    };
+    so.grad_done = [this](PartitionId id) { returned.push_back(id); };
+    return so;
+  }
+};
+
+TEST_P(DeclaredGrads, MatchAddGradBitForBitAndAreFetchedInOrderOnce) {
+  const auto model = test::mixed_model();
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  o.max_grad_norm = 0.05;  // clipping uses the declared sums
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    Source src;
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      if (i == 2) continue;  // no gradient: updated with zeros, never fetched
+      auto g = test::make_grad(model[i].numel, src.dtype, test::grad_seed(step, 0, i));
+      ref.add_grad(i, g.data(), src.dtype);
+      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), src.dtype, model[i].numel)).value();
+      ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
+      src.grads[static_cast<PartitionId>(i)] = std::move(g);
+    }
+    double norm = 0;
+    ASSERT_TRUE(ref.step(1.0, o.max_grad_norm, &norm));
+    auto r = rig->opt().step(src.options(model));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->grad_norm, norm);
+    EXPECT_EQ(r->zero_grad_partitions, 1u);
+    ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "after step " << step;
+    // In partition order, each once, and each handed back.
+    std::vector<PartitionId> expected;
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      if (i != 2) expected.push_back(static_cast<PartitionId>(i));
+    }
+    EXPECT_EQ(src.fetched, expected);
+    EXPECT_EQ(std::multiset<PartitionId>(src.returned.begin(), src.returned.end()),
+              std::multiset<PartitionId>(expected.begin(), expected.end()));
+    EXPECT_EQ(rig->opt().partitions_with_grads(), 0u);
+  }
+}
+
+TEST_P(DeclaredGrads, AFailedFetchKeepsTheStateAndTheDeclarationsForARetry) {
+  const auto model = test::mixed_model();
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  Source src;
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    auto g = test::make_grad(model[i].numel, src.dtype, test::grad_seed(1, 0, i));
+    ref.add_grad(i, g.data(), src.dtype);
+    const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), src.dtype, model[i].numel)).value();
+    ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
+    src.grads[static_cast<PartitionId>(i)] = std::move(g);
+  }
+  src.fail_at = static_cast<PartitionId>(model.size() - 1);
+  auto failed = rig->opt().step(src.options(model));
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("injected"), std::string::npos) << failed.status();
+  // Everything fetched was handed back.
+  EXPECT_EQ(std::multiset<PartitionId>(src.fetched.begin(), src.fetched.end()),
+            std::multiset<PartitionId>(src.returned.begin(), src.returned.end()));
+  if (GetParam().home == StateHome::kHost) {
+    // Updated in place up to the failure: the state says so loudly until a checkpoint is loaded.
+    EXPECT_FALSE(rig->opt().step(src.options(model)).ok());
+    return;
+  }
+  // NVMe home: nothing was applied.
+  EXPECT_EQ(rig->opt().partitions_with_grads(), model.size());
+  auto before = rig->opt().group_step(0);
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ(*before, 0);
+
+  src.fail_at = ~PartitionId{0};
+  ASSERT_TRUE(ref.step(1.0, 0));
+  auto r = rig->opt().step(src.options(model));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(test::state_matches(rig->opt(), ref));
+}
+
+TEST_P(DeclaredGrads, MisuseIsRefused) {
+  const auto model = test::mixed_model();
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  EXPECT_EQ(rig->opt().declare_grad(static_cast<PartitionId>(model.size()), 1.0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig->opt().declare_grad(0, -1.0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig->opt().declare_grad(0, std::nan("")).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(rig->opt().declare_grad(0, 1.0).ok());
+  EXPECT_EQ(rig->opt().declare_grad(0, 1.0).code(), StatusCode::kFailedPrecondition);
+  // Declared but no source: refused before anything changes.
+  auto r = rig->opt().step();
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*rig->opt().group_step(0), 0);
+  // A source that gives the wrong length fails the step and keeps the state.
+  std::vector<float> short_grad(3, 0.0f);
+  StepOptions so;
+  int returned = 0;
+  so.grad_source = [&](PartitionId) -> Result<cpu::ConstTensorRef> {
+    return cpu::ConstTensorRef(short_grad.data(), DType::kF32, short_grad.size());
+  };
+  so.grad_done = [&](PartitionId) { ++returned; };
+  r = rig->opt().step(so);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(returned, 1);
+  EXPECT_EQ(*rig->opt().group_step(0), 0);
+  EXPECT_TRUE(test::state_matches(rig->opt(), ref));
+  rig->opt().clear_grads();
+  EXPECT_EQ(rig->opt().partitions_with_grads(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Homes, DeclaredGrads, testing::ValuesIn(test::all_homes()), test::home_name);
+
+}  // namespace
+}  // namespace tier::optim
