@@ -275,7 +275,8 @@ class OffloadedOptimizer {
   // its sum of squares is `sumsq` (of the values as they will be given, loss scale included).
   // step() asks for it through StepOptions::grad_source when it reaches the partition's chunks,
   // in partition order, and hands it back through grad_done after its last chunk. Errors:
-  // kInvalidArgument (unknown id, negative or nan sumsq; inf is an overflow, as with add_grad);
+  // kInvalidArgument (unknown id, negative sumsq; inf or nan mark an overflow, as a non-finite
+  // gradient given to add_grad does);
   // kFailedPrecondition (the partition already has a gradient this step).
   Status declare_grad(PartitionId id, double sumsq);
   // Forgets every gradient taken since the last step (and borrowed buffers).

@@ -573,9 +573,9 @@ Status OffloadedOptimizer::declare_grad(PartitionId id, double sumsq) {
     return invalid_argument(
         str("optimizer declare_grad: partition ", id, " does not exist (", im.parts.size(), " partitions)"));
   }
-  if (std::isnan(sumsq) || sumsq < 0) {
+  if (sumsq < 0) {  // inf and nan pass: a non-finite gradient is an overflow, as with add_grad
     return invalid_argument(str("optimizer declare_grad: ", partition_label(id, im.parts[id]), ": sum of squares ",
-                                sumsq, " is not a non-negative number"));
+                                sumsq, " is negative"));
   }
   Partition& p = im.parts[id];
   if (p.contributions != 0) {

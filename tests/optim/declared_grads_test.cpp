@@ -141,7 +141,6 @@ TEST_P(DeclaredGrads, MisuseIsRefused) {
   ASSERT_TRUE(rig->status().ok());
   EXPECT_EQ(rig->opt().declare_grad(static_cast<PartitionId>(model.size()), 1.0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(rig->opt().declare_grad(0, -1.0).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(rig->opt().declare_grad(0, std::nan("")).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(rig->opt().declare_grad(0, 1.0).ok());
   EXPECT_EQ(rig->opt().declare_grad(0, 1.0).code(), StatusCode::kFailedPrecondition);
   // Declared but no source: refused before anything changes.
@@ -162,6 +161,30 @@ TEST_P(DeclaredGrads, MisuseIsRefused) {
   EXPECT_EQ(*rig->opt().group_step(0), 0);
   EXPECT_TRUE(test::state_matches(rig->opt(), ref));
   rig->opt().clear_grads();
+  EXPECT_EQ(rig->opt().partitions_with_grads(), 0u);
+}
+
+TEST_P(DeclaredGrads, ANonFiniteSumIsAnOverflowAndSkipsTheStep) {
+  const auto model = test::mixed_model();
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  o.skip_non_finite = true;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  Source src;
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    src.grads[static_cast<PartitionId>(i)] = test::make_grad(model[i].numel, src.dtype, test::grad_seed(1, 0, i));
+    const double sumsq = i == 1 ? std::nan("") : 1.0;
+    ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
+  }
+  auto r = rig->opt().step(src.options(model));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->overflow);
+  EXPECT_FALSE(r->applied);
+  EXPECT_TRUE(src.fetched.empty());  // nothing was read for a skipped step
+  EXPECT_TRUE(test::state_matches(rig->opt(), ref));
   EXPECT_EQ(rig->opt().partitions_with_grads(), 0u);
 }
 
