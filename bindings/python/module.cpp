@@ -511,7 +511,7 @@ NB_MODULE(_tier, m) {
           "group"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a)
       .def(
           "add_grad",
-          [](PyOptimizer& o, optim::PartitionId id, nb::handle grad) {
+          [](PyOptimizer& o, optim::PartitionId id, nb::handle grad, bool borrow) {
             nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> a;
             if (!nb::try_cast(grad, a))
               raise(invalid_argument("add_grad: expected a C-contiguous CPU array or tensor"));
@@ -520,11 +520,13 @@ NB_MODULE(_tier, m) {
             Status s;
             {
               nb::gil_scoped_release unlocked;
-              s = o.get().add_grad(id, ref);
+              s = o.get().add_grad(id, ref, borrow ? optim::GradMode::kBorrow : optim::GradMode::kCopy);
             }
             check(s);
           },
-          "partition"_a, "grad"_a)
+          "partition"_a, "grad"_a, "borrow"_a = false,
+          "Takes a gradient; borrow=True keeps a pointer instead of copying: the caller keeps the array alive "
+          "and unchanged until step() or clear_grads() returns.")
       .def("clear_grads", [](PyOptimizer& o) { o.get().clear_grads(); })
       .def(
           "step_into",

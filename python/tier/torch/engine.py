@@ -120,7 +120,8 @@ class _MicroStepGrads:
     The native optimizer is created with one micro-step per step, so the number of micro-steps is
     the caller's: the engine's counter, or the boundary set from outside
     (``set_gradient_accumulation_boundary``), as accelerate does; a second backward before
-    ``step()`` adds to the sum instead of failing. Held sums cost 4 bytes per trainable element.
+    ``step()`` adds to the sum instead of failing. Held sums cost 4 bytes per trainable element; the
+    native optimizer borrows them for the step instead of copying them.
     With ``gradient_accumulation_steps == 1`` and no boundary set from outside, a gradient goes to
     the optimizer at once (nothing held, and its sum of squares is computed during backward).
     """
@@ -128,6 +129,7 @@ class _MicroStepGrads:
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
         self.held = {}  # partition -> fp32 CPU tensor
+        self.lent = set()  # partitions whose sum the native optimizer borrows until the step
 
     def add_grad(self, pid, grad):
         engine = self._engine()
@@ -140,12 +142,21 @@ class _MicroStepGrads:
             acc.add_(grad.reshape(-1))
 
     def flush(self, optimizer):
+        # Borrowed, not copied: the sums stay here until the step has run (after_step), so they
+        # are not held twice. After a failed step they are still lent for the retry.
         for pid in sorted(self.held):
-            optimizer.add_grad(pid, self.held[pid])
-        self.held.clear()
+            if pid not in self.lent:
+                optimizer.add_grad(pid, self.held[pid], borrow=True)
+                self.lent.add(pid)
+
+    def after_step(self, ok):
+        if ok:
+            self.held.clear()
+            self.lent.clear()
 
     def clear(self):
         self.held.clear()
+        self.lent.clear()
 
 
 class _EngineGrads:
@@ -202,6 +213,9 @@ class _EngineGrads:
             optimizer.declare_grad(pid, sumsq)
         self.held.clear()
         self.sumsq.clear()
+
+    def after_step(self, ok):
+        pass
 
     def clear(self):
         self.held.clear()
@@ -843,7 +857,12 @@ class TierEngine(torch.nn.Module):
         self._grads.flush(self.optimizer)
         self._apply_lr()
         grad_tensors = self._grads.tensors if self._grads_in_engine else []
-        report = self.optimizer.step_into(self.native, self._tensor_of_partition, grad_tensors)
+        ok = False
+        try:
+            report = self.optimizer.step_into(self.native, self._tensor_of_partition, grad_tensors)
+            ok = True
+        finally:
+            self._grads.after_step(ok)
         self._param_version += 1
         self.last_report = report
         if report["applied"]:
