@@ -43,6 +43,6 @@ def test_presets_set_the_shape_unless_given(monkeypatch, tmp_path):
     finetune_llama.main(["--preset", "737m", "--layers", "2", "--swap-dir", str(tmp_path)])
     assert seen["hidden"] == 2048 and seen["heads"] == 16 and seen["steps"] == 3
     assert seen["layers"] == 2  # given on the command line: the preset does not override it
-    assert seen["device_fraction"] == finetune_llama.PRESETS["737m"]["device_fraction"]
+    assert seen["device_budget"] == finetune_llama.PRESETS["737m"]["device_budget"]
     n, _ = finetune_llama.model_shape(finetune_llama.argparse.Namespace(**dict(seen, layers=16)))
     assert 700e6 < n < 760e6

@@ -100,6 +100,8 @@ def default_config(args, shape):
     n_params, largest = shape
     total = n_params * 4
     device_budget = max(int(total * args.device_fraction), 3 * largest)
+    if args.device_budget:
+        device_budget = args.device_budget
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.gas,
@@ -151,9 +153,9 @@ def release_swap_dir(own, swap_dir, created):
 # Larger shapes for scale runs (bench/scale.py): a few steps at a learning rate that does not
 # diverge at once.
 PRESETS = {
-    "737m": {"hidden": 2048, "layers": 16, "heads": 16, "lr": 3e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_fraction": 0.15},
-    "1.5b": {"hidden": 2560, "layers": 20, "heads": 20, "lr": 2e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_fraction": 0.15},
-    "3b": {"hidden": 3072, "layers": 26, "heads": 24, "lr": 2e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_fraction": 0.15},
+    "737m": {"hidden": 2048, "layers": 16, "heads": 16, "lr": 3e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_budget": 768 << 20},
+    "1.5b": {"hidden": 2560, "layers": 20, "heads": 20, "lr": 2e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_budget": 768 << 20},
+    "3b": {"hidden": 3072, "layers": 26, "heads": 24, "lr": 2e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_budget": 768 << 20},
 }
 # Fewer steps than this do not say whether the model learns: the loss is reported, not judged.
 JUDGE_LOSS_FROM_STEPS = 10
@@ -178,6 +180,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-fraction", type=float, default=0.4, help="device budget as a fraction of the model")
+    p.add_argument("--device-budget", type=int, default=0,
+                   help="device budget in bytes (instead of --device-fraction); the presets use 768 MiB, like a "
+                   "fixed GPU, so that host memory is compared at the same device size (the emulated device is RAM)")
     p.add_argument("--swap-dir", default=os.path.join(os.getcwd(), "tier-swap"))
     p.add_argument("--config", help="a DeepSpeed-format JSON config instead of the built-in one")
     p.add_argument("--corpus", default="docs", help="folder of Markdown files to train on (default: ./docs)")
