@@ -19,9 +19,6 @@
 
 namespace tier {
 
-using TensorId = std::uint32_t;
-inline constexpr TensorId kInvalidTensor = std::numeric_limits<TensorId>::max();
-
 struct TraceEntry {
   TensorId tensor = kInvalidTensor;
   Tier tier = Tier::kDevice;

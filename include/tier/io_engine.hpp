@@ -148,9 +148,11 @@ class IoEngine {
   void count_submit(std::uint64_t requests, std::uint64_t fixed, std::uint64_t calls) noexcept;
   // The descriptor a request addresses (its slot's descriptor, or fd), or -1 for a bad slot.
   int resolve_fd(const IoRequest& r) const noexcept;
-  std::vector<int> files_;  // slot -> descriptor, -1 when free (the default file table)
+  // Frees a slot of the default file table (a subclass whose own registration of it failed).
+  void release_file_slot(int slot) noexcept;
 
  private:
+  std::vector<int> files_;  // slot -> descriptor, -1 when free (the default file table)
   std::atomic<std::uint64_t> requests_{0};
   std::atomic<std::uint64_t> fixed_requests_{0};
   std::atomic<std::uint64_t> submit_calls_{0};

@@ -1181,6 +1181,13 @@ Status Engine::check_invariants() const {
 }
 
 namespace detail {
+// The one way to build an Engine around its state machine (its constructor is private).
+struct EngineFactory {
+  static std::unique_ptr<Engine> make(std::unique_ptr<Engine::Impl> impl) {
+    return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  }
+};
+
 Result<std::unique_ptr<Engine>> make_engine(const EngineConfig& config, Backends backends,
                                             std::shared_ptr<Counters> counters) {
   TIER_RETURN_IF_ERROR(config.validate());
@@ -1189,7 +1196,7 @@ Result<std::unique_ptr<Engine>> make_engine(const EngineConfig& config, Backends
     return invalid_argument("engine: the host tier is required (every copy between NVMe and the device stages there)");
   }
   if (!counters) counters = std::make_shared<Counters>();
-  return std::make_unique<Engine>(std::make_unique<Engine::Impl>(config, std::move(backends), std::move(counters)));
+  return EngineFactory::make(std::make_unique<Engine::Impl>(config, std::move(backends), std::move(counters)));
 }
 }  // namespace detail
 

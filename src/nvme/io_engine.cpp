@@ -25,6 +25,10 @@ Result<int> IoEngine::register_file(int fd) {
   return static_cast<int>(files_.size() - 1);
 }
 
+void IoEngine::release_file_slot(int slot) noexcept {
+  if (slot >= 0 && static_cast<std::size_t>(slot) < files_.size()) files_[slot] = -1;
+}
+
 Status IoEngine::unregister_file(int index) {
   if (index < 0 || static_cast<std::size_t>(index) >= files_.size() || files_[index] < 0) {
     return not_found(str("I/O engine ", name(), ": no registered file in slot ", index));
