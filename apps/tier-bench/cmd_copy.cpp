@@ -15,9 +15,9 @@
 
 #include "cli.hpp"
 #include "gpu/cuda_reference.hpp"
-#include "tier/cuda_probe.hpp"
-#include "tier/device.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/cuda_probe.hpp"
+#include "tier/ext/device.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"
 

@@ -25,9 +25,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/stats.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {

@@ -6,7 +6,7 @@
 
 #include "gpu/cuda_error.hpp"
 #include "gpu/cuda_reference.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 #include "tier/units.hpp"
 
 namespace tier::detail {

@@ -1,6 +1,6 @@
 // measure_cuda_memcpy() for builds without CUDA (TIER_WITH_CUDA=OFF).
 #include "gpu/cuda_reference.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 
 namespace tier::detail {
 

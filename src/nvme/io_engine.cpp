@@ -1,4 +1,4 @@
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 #include <cerrno>
 

@@ -6,7 +6,7 @@
 // as one batch, and reaps completions. A completion either finishes its request, resubmits the
 // rest (short transfer, EAGAIN/EINTR), or fails the transfer; the transfer's future completes when
 // it has no request left in flight and nothing left to cut.
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -21,7 +21,7 @@
 #include "nvme/extent_allocator.hpp"
 #include "nvme/io_op_state.hpp"
 #include "nvme/swap_file.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"

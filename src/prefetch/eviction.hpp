@@ -21,7 +21,7 @@
 #include <span>
 #include <vector>
 
-#include "tier/access_trace.hpp"
+#include "tier/ext/access_trace.hpp"
 #include "tier/types.hpp"
 
 namespace tier::prefetch {

@@ -23,7 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "tier/access_trace.hpp"
+#include "tier/ext/access_trace.hpp"
 #include "tier/types.hpp"
 
 namespace tier::prefetch {

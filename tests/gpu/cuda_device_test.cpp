@@ -9,7 +9,7 @@
 #include "gpu/cuda_error.hpp"
 #include "gpu/cuda_reference.hpp"
 #include "gpu/device_test_util.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 
 namespace tier {
 namespace {

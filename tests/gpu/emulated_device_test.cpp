@@ -12,7 +12,7 @@
 
 #include "gpu/device_test_util.hpp"
 #include "gpu/event_state.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/stats.hpp"
 
 namespace tier {

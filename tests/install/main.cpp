@@ -1,8 +1,8 @@
 #include <cstdio>
 
 #include "tier/config.hpp"
-#include "tier/cuda_probe.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/cuda_probe.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/stats.hpp"
 
 int main() {

@@ -38,8 +38,8 @@
 #include <vector>
 
 #include "tier/config.hpp"
-#include "tier/device_buffer.hpp"
-#include "tier/device_event.hpp"
+#include "tier/ext/device_buffer.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/status.hpp"
 
 namespace tier {

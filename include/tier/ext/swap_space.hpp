@@ -42,8 +42,8 @@
 #include <vector>
 
 #include "tier/config.hpp"
-#include "tier/io_engine.hpp"
-#include "tier/io_future.hpp"
+#include "tier/ext/io_engine.hpp"
+#include "tier/ext/io_future.hpp"
 #include "tier/status.hpp"
 
 namespace tier {

@@ -28,7 +28,7 @@
 #include <optional>
 #include <vector>
 
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 namespace tier::nvme {
 
