@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
-#include "gpu/cuda_reference.hpp"
+#include "tier/ext/cuda_reference.hpp"
 #include "tier/ext/cuda_probe.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/ext/host_arena.hpp"
@@ -120,7 +120,7 @@ Result<CopyFigures> measure(const CopyOptions& o) {
   }
 
   if (f.kind == DeviceKind::kCuda) {
-    TIER_ASSIGN_OR_RETURN(auto ref, detail::measure_cuda_memcpy(dev->info().device_id, o.bytes, o.reps));
+    TIER_ASSIGN_OR_RETURN(auto ref, measure_cuda_memcpy(dev->info().device_id, o.bytes, o.reps));
     f.reference = "cudaMemcpyAsync";
     f.ref_h2d = ref.h2d_bytes_per_second;
     f.ref_d2h = ref.d2h_bytes_per_second;

@@ -1,13 +1,13 @@
 // The reference the device's copies are measured against: plain cudaMemcpyAsync between a
 // cudaHostAlloc'd buffer and a cudaMalloc'd one, the best a program can get from pinned memory.
-// Used by tier-bench copy and bench/gpu_check.sh.
+// Used by tier-bench copy and bench/gpu_check.sh. Extension interface (tier/ext/).
 #pragma once
 
 #include <cstdint>
 
 #include "tier/status.hpp"
 
-namespace tier::detail {
+namespace tier {
 
 struct MemcpyReference {
   double h2d_bytes_per_second = 0;
@@ -19,4 +19,4 @@ struct MemcpyReference {
 // the way tier-bench times the device's own copies. kUnsupported without CUDA or a GPU.
 Result<MemcpyReference> measure_cuda_memcpy(int device_id, std::uint64_t bytes, int reps);
 
-}  // namespace tier::detail
+}  // namespace tier
