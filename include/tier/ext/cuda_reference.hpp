@@ -1,9 +1,11 @@
 // The reference the device's copies are measured against: plain cudaMemcpyAsync between a
 // cudaHostAlloc'd buffer and a cudaMalloc'd one, the best a program can get from pinned memory.
-// Used by tier-bench copy and bench/gpu_check.sh. Extension interface (tier/ext/).
+// Used by tier-bench copy and bench/gpu_check.sh.
 #pragma once
 
 #include <cstdint>
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 
 #include "tier/status.hpp"
 

@@ -1,4 +1,4 @@
-// tier/io_engine.hpp — the NVMe tier's I/O engine: submit batches of file reads and writes, reap
+// tier/ext/io_engine.hpp — the NVMe tier's I/O engine: submit batches of file reads and writes, reap
 // one completion per request.
 //
 // Three backends sit behind one small interface:
@@ -22,6 +22,8 @@
 // the caller and must stay valid, and unread/unwritten by anyone else, until its completion is
 // reaped. Destroy an engine only with nothing in flight; a destructor that finds requests in flight
 // cancels them and waits for them, so a buffer is never written after the engine is gone.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <atomic>

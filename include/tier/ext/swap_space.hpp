@@ -1,4 +1,4 @@
-// tier/swap_space.hpp — the NVMe tier's store: preallocated swap files on one or more paths (one
+// tier/ext/swap_space.hpp — the NVMe tier's store: preallocated swap files on one or more paths (one
 // per SSD), an extent allocator over them, and asynchronous reads and writes of extents.
 //
 // Each path gets one file, created fresh (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, so it is never
@@ -33,6 +33,8 @@
 // touch a transfer's buffer until its future is ready, nor run two transfers that overlap on the
 // same extent bytes at once when one of them writes. The SwapSpace must outlive its extents;
 // destroying it waits for transfers in flight.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <cstdint>
