@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {
@@ -91,6 +92,21 @@ std::vector<std::string> split_list(const std::string& s) {
   }
   if (!cur.empty()) out.push_back(cur);
   return out;
+}
+
+std::vector<std::string> in_memory_paths(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const auto& p : paths) {
+    auto r = nvme::path_is_in_memory(p);
+    if (r.ok() && *r) out.push_back(p);
+  }
+  return out;
+}
+
+void warn_in_memory_paths(const std::vector<std::string>& paths) {
+  for (const auto& p : in_memory_paths(paths)) {
+    std::printf("warning: %s is tmpfs: 'NVMe' tier data is held in RAM; figures are not NVMe figures\n", p.c_str());
+  }
 }
 
 bool Args::has(const std::string& name) const {

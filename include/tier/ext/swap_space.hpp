@@ -198,4 +198,10 @@ class SwapSpace {
   std::unique_ptr<Impl> impl_;
 };
 
+// Whether the directory `path` is on a file system held in memory (tmpfs or ramfs). Swap files
+// there keep the "NVMe" tier in RAM: it works (tests use it), but its figures are not NVMe
+// figures. SwapSpace::create warns once per such path; tools print it beside their figures.
+// Errors: the errno of statfs (e.g. kNotFound for a missing path).
+Result<bool> path_is_in_memory(const std::string& path);
+
 }  // namespace tier::nvme
