@@ -123,7 +123,7 @@ else
 fi
 
 # ---------------------------------------------------------------- 1. dependencies and build
-cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DTIER_WITH_CUDA=ON -DTIER_WITH_NCCL=OFF -DTIER_BUILD_TESTS=ON
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DTIER_WITH_CUDA=ON -DTIER_BUILD_TESTS=ON
             -DTIER_BUILD_BENCH=ON)
 if [ -n "$deps" ]; then
   deps=$(cd "$deps" && pwd)

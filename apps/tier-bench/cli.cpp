@@ -3,13 +3,63 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 
-#include "core/text.hpp"
+#include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {
+namespace {
+
+// tier-bench uses only the installed headers, so its few string helpers are its own.
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
+  return out;
+}
+
+std::string trim(std::string_view s) {
+  std::size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return std::string(s.substr(b, e - b));
+}
+
+// The option closest to `word` when it is a likely typo (a few edits for its length), else empty.
+std::string closest_match(std::string_view word, const std::vector<std::string>& candidates) {
+  auto distance = [](std::string_view a, std::string_view b) {
+    std::vector<std::size_t> row(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= a.size(); ++i) {
+      std::size_t diag = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= b.size(); ++j) {
+        const std::size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1,
+                           diag + (std::tolower(static_cast<unsigned char>(a[i - 1])) ==
+                                           std::tolower(static_cast<unsigned char>(b[j - 1]))
+                                       ? 0
+                                       : 1)});
+        diag = up;
+      }
+    }
+    return row[b.size()];
+  };
+  std::string best;
+  std::size_t best_d = static_cast<std::size_t>(-1);
+  for (const auto& c : candidates) {
+    const std::size_t d = distance(word, c);
+    if (d < best_d) {
+      best_d = d;
+      best = c;
+    }
+  }
+  return best_d <= std::max<std::size_t>(2, word.size() / 4) ? best : std::string();
+}
+
+}  // namespace
 
 Args::Args(std::vector<std::string> argv) {
   for (std::size_t i = 0; i < argv.size(); ++i) {
@@ -44,6 +94,21 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+std::vector<std::string> in_memory_paths(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const auto& p : paths) {
+    auto r = nvme::path_is_in_memory(p);
+    if (r.ok() && *r) out.push_back(p);
+  }
+  return out;
+}
+
+void warn_in_memory_paths(const std::vector<std::string>& paths) {
+  for (const auto& p : in_memory_paths(paths)) {
+    std::printf("warning: %s is tmpfs: 'NVMe' tier data is held in RAM; figures are not NVMe figures\n", p.c_str());
+  }
+}
+
 bool Args::has(const std::string& name) const {
   return opts_.count(name) != 0;
 }
@@ -54,7 +119,7 @@ bool Args::flag(const std::string& name) {
   if (it == opts_.end()) return false;
   used_[name] = true;
   if (!it->second) return true;
-  const std::string v = detail::lower(*it->second);
+  const std::string v = lower(*it->second);
   // `--json false` and friends; anything else means the flag swallowed a positional argument.
   if (v == "0" || v == "false" || v == "no" || v == "off") return false;
   if (v != "1" && v != "true" && v != "yes" && v != "on") positional_.push_back(*it->second);
@@ -85,7 +150,7 @@ Result<std::uint64_t> Args::count(const std::string& name, std::uint64_t fallbac
     known_.push_back(name);
     return fallback;
   }
-  std::string v = detail::lower(detail::trim(get(name, "")));
+  std::string v = lower(trim(get(name, "")));
   double mult = 1;
   if (!v.empty()) {
     switch (v.back()) {
@@ -144,7 +209,7 @@ Result<std::string> Args::choice(const std::string& name, const std::vector<std:
 Status Args::finish() const {
   for (const auto& [name, value] : opts_) {
     if (used_.count(name)) continue;
-    const std::string guess = detail::closest_match(name, known_);
+    const std::string guess = closest_match(name, known_);
     const bool known = std::find(known_.begin(), known_.end(), name) != known_.end();
     if (known) return invalid_argument(str("--", name, " needs a value"));
     return invalid_argument(str("unknown option --", name, guess.empty() ? "" : str("; did you mean --", guess, "?")));

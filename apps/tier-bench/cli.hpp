@@ -54,6 +54,12 @@ void take_option(Status& first_error, Result<T> r, U& into) {
 // "a,b,,c" -> {"a", "b", "c"}: a comma-separated option value (e.g. several --path directories).
 std::vector<std::string> split_list(const std::string& s);
 
+// The "NVMe" paths that are on tmpfs or ramfs (their data is in RAM: the figures are not NVMe
+// figures); a path that cannot be checked is not listed.
+std::vector<std::string> in_memory_paths(const std::vector<std::string>& paths);
+// Prints, after a command's summary, one warning line per such path.
+void warn_in_memory_paths(const std::vector<std::string>& paths);
+
 struct Command {
   std::string name;
   std::string summary;  // one line

@@ -12,7 +12,7 @@
 
 #include "cli.hpp"
 #include "tier/cpu_adam.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/units.hpp"
 

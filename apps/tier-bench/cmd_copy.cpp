@@ -14,10 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
-#include "gpu/cuda_reference.hpp"
-#include "tier/cuda_probe.hpp"
-#include "tier/device.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/cuda_reference.hpp"
+#include "tier/ext/cuda_probe.hpp"
+#include "tier/ext/device.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"
 
@@ -120,7 +120,7 @@ Result<CopyFigures> measure(const CopyOptions& o) {
   }
 
   if (f.kind == DeviceKind::kCuda) {
-    TIER_ASSIGN_OR_RETURN(auto ref, detail::measure_cuda_memcpy(dev->info().device_id, o.bytes, o.reps));
+    TIER_ASSIGN_OR_RETURN(auto ref, measure_cuda_memcpy(dev->info().device_id, o.bytes, o.reps));
     f.reference = "cudaMemcpyAsync";
     f.ref_h2d = ref.h2d_bytes_per_second;
     f.ref_d2h = ref.d2h_bytes_per_second;
@@ -247,19 +247,6 @@ const SummaryRegistrar kSummary({50, "device copies", [](bool quick) -> Result<s
                                    TIER_ASSIGN_OR_RETURN(CopyFigures f, measure(o));
                                    std::vector<SummaryRow> rows = {row("host->device", f, f.h2d, f.ref_h2d, o.bytes),
                                                                    row("device->host", f, f.d2h, f.ref_d2h, o.bytes)};
-                                   if (f.kind == DeviceKind::kEmulated) {
-                                     // The emulated device reproduces a PCIe-bound regime: show how closely it holds a
-                                     // limit.
-                                     CopyOptions p = o;
-                                     p.kind = DeviceKind::kEmulated;
-                                     p.bytes = 64ull << 20;
-                                     p.chunk = 8ull << 20;
-                                     p.emulated.h2d_bytes_per_second = 1'000'000'000;
-                                     p.emulated.d2h_bytes_per_second = 1'000'000'000;
-                                     TIER_ASSIGN_OR_RETURN(CopyFigures g, measure(p));
-                                     rows.push_back(row("paced host->device", g, g.h2d, g.ref_h2d, p.bytes));
-                                     rows.push_back(row("paced device->host", g, g.d2h, g.ref_d2h, p.bytes));
-                                   }
                                    return rows;
                                  }});
 

@@ -25,9 +25,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/stats.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {
@@ -481,6 +481,7 @@ int run_io(Args& args) {
                                 {"seconds", r->seconds},
                                 {"passes", r->passes},
                                 {"paths", spec.paths},
+                                {"nvme_path_is_tmpfs", !in_memory_paths(spec.paths).empty()},
                                 {"parallelism", spec.parallelism},
                                 {"direct", r->direct},
                                 {"buffers", buffers},
@@ -512,6 +513,7 @@ int run_io(Args& args) {
                                    : ""),
          req, buf_note});
   t.print();
+  warn_in_memory_paths(spec.paths);
   return 0;
 }
 

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {

@@ -208,6 +208,7 @@ int run_prefetch_cmd(Args& args) {
                                 {"steps", o.steps},
                                 {"prefetch", o.prefetch},
                                 {"io_engine", r->io_engine},
+                                {"nvme_path_is_tmpfs", !in_memory_paths({o.path}).empty()},
                                 {"step_seconds", r->step_seconds},
                                 {"first_step_seconds", r->first_step_seconds},
                                 {"stall_fraction", r->stall_fraction},
@@ -246,6 +247,7 @@ int run_prefetch_cmd(Args& args) {
   t.add({"prefetch hits", str(static_cast<int>(r->prefetch_hits), " of ", static_cast<int>(r->acquires)),
          str(static_cast<int>(r->late_prefetches), " late (in flight when acquired)")});
   t.print();
+  warn_in_memory_paths({o.path});
   return 0;
 }
 

@@ -340,6 +340,7 @@ int run_step(Args& args) {
                                 {"partitions", r->partitions},
                                 {"home", spec.host ? "host" : "nvme"},
                                 {"paths", spec.paths},
+                                {"nvme_path_is_tmpfs", !spec.host && !in_memory_paths(spec.paths).empty()},
                                 {"engine", r->engine},
                                 {"direct", r->direct},
                                 {"state_bytes", r->state_bytes},
@@ -412,6 +413,7 @@ int run_step(Args& args) {
   t.print();
   std::printf("gradient intake %s per step; peak RSS %s\n", format_seconds(r->intake_seconds).c_str(),
               format_bytes(r->max_rss_bytes).c_str());
+  if (!spec.host) warn_in_memory_paths(spec.paths);
   return 0;
 }
 

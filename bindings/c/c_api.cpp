@@ -16,7 +16,7 @@
 #include "dlpack_convert.hpp"
 #include "engine_core.hpp"
 #include "tier/config.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 #include "tier/log.hpp"
 

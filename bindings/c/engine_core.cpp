@@ -6,7 +6,7 @@
 #include <thread>
 #include <vector>
 
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/log.hpp"
 
 namespace tier::capi {

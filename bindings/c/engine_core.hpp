@@ -23,7 +23,7 @@
 #include <unordered_map>
 
 #include "dlpack_convert.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 
 namespace tier::capi {

@@ -14,7 +14,7 @@
 
 #include "tier/config.hpp"
 #include "tier/cpu_kernels.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/stats.hpp"

@@ -199,4 +199,8 @@ struct EngineConfig {
   std::vector<std::string> resolved_swap_paths() const;
 };
 
+// The reference of every key tier reads, as a markdown table (key, allowed values, default, how
+// tier treats it, its environment override); docs/configuration.md ends with it.
+std::string config_reference_markdown();
+
 }  // namespace tier

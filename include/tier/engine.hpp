@@ -39,7 +39,6 @@
 #include <string_view>
 #include <vector>
 
-#include "tier/access_trace.hpp"
 #include "tier/config.hpp"
 #include "tier/stats.hpp"
 #include "tier/status.hpp"
@@ -57,6 +56,7 @@ class HostArena;
 namespace detail {
 struct LeaseState;
 struct AcquireState;
+struct EngineFactory;
 }  // namespace detail
 
 // A tensor's copy on one tier, pinned in place until released. Move-only. On the device tier,
@@ -181,11 +181,12 @@ class Engine {
   Counters& counters();
   const EngineConfig& config() const;
 
-  // Internal: the state machine (src/engine/engine_impl.hpp).
+  // Opaque: the state machine lives in the library (pimpl).
   struct Impl;
-  explicit Engine(std::unique_ptr<Impl> impl);
 
  private:
+  friend struct detail::EngineFactory;
+  explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

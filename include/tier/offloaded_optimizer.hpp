@@ -56,7 +56,7 @@
 #include "tier/cpu_kernels.hpp"
 #include "tier/loss_scaler.hpp"
 #include "tier/status.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 #include "tier/types.hpp"
 
 namespace tier {

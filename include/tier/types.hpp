@@ -7,12 +7,17 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 
 #include "tier/status.hpp"
 
 namespace tier {
+
+// A registered tensor's handle in an Engine.
+using TensorId = std::uint32_t;
+inline constexpr TensorId kInvalidTensor = std::numeric_limits<TensorId>::max();
 
 // Where a copy of a tensor can live, fastest first.
 enum class Tier : std::uint8_t { kDevice = 0, kHost = 1, kNvme = 2 };

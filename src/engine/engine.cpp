@@ -177,18 +177,22 @@ Engine::Impl::Impl(const EngineConfig& c, detail::Backends backends, std::shared
   }
   // The window spans the upcoming acquires that fit in the staging tier (the host budget, or the
   // device's when it is larger), and at most `lookahead` of them (0, auto: at most 1024).
-  lookahead = cfg.tier.prefetch.lookahead > 0 ? static_cast<std::uint64_t>(cfg.tier.prefetch.lookahead) : 0;
-  window_bytes = std::max(budget[static_cast<int>(Tier::kHost)], budget[static_cast<int>(Tier::kDevice)]);
-  max_inflight = cfg.tier.prefetch.max_inflight_bytes
-                     ? cfg.tier.prefetch.max_inflight_bytes
-                     : std::max<std::uint64_t>(budget[static_cast<int>(Tier::kDevice)] / 2, 64ull << 20);
+  prefetch::PrefetchLimits lim;
+  lim.lookahead = cfg.tier.prefetch.lookahead > 0 ? static_cast<std::uint64_t>(cfg.tier.prefetch.lookahead) : 0;
+  lim.window_bytes = std::max(budget[static_cast<int>(Tier::kHost)], budget[static_cast<int>(Tier::kDevice)]);
+  lim.max_inflight_bytes = cfg.tier.prefetch.max_inflight_bytes
+                               ? cfg.tier.prefetch.max_inflight_bytes
+                               : std::max<std::uint64_t>(budget[static_cast<int>(Tier::kDevice)] / 2, 64ull << 20);
   // NVMe -> host staging runs further ahead, bounded by half the host budget.
-  max_staging = std::max<std::uint64_t>(budget[static_cast<int>(Tier::kHost)] / 2, 64ull << 20);
+  lim.max_staging_bytes = std::max<std::uint64_t>(budget[static_cast<int>(Tier::kHost)] / 2, 64ull << 20);
+  scheduler = prefetch::PrefetchScheduler(lim);
+  eviction.set_device_budget(budget[static_cast<int>(Tier::kDevice)]);
   counters->set_info(
-      "prefetch", cfg.tier.prefetch.enabled
-                      ? str("lookahead ", lookahead ? str(lookahead) : str("auto (", format_bytes(window_bytes), ")"),
-                            ", max in flight ", format_bytes(max_inflight))
-                      : "off");
+      "prefetch",
+      cfg.tier.prefetch.enabled
+          ? str("lookahead ", lim.lookahead ? str(lim.lookahead) : str("auto (", format_bytes(lim.window_bytes), ")"),
+                ", max in flight ", format_bytes(lim.max_inflight_bytes))
+          : "off");
   worker = std::thread([this] { run(); });
 }
 
@@ -576,43 +580,6 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
 // ----------------------------------------------------------------------------------------------
 // Room, eviction, write-back
 
-std::size_t Engine::Impl::victim_rank(TensorId id, Tier tier) const {
-  const TensorRec& t = tensors[id];
-  if (trace.has_trace() && trace.mode() == AccessTrace::Mode::kReplaying) {
-    std::size_t next = trace.next_use(id, tier);
-    if (tier == Tier::kHost) {
-      // A host copy is also the source of the tensor's next device load, unless the device copy
-      // is there and will stay until that use (then the host copy is redundant).
-      const std::size_t on_device = trace.next_use(id, Tier::kDevice);
-      if (on_device != kNever &&
-          (t.copies[static_cast<int>(Tier::kDevice)].state != CopyState::kValid || !device_keeps(id, on_device))) {
-        next = std::min(next, on_device);
-      }
-    }
-    return next;
-  }
-  // LRU: the older the last use, the higher the rank.
-  return static_cast<std::size_t>(clock - t.copies[static_cast<int>(tier)].last_use);
-}
-
-bool Engine::Impl::device_keeps(TensorId id, std::size_t ahead) const {
-  const std::uint64_t room = budget[static_cast<int>(Tier::kDevice)];
-  std::uint64_t need = tensors[id].desc.bytes();
-  if (need > room) return false;
-  if (seen_mark.size() < tensors.size()) seen_mark.resize(tensors.size(), 0);
-  const std::uint64_t walk = ++seen_walk;
-  const std::size_t n = std::min(ahead, trace.entries().size());
-  for (std::size_t k = 0; k < n; ++k) {
-    const TraceEntry& e = trace.upcoming(k);
-    if (e.tier != Tier::kDevice || e.tensor == id || e.tensor >= tensors.size()) continue;
-    if (seen_mark[e.tensor] == walk) continue;
-    seen_mark[e.tensor] = walk;
-    need += tensors[e.tensor].desc.bytes();
-    if (need > room) return false;
-  }
-  return true;
-}
-
 bool Engine::Impl::has_other_valid(const TensorRec& t, Tier except) const {
   for (Tier x : kAllTiers) {
     if (x != except && t.copies[static_cast<int>(x)].state == CopyState::kValid) return true;
@@ -662,25 +629,25 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
       // The store is fragmented or short although the budget allows: evict more below.
       fragmented = true;
     }
-    // Candidates: unpinned valid copies that are not home copies.
-    struct Cand {
-      TensorId id;
-      std::size_t rank;
-    };
-    std::vector<Cand> cands;
+    // Candidates: every live tensor's copy on this tier; the policy picks and orders the victims.
+    std::vector<prefetch::EvictionCandidate> cands;
+    cands.reserve(tensors.size());
     for (TensorId i = 0; i < tensors.size(); ++i) {
       const TensorRec& t = tensors[i];
-      if (!t.live || i == for_tensor || t.home == tier) continue;
+      if (!t.live) continue;
       const Copy& c = t.copies[ti];
-      if (c.state != CopyState::kValid || c.pins > 0 || c.writing_back) continue;
-      const std::size_t rank = victim_rank(i, tier);
-      if (prefetch && rank != kNever && rank <= horizon) continue;  // needed before the prefetch target
-      cands.push_back({i, rank});
+      cands.push_back({.tensor = i,
+                       .valid = c.state == CopyState::kValid,
+                       .pinned = c.pins > 0,
+                       .writing_back = c.writing_back,
+                       .home = t.home == tier,
+                       .last_use = c.last_use,
+                       .device_copy_valid = t.copies[static_cast<int>(Tier::kDevice)].state == CopyState::kValid});
     }
-    std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) { return a.rank > b.rank; });
+    const std::vector<prefetch::Victim> victims = eviction.choose(cands, tier, for_tensor, horizon, clock);
     bool dropped = false;
-    for (const Cand& v : cands) {
-      TensorRec& t = tensors[v.id];
+    for (const prefetch::Victim& v : victims) {
+      TensorRec& t = tensors[v.tensor];
       if (has_other_valid(t, tier)) {
         drop_copy(t, tier);
         ++m_evictions[ti];
@@ -689,7 +656,7 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
       }
       if (!prefetch && !t.writer && (fragmented || used[ti] - freeing[ti] + bytes > budget[ti]) &&
           Clock::now() >= t.copies[ti].retry_writeback_after) {
-        start_writeback(v.id, tier);
+        start_writeback(v.tensor, tier);
       }
     }
     if (!dropped) return false;
@@ -881,49 +848,32 @@ void Engine::Impl::wake_blocked(TensorRec& t) {
 // Prefetch
 
 void Engine::Impl::issue_prefetches() {
-  if (!cfg.tier.prefetch.enabled || !trace.has_trace() || trace.mode() != AccessTrace::Mode::kReplaying) return;
-  // Two stages run ahead at their own depth: the final hop (host -> device, or NVMe -> host for
-  // host acquires) within max_inflight, and beyond that window NVMe -> host staging of device
-  // acquires within max_staging, so the NVMe read of k+2 overlaps the device copy of k+1.
-  const std::size_t n = std::min<std::size_t>(lookahead ? lookahead : 1024, trace.entries().size());
-  std::uint64_t window = 0;  // bytes of the entries walked so far
-  bool final_open = true;
-  for (std::size_t k = 0; k < n; ++k) {
-    const TraceEntry& e = trace.upcoming(k);
-    if (e.tensor >= tensors.size()) continue;
-    TensorRec& t = tensors[e.tensor];
-    window += t.desc.bytes();
-    if (k > 0 && window > window_bytes) break;  // staging further would evict copies needed sooner
-    if (!t.live || t.writer) continue;
-    const Copy& c = t.copies[static_cast<int>(e.tier)];
-    if (c.state == CopyState::kValid || c.state == CopyState::kLoading || c.state == CopyState::kReserved) continue;
-    const std::uint64_t bytes = t.desc.bytes();
-    if (final_open && prefetch_inflight_bytes + bytes <= max_inflight) {
-      prefetch_blocked = false;
-      ++m_prefetches;
-      ensure_copy(e.tensor, e.tier, true, k, [](Status) {});
-      if (!prefetch_blocked) {
-        // Still waiting for its host copy: a later entry's final hop would take target room this
-        // one needs first (and be evicted again for it), so later entries only stage.
-        const CopyState now = t.copies[static_cast<int>(e.tier)].state;
-        if (now != CopyState::kLoading && now != CopyState::kValid) final_open = false;
-        continue;
-      }
-      final_open = false;  // no room on the target tier without evicting something needed sooner
-    } else {
-      final_open = false;
+  if (!cfg.tier.prefetch.enabled) return;
+  // The engine's side of the scheduler's questions: its records and its transfers.
+  struct Target final : prefetch::PrefetchTarget {
+    Engine::Impl& e;
+    explicit Target(Engine::Impl& engine) : e(engine) {}
+    bool known(TensorId id) const override { return id < e.tensors.size(); }
+    bool prefetchable(TensorId id) const override { return e.tensors[id].live && !e.tensors[id].writer; }
+    std::uint64_t bytes(TensorId id) const override { return e.tensors[id].desc.bytes(); }
+    bool present_or_coming(TensorId id, Tier tier) const override {
+      const CopyState s = e.tensors[id].copies[static_cast<int>(tier)].state;
+      return s == CopyState::kValid || s == CopyState::kLoading || s == CopyState::kReserved;
     }
-    // Stage toward the device through the host.
-    if (e.tier != Tier::kDevice) continue;
-    const Copy& h = t.copies[static_cast<int>(Tier::kHost)];
-    if (h.state == CopyState::kValid || h.state == CopyState::kLoading || h.state == CopyState::kReserved) continue;
-    if (staging_inflight_bytes + bytes > max_staging) break;
-    prefetch_blocked = false;
-    ++m_prefetches;
-    ensure_copy(
-        e.tensor, Tier::kHost, true, k, [](Status) {}, /*staging=*/true);
-    if (prefetch_blocked) break;  // the host is full of copies needed sooner
-  }
+    std::uint64_t inflight_bytes() const override { return e.prefetch_inflight_bytes; }
+    std::uint64_t staging_bytes() const override { return e.staging_inflight_bytes; }
+    Started start(TensorId id, Tier tier, std::size_t distance, bool staging) override {
+      e.prefetch_blocked = false;
+      ++e.m_prefetches;
+      e.ensure_copy(
+          id, tier, true, distance, [](Status) {}, staging);
+      if (e.prefetch_blocked) return Started::kNoRoom;
+      const CopyState now = e.tensors[id].copies[static_cast<int>(tier)].state;
+      return now == CopyState::kLoading || now == CopyState::kValid ? Started::kInFlight : Started::kWaiting;
+    }
+  };
+  Target target(*this);
+  scheduler.issue(trace, target);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1235,6 +1185,13 @@ Status Engine::check_invariants() const {
 }
 
 namespace detail {
+// The one way to build an Engine around its state machine (its constructor is private).
+struct EngineFactory {
+  static std::unique_ptr<Engine> make(std::unique_ptr<Engine::Impl> impl) {
+    return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  }
+};
+
 Result<std::unique_ptr<Engine>> make_engine(const EngineConfig& config, Backends backends,
                                             std::shared_ptr<Counters> counters) {
   TIER_RETURN_IF_ERROR(config.validate());
@@ -1243,7 +1200,7 @@ Result<std::unique_ptr<Engine>> make_engine(const EngineConfig& config, Backends
     return invalid_argument("engine: the host tier is required (every copy between NVMe and the device stages there)");
   }
   if (!counters) counters = std::make_shared<Counters>();
-  return std::make_unique<Engine>(std::make_unique<Engine::Impl>(config, std::move(backends), std::move(counters)));
+  return EngineFactory::make(std::make_unique<Engine::Impl>(config, std::move(backends), std::move(counters)));
 }
 }  // namespace detail
 

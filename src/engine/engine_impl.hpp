@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "engine/backend.hpp"
+#include "prefetch/eviction.hpp"
+#include "prefetch/scheduler.hpp"
 #include "tier/engine.hpp"
 
 namespace tier::detail {
@@ -159,10 +161,6 @@ struct Engine::Impl {
   void wake_blocked(TensorRec& t);
   void issue_prefetches();
   void expire_waiters();
-  std::size_t victim_rank(TensorId id, Tier tier) const;
-  // Whether the device keeps `id`'s copy until its next device use `ahead` acquires from now: the
-  // distinct tensors the device must hold in between, with it, fit in the device budget.
-  bool device_keeps(TensorId id, std::size_t ahead) const;
   bool has_other_valid(const TensorRec& t, Tier except) const;
   Tier toward_home(Tier from, Tier home) const;
   Status check_invariants_locked() const;
@@ -188,16 +186,14 @@ struct Engine::Impl {
   bool serving_rooms = false;   // serve_room_waiters is running (further calls only mark tiers)
   unsigned rooms_to_serve = 0;  // tiers (bit per tier) to walk again before it returns
   AccessTrace trace;
+  // The policies (src/prefetch): what to evict first, and what to prefetch next from the trace.
+  prefetch::EvictionPolicy eviction{
+      trace, [this](TensorId id) -> std::uint64_t { return id < tensors.size() ? tensors[id].desc.bytes() : 0; }};
+  prefetch::PrefetchScheduler scheduler;
   std::uint64_t clock = 0;
-  mutable std::vector<std::uint64_t> seen_mark;  // device_keeps' scratch: the walk each tensor was last seen in
-  mutable std::uint64_t seen_walk = 0;
   std::uint64_t generation = 0;
   std::uint64_t prefetch_inflight_bytes = 0;
-  std::uint64_t lookahead = 0;     // most acquires in the window; 0: auto (1024)
-  std::uint64_t window_bytes = 0;  // most bytes of the acquires in the window
-  std::uint64_t max_inflight = 0;
   std::uint64_t staging_inflight_bytes = 0;
-  std::uint64_t max_staging = 0;
   std::uint64_t moves_in_flight = 0;  // transfers started and not yet completed
   bool prefetch_blocked = false;      // set when a prefetch found no room (stops the current window)
   Status first_violation;             // with tier.debug_checks: the first invariant that failed

@@ -5,11 +5,11 @@
 #include <cstring>
 
 #include "engine/backend.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
 
 namespace tier {

@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "tier/device.hpp"
-#include "tier/device_buffer.hpp"
-#include "tier/device_event.hpp"
+#include "tier/ext/device.hpp"
+#include "tier/ext/device_buffer.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/status.hpp"
 
 namespace tier {

@@ -1,6 +1,6 @@
 // create_cuda_device() for builds without CUDA (TIER_WITH_CUDA=OFF).
-#include "tier/cuda_probe.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/cuda_probe.hpp"
+#include "tier/ext/device.hpp"
 
 namespace tier {
 

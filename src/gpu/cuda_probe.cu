@@ -4,7 +4,7 @@
 #include <mutex>
 
 #include "gpu/cuda_error.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 
 namespace tier {
 

@@ -1,5 +1,5 @@
 // probe_cuda() for builds without CUDA (TIER_WITH_CUDA=OFF).
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 
 namespace tier {
 

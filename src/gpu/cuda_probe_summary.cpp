@@ -1,4 +1,4 @@
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 #include "tier/units.hpp"
 
 namespace tier {

@@ -5,11 +5,11 @@
 #include <cstring>
 
 #include "gpu/cuda_error.hpp"
-#include "gpu/cuda_reference.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_reference.hpp"
+#include "tier/ext/cuda_probe.hpp"
 #include "tier/units.hpp"
 
-namespace tier::detail {
+namespace tier {
 
 namespace {
 
@@ -30,7 +30,7 @@ struct Resources {
 Status check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status();
   cudaGetLastError();
-  return cuda_error_status(err, str("cudaMemcpy reference: ", what));
+  return detail::cuda_error_status(err, str("cudaMemcpy reference: ", what));
 }
 
 }  // namespace
@@ -67,4 +67,4 @@ Result<MemcpyReference> measure_cuda_memcpy(int device_id, std::uint64_t bytes, 
   return ref;
 }
 
-}  // namespace tier::detail
+}  // namespace tier

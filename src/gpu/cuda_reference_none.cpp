@@ -1,11 +1,11 @@
 // measure_cuda_memcpy() for builds without CUDA (TIER_WITH_CUDA=OFF).
-#include "gpu/cuda_reference.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_reference.hpp"
+#include "tier/ext/cuda_probe.hpp"
 
-namespace tier::detail {
+namespace tier {
 
 Result<MemcpyReference> measure_cuda_memcpy(int, std::uint64_t, int) {
   return unsupported(str("no CUDA device: ", probe_cuda().status.message()));
 }
 
-}  // namespace tier::detail
+}  // namespace tier

@@ -1,10 +1,10 @@
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 
 #include <utility>
 
 #include "gpu/caching_allocator.hpp"
 #include "gpu/event_state.hpp"
-#include "tier/cuda_probe.hpp"
+#include "tier/ext/cuda_probe.hpp"
 #include "tier/log.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"

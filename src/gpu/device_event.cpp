@@ -1,4 +1,4 @@
-#include "tier/device_event.hpp"
+#include "tier/ext/device_event.hpp"
 
 #include <exception>
 

@@ -10,7 +10,7 @@
 
 #include "gpu/caching_allocator.hpp"
 #include "gpu/emulated_stream.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/units.hpp"
 
 namespace tier {

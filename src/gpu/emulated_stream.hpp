@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "tier/device_event.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/stats.hpp"
 #include "tier/types.hpp"
 

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <vector>
 
-#include "tier/device_event.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/status.hpp"
 
 namespace tier::detail {

@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 namespace tier::nvme::detail {
 

@@ -13,26 +13,17 @@ void ExtentAllocator::insert(std::uint64_t offset, std::uint64_t bytes) {
 }
 
 void ExtentAllocator::erase(std::map<std::uint64_t, std::uint64_t>::iterator it) {
-  auto range = by_len_.equal_range(it->second);
-  for (auto l = range.first; l != range.second; ++l) {
-    if (l->second == it->first) {
-      by_len_.erase(l);
-      break;
-    }
-  }
+  by_len_.erase({it->second, it->first});
   free_ -= it->second;
   by_off_.erase(it);
 }
 
 std::optional<std::uint64_t> ExtentAllocator::allocate(std::uint64_t bytes) {
   if (bytes == 0 || bytes % kGranule != 0) return std::nullopt;
-  auto fit = by_len_.lower_bound(bytes);
-  if (fit == by_len_.end()) return std::nullopt;
-  // Among runs of the best length, the lowest offset keeps allocations packed at the front.
-  auto best = fit;
-  for (auto l = fit; l != by_len_.end() && l->first == fit->first; ++l) {
-    if (l->second < best->second) best = l;
-  }
+  // The shortest run that fits and, among runs of that length, the lowest offset (which keeps
+  // allocations packed at the front).
+  auto best = by_len_.lower_bound({bytes, 0});
+  if (best == by_len_.end()) return std::nullopt;
   const std::uint64_t offset = best->second;
   const std::uint64_t length = best->first;
   erase(by_off_.find(offset));

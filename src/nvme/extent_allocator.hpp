@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
+#include <utility>
 
 namespace tier::nvme::detail {
 
@@ -37,8 +39,10 @@ class ExtentAllocator {
 
   std::uint64_t capacity_;
   std::uint64_t free_ = 0;
-  std::map<std::uint64_t, std::uint64_t> by_off_;       // offset -> length
-  std::multimap<std::uint64_t, std::uint64_t> by_len_;  // length -> offset
+  std::map<std::uint64_t, std::uint64_t> by_off_;  // offset -> length
+  // (length, offset), so the best fit with the lowest offset is one lower_bound and any run is
+  // found in O(log n), however many runs share a length.
+  std::set<std::pair<std::uint64_t, std::uint64_t>> by_len_;
 };
 
 }  // namespace tier::nvme::detail

@@ -1,4 +1,4 @@
-#include "tier/fault_injecting_engine.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
 
 #include <fcntl.h>
 

@@ -1,4 +1,4 @@
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 #include <cerrno>
 
@@ -23,6 +23,10 @@ Result<int> IoEngine::register_file(int fd) {
   }
   files_.push_back(fd);
   return static_cast<int>(files_.size() - 1);
+}
+
+void IoEngine::release_file_slot(int slot) noexcept {
+  if (slot >= 0 && static_cast<std::size_t>(slot) < files_.size()) files_[slot] = -1;
 }
 
 Status IoEngine::unregister_file(int index) {

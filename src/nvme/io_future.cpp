@@ -1,4 +1,4 @@
-#include "tier/io_future.hpp"
+#include "tier/ext/io_future.hpp"
 
 #include "nvme/io_op_state.hpp"
 

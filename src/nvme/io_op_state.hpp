@@ -7,7 +7,7 @@
 #include <mutex>
 #include <vector>
 
-#include "tier/io_future.hpp"
+#include "tier/ext/io_future.hpp"
 
 namespace tier::nvme::detail {
 

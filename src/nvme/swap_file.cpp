@@ -20,6 +20,7 @@
 #include <string_view>
 #include <system_error>
 
+#include "tier/ext/swap_space.hpp"
 #include "tier/log.hpp"
 #include "tier/units.hpp"
 
@@ -429,3 +430,14 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
 }
 
 }  // namespace tier::nvme::detail
+
+namespace tier::nvme {
+
+Result<bool> path_is_in_memory(const std::string& path) {
+  struct statfs sf {};
+  if (::statfs(path.c_str(), &sf) != 0) return errno_status(errno, str("swap path ", path, ": statfs"));
+  const auto type = static_cast<unsigned long>(sf.f_type);
+  return type == TMPFS_MAGIC || type == RAMFS_MAGIC;
+}
+
+}  // namespace tier::nvme

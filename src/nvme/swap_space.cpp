@@ -6,7 +6,7 @@
 // as one batch, and reaps completions. A completion either finishes its request, resubmits the
 // rest (short transfer, EAGAIN/EINTR), or fails the transfer; the transfer's future completes when
 // it has no request left in flight and nothing left to cut.
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -21,7 +21,7 @@
 #include "nvme/extent_allocator.hpp"
 #include "nvme/io_op_state.hpp"
 #include "nvme/swap_file.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"
@@ -574,6 +574,11 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
   std::string refusal;
   for (const std::string& dir : o.paths) {
     TIER_ASSIGN_OR_RETURN(detail::SwapFile f, detail::create_swap_file(dir, per_path, o.use_direct));
+    if (f.fs == "tmpfs" || f.fs == "ramfs") {
+      log_once(str("nvme.in_memory.", dir), LogLevel::kWarn,
+               str("swap path ", dir, " is ", f.fs,
+                   ": 'NVMe' tier data is held in RAM; figures are not NVMe figures (use a directory on an SSD)"));
+    }
     if (o.use_direct && f.direct && f.size_align > kGranule) {
       f.direct_refusal = str("swap path ", dir, ": O_DIRECT on ", f.fs, " needs ", f.size_align,
                              "-byte granules, more than tier's 4 KiB extents");

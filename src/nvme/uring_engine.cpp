@@ -66,12 +66,12 @@ class UringEngine final : public IoEngine {
     TIER_ASSIGN_OR_RETURN(int slot, IoEngine::register_file(fd));
     if (sparse_files_) {
       if (slot >= static_cast<int>(kFileSlots)) {
-        files_[slot] = -1;
+        release_file_slot(slot);
         return resource_exhausted(str("io_uring engine: all ", kFileSlots, " registered file slots are in use"));
       }
       const int ret = io_uring_register_files_update(&ring_, static_cast<unsigned>(slot), &fd, 1);
       if (ret < 0) {
-        files_[slot] = -1;
+        release_file_slot(slot);
         return errno_status(ret, str("io_uring engine: registering file descriptor ", fd));
       }
     }

@@ -14,7 +14,7 @@
 #include "optim/chunk_pipeline.hpp"
 #include "optim/grad_accumulate.hpp"
 #include "optim/optimizer_impl.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"

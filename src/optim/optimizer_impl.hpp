@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "optim/workers.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/offloaded_optimizer.hpp"
 
 namespace tier::optim::detail {

@@ -1,4 +1,4 @@
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 
 #include <gtest/gtest.h>
 

@@ -16,9 +16,9 @@
 #include <thread>
 
 #include "engine/backend.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
-#include "tier/fault_injecting_engine.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
 
 namespace tier {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gpu/caching_allocator.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 
 namespace tier {
 namespace {

@@ -7,9 +7,9 @@
 #include <cstring>
 
 #include "gpu/cuda_error.hpp"
-#include "gpu/cuda_reference.hpp"
+#include "tier/ext/cuda_reference.hpp"
 #include "gpu/device_test_util.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 
 namespace tier {
 namespace {
@@ -26,7 +26,7 @@ TEST(CudaError, NamesTheCudaErrorAndMapsOutOfMemory) {
 }
 
 TEST(CudaReference, MeasuresBothDirectionsOrSaysWhyNot) {
-  auto r = detail::measure_cuda_memcpy(0, 8 * kMiB, 2);
+  auto r = measure_cuda_memcpy(0, 8 * kMiB, 2);
   if (!probe_cuda().usable()) {
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);

@@ -14,7 +14,7 @@
 
 #include "gpu/caching_allocator.hpp"
 #include "gpu/device_test_util.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/stats.hpp"
 
 namespace tier {

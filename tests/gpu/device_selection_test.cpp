@@ -4,8 +4,8 @@
 
 #include "gpu/device_test_util.hpp"
 #include "tier/config.hpp"
-#include "tier/cuda_probe.hpp"
-#include "tier/device.hpp"
+#include "tier/ext/cuda_probe.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/stats.hpp"
 
 namespace tier {

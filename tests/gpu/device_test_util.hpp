@@ -9,9 +9,9 @@
 #include <random>
 #include <vector>
 
-#include "tier/cuda_probe.hpp"
-#include "tier/device.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/cuda_probe.hpp"
+#include "tier/ext/device.hpp"
+#include "tier/ext/host_arena.hpp"
 
 namespace tier::test {
 

@@ -1,5 +1,5 @@
 // The decorator itself: which requests it hits and what it reports.
-#include "tier/fault_injecting_engine.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

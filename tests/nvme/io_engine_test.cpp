@@ -1,6 +1,6 @@
 // Conformance of every IoEngine backend: the same transfers through uring, aio and posix, on
 // O_DIRECT files on the disk and on buffered files in /dev/shm, compared byte for byte.
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "nvme_test_util.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 
 namespace tier::nvme {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "tier/config.hpp"
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 namespace tier::nvme::test {
 

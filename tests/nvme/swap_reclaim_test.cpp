@@ -20,7 +20,7 @@
 #include "nvme/swap_file.hpp"
 #include "nvme_test_util.hpp"
 #include "tier/log.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 
 namespace tier::nvme {
 namespace {

@@ -7,9 +7,9 @@
 #include <random>
 
 #include "nvme_test_util.hpp"
-#include "tier/fault_injecting_engine.hpp"
-#include "tier/host_arena.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
+#include "tier/ext/host_arena.hpp"
+#include "tier/ext/swap_space.hpp"
 
 namespace tier::nvme {
 namespace {

@@ -1,6 +1,6 @@
 // The swap space through every backend: round trips of many sizes, striping, concurrency,
 // allocation, file safety, alignment, callbacks, cancellation, counters and the O_DIRECT fallback.
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 
 #include "nvme/swap_file.hpp"
 #include "nvme_test_util.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/stats.hpp"
 

@@ -16,10 +16,10 @@
 #include "nvme/nvme_test_util.hpp"
 #include "tier/cpu_adam.hpp"
 #include "tier/cpu_kernels.hpp"
-#include "tier/fault_injecting_engine.hpp"
-#include "tier/host_arena.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
+#include "tier/ext/host_arena.hpp"
 #include "tier/offloaded_optimizer.hpp"
-#include "tier/swap_space.hpp"
+#include "tier/ext/swap_space.hpp"
 
 namespace tier::optim::test {
 

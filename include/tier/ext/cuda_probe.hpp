@@ -1,4 +1,4 @@
-// tier/cuda_probe.hpp — is there a usable CUDA GPU here, and what is it?
+// tier/ext/cuda_probe.hpp — is there a usable CUDA GPU here, and what is it?
 //
 // tier links the CUDA runtime statically and the runtime loads the driver (libcuda) only when
 // first asked, so the library loads and runs on machines with no GPU and no driver; probe_cuda()
@@ -9,6 +9,8 @@
 // CUDA device tier creates, on the one GPU it uses.
 //
 // Thread safety: probe_cuda() may be called from any thread; it probes once and caches.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// tier/io_future.hpp — the handle of one asynchronous transfer: poll it, wait for it, or have a
+// tier/ext/io_future.hpp — the handle of one asynchronous transfer: poll it, wait for it, or have a
 // callback run when it completes.
 //
 // A transfer either completes whole (ok) or fails with the status of its first failed request (the
@@ -11,6 +11,8 @@
 // caller's thread when the transfer is already complete. Keep callbacks short (they hold up the
 // I/O thread that runs them), never wait() inside one on a transfer of the same swap space, and
 // never destroy the swap space from one (its destructor joins the thread the callback runs on).
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <chrono>

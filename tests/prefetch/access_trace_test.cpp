@@ -1,4 +1,4 @@
-#include "tier/access_trace.hpp"
+#include "tier/ext/access_trace.hpp"
 
 #include <gtest/gtest.h>
 

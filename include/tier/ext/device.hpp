@@ -1,4 +1,4 @@
-// tier/device.hpp — the device layer: one interface over the GPU tier, with a CUDA implementation
+// tier/ext/device.hpp — the device layer: one interface over the GPU tier, with a CUDA implementation
 // and an emulated one that runs every scheduling path on machines without a GPU.
 //
 // A Device
@@ -27,6 +27,8 @@
 // Thread safety: every Device member may be called from any thread concurrently. DeviceBuffer and
 // DeviceEvent say their own contracts. Destroying a Device waits for its copies to complete (and
 // their callbacks to run); it must not race with other calls on it.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <chrono>
@@ -38,8 +40,8 @@
 #include <vector>
 
 #include "tier/config.hpp"
-#include "tier/device_buffer.hpp"
-#include "tier/device_event.hpp"
+#include "tier/ext/device_buffer.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/status.hpp"
 
 namespace tier {

@@ -1,4 +1,4 @@
-// tier/host_arena.hpp — the pinned host arena: one large allocation made at start and
+// tier/ext/host_arena.hpp — the pinned host arena: one large allocation made at start and
 // sub-allocated in aligned blocks.
 //
 // The arena is the staging memory of every transfer: the NVMe tier registers it with io_uring as
@@ -19,6 +19,8 @@
 //
 // Thread safety: allocate/try_allocate/stats and HostBlock destruction may run concurrently from
 // any thread. The arena must outlive every block and every registration of its memory.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <chrono>

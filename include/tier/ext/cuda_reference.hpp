@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 
 #include "tier/status.hpp"
 
-namespace tier::detail {
+namespace tier {
 
 struct MemcpyReference {
   double h2d_bytes_per_second = 0;
@@ -19,4 +21,4 @@ struct MemcpyReference {
 // the way tier-bench times the device's own copies. kUnsupported without CUDA or a GPU.
 Result<MemcpyReference> measure_cuda_memcpy(int device_id, std::uint64_t bytes, int reps);
 
-}  // namespace tier::detail
+}  // namespace tier

@@ -1,4 +1,4 @@
-// tier/swap_space.hpp — the NVMe tier's store: preallocated swap files on one or more paths (one
+// tier/ext/swap_space.hpp — the NVMe tier's store: preallocated swap files on one or more paths (one
 // per SSD), an extent allocator over them, and asynchronous reads and writes of extents.
 //
 // Each path gets one file, created fresh (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, so it is never
@@ -33,6 +33,8 @@
 // touch a transfer's buffer until its future is ready, nor run two transfers that overlap on the
 // same extent bytes at once when one of them writes. The SwapSpace must outlive its extents;
 // destroying it waits for transfers in flight.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +44,8 @@
 #include <vector>
 
 #include "tier/config.hpp"
-#include "tier/io_engine.hpp"
-#include "tier/io_future.hpp"
+#include "tier/ext/io_engine.hpp"
+#include "tier/ext/io_future.hpp"
 #include "tier/status.hpp"
 
 namespace tier {
@@ -195,5 +197,11 @@ class SwapSpace {
   IoEngineKind engine_kind_ = IoEngineKind::kPosix;
   std::unique_ptr<Impl> impl_;
 };
+
+// Whether the directory `path` is on a file system held in memory (tmpfs or ramfs). Swap files
+// there keep the "NVMe" tier in RAM: it works (tests use it), but its figures are not NVMe
+// figures. SwapSpace::create warns once per such path; tools print it beside their figures.
+// Errors: the errno of statfs (e.g. kNotFound for a missing path).
+Result<bool> path_is_in_memory(const std::string& path);
 
 }  // namespace tier::nvme

@@ -1,4 +1,4 @@
-// tier/device_event.hpp — DeviceEvent: the completion of work a Device was given (a copy, or a
+// tier/ext/device_event.hpp — DeviceEvent: the completion of work a Device was given (a copy, or a
 // point recorded on a compute stream), as a small shared handle.
 //
 // An event behaves like a CUDA event with a host-side future attached: it completes once, with a
@@ -14,6 +14,8 @@
 //
 // Thread safety: a DeviceEvent is a copyable handle to shared state; every member may be called
 // from any thread, on the same or on different copies of the handle.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <chrono>

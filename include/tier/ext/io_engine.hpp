@@ -1,4 +1,4 @@
-// tier/io_engine.hpp — the NVMe tier's I/O engine: submit batches of file reads and writes, reap
+// tier/ext/io_engine.hpp — the NVMe tier's I/O engine: submit batches of file reads and writes, reap
 // one completion per request.
 //
 // Three backends sit behind one small interface:
@@ -22,6 +22,8 @@
 // the caller and must stay valid, and unread/unwritten by anyone else, until its completion is
 // reaped. Destroy an engine only with nothing in flight; a destructor that finds requests in flight
 // cancels them and waits for them, so a buffer is never written after the engine is gone.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <atomic>
@@ -148,9 +150,11 @@ class IoEngine {
   void count_submit(std::uint64_t requests, std::uint64_t fixed, std::uint64_t calls) noexcept;
   // The descriptor a request addresses (its slot's descriptor, or fd), or -1 for a bad slot.
   int resolve_fd(const IoRequest& r) const noexcept;
-  std::vector<int> files_;  // slot -> descriptor, -1 when free (the default file table)
+  // Frees a slot of the default file table (a subclass whose own registration of it failed).
+  void release_file_slot(int slot) noexcept;
 
  private:
+  std::vector<int> files_;  // slot -> descriptor, -1 when free (the default file table)
   std::atomic<std::uint64_t> requests_{0};
   std::atomic<std::uint64_t> fixed_requests_{0};
   std::atomic<std::uint64_t> submit_calls_{0};

@@ -1,4 +1,4 @@
-// tier/fault_injecting_engine.hpp — an IoEngine decorator that makes chosen requests fail, come
+// tier/ext/fault_injecting_engine.hpp — an IoEngine decorator that makes chosen requests fail, come
 // back short or ask to be retried, so that the error paths of everything above the engine (the
 // swap space, the engine's residency logic) can be driven on purpose in tests.
 //
@@ -17,6 +17,8 @@
 //
 // Thread safety: as for IoEngine (one driving thread; wake() from anywhere). Faults may be added,
 // cleared and counted from any thread while the engine runs.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <atomic>
@@ -28,7 +30,7 @@
 #include <optional>
 #include <vector>
 
-#include "tier/io_engine.hpp"
+#include "tier/ext/io_engine.hpp"
 
 namespace tier::nvme {
 

@@ -1,4 +1,4 @@
-// tier/access_trace.hpp — the order in which a training step touches its tensors, learnt from the
+// tier/ext/access_trace.hpp — the order in which a training step touches its tensors, learnt from the
 // first step and replayed by the prefetch scheduler in later ones.
 //
 // A step is bracketed by begin_step()/end_step(). While no trace is known the acquires of a step
@@ -8,6 +8,8 @@
 // step. The trace is cyclic: after its last entry comes its first (the next step's start).
 //
 // Thread safety: none; the engine calls it from its scheduler thread only.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <cstddef>
@@ -18,9 +20,6 @@
 #include "tier/types.hpp"
 
 namespace tier {
-
-using TensorId = std::uint32_t;
-inline constexpr TensorId kInvalidTensor = std::numeric_limits<TensorId>::max();
 
 struct TraceEntry {
   TensorId tensor = kInvalidTensor;

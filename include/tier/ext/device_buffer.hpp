@@ -1,4 +1,4 @@
-// tier/device_buffer.hpp — DeviceBuffer: a block of device memory handed out by a Device's
+// tier/ext/device_buffer.hpp — DeviceBuffer: a block of device memory handed out by a Device's
 // caching allocator, returned to it when the handle is destroyed.
 //
 // The memory is not initialised. It is returned to the allocator's cache (not to the device) when
@@ -10,6 +10,8 @@
 // Thread safety: one owner at a time (move-only). Copies may read a buffer through a const
 // reference from several threads at once; retain_until() may be called concurrently with them.
 // A buffer may outlive its Device; its memory is then freed when the buffer is.
+// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
+// the user API.
 #pragma once
 
 #include <cstdint>
