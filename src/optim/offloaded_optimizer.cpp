@@ -574,8 +574,8 @@ Status OffloadedOptimizer::declare_grad(PartitionId id, double sumsq) {
         str("optimizer declare_grad: partition ", id, " does not exist (", im.parts.size(), " partitions)"));
   }
   if (sumsq < 0) {  // inf and nan pass: a non-finite gradient is an overflow, as with add_grad
-    return invalid_argument(str("optimizer declare_grad: ", partition_label(id, im.parts[id]), ": sum of squares ",
-                                sumsq, " is negative"));
+    return invalid_argument(
+        str("optimizer declare_grad: ", partition_label(id, im.parts[id]), ": sum of squares ", sumsq, " is negative"));
   }
   Partition& p = im.parts[id];
   if (p.contributions != 0) {
