@@ -214,5 +214,33 @@ TEST(OptimizerKindsCheckpoint, Version1CheckpointLoadsAsAdam) {
   ASSERT_TRUE(test::state_matches(b.opt(), ref));
 }
 
+TEST(OptimizerKindsOptions, FromConfigSelectsTheKindAndItsParams) {
+  auto cfg = EngineConfig::from_json(R"({"optimizer": {"type": "Lamb", "params": {"lr": 2e-3, "betas": [0.8, 0.9],
+                                          "weight_decay": 0.01, "max_coeff": 0.3, "min_coeff": 0.05,
+                                          "bias_correction": false}}})",
+                                     {false, false});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  auto o = OffloadedOptimizerOptions::from_config(*cfg);
+  ASSERT_TRUE(o.ok()) << o.status();
+  const cpu::AdamHyperParams& hp = o->groups[0];
+  EXPECT_EQ(hp.kind, cpu::OptimizerKind::kLamb);
+  EXPECT_EQ(hp.lr, 2e-3);
+  EXPECT_EQ(hp.beta2, 0.9);
+  EXPECT_EQ(hp.max_coeff, 0.3);
+  EXPECT_EQ(hp.min_coeff, 0.05);
+  EXPECT_FALSE(hp.bias_correction);
+  for (auto [type, kind, mode] : {std::tuple{"Adagrad", cpu::OptimizerKind::kAdagrad, cpu::WeightDecayMode::kL2},
+                                  std::tuple{"lion", cpu::OptimizerKind::kLion, cpu::WeightDecayMode::kDecoupled},
+                                  std::tuple{"AdamW", cpu::OptimizerKind::kAdam, cpu::WeightDecayMode::kDecoupled}}) {
+    auto c = EngineConfig::from_json(str(R"({"optimizer": {"type": ")", type, R"("}})"), {false, false});
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto k = OffloadedOptimizerOptions::from_config(*c);
+    ASSERT_TRUE(k.ok()) << k.status();
+    EXPECT_EQ(k->groups[0].kind, kind) << type;
+    EXPECT_EQ(k->groups[0].decay_mode, mode) << type;
+    EXPECT_TRUE(k->groups[0].validate().ok()) << type;
+  }
+}
+
 }  // namespace
 }  // namespace tier::optim
