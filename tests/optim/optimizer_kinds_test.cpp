@@ -141,6 +141,43 @@ TEST_P(OptimizerKinds, CheckpointRoundTripKeepsEveryKind) {
   ASSERT_TRUE(test::state_matches(b.opt(), cont));
 }
 
+// A failed read in Lamb's norms pass, or a failed write in its update pass: the step is not
+// applied, the state and gradients stay, and the retry equals the reference's step.
+TEST_P(OptimizerKinds, LambStepFailingInEitherPassKeepsTheStateAndRetries) {
+  if (GetParam().home != StateHome::kNvme) GTEST_SKIP() << "host home has no I/O to fail";
+  Rig rig(GetParam(), opts(2048, 3));
+  ASSERT_TRUE(rig.status().ok()) << rig.status();
+  Reference ref(kind_model(), kind_groups(), 13);
+  ASSERT_TRUE(rig.register_model(ref, 13).ok());
+  run_steps(rig.opt(), ref, 1, 1);
+  std::uint64_t failed = 0;
+  for (nvme::IoOp op : {nvme::IoOp::kRead, nvme::IoOp::kWrite}) {
+    SCOPED_TRACE(op == nvme::IoOp::kRead ? "read in pass 1" : "write in pass 2");
+    const std::uint64_t step = failed + 2;
+    for (std::size_t i = 0; i < ref.model().size(); ++i) {
+      const std::uint64_t n = ref.model()[i].numel;
+      auto g = test::make_grad(n, DType::kF32, test::grad_seed(step, 0, i));
+      ASSERT_TRUE(rig.opt().add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kF32, n)).ok());
+      ref.add_grad(i, g.data(), DType::kF32);
+    }
+    rig.faults()->fail_nth(3, EIO, op);  // pass 1 only reads, so a failed write is in pass 2
+    auto r = rig.opt().step();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kIoError) << r.status();
+    EXPECT_NE(r.status().message().find("was not applied"), std::string::npos) << r.status();
+    EXPECT_EQ(r.status().message().find("lamb norms pass") != std::string::npos, op == nvme::IoOp::kRead) << r.status();
+    EXPECT_EQ(*rig.opt().group_step(0), static_cast<std::int64_t>(step - 1));
+    EXPECT_EQ(rig.opt().stats().steps_failed, ++failed);
+    EXPECT_EQ(rig.opt().partitions_with_grads(), ref.model().size());
+    rig.faults()->clear_faults();
+    ASSERT_TRUE(test::state_matches(rig.opt(), ref));  // the reference has not stepped yet
+    ASSERT_TRUE(ref.step(1.0, 0.5));
+    auto again = rig.opt().step();
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_TRUE(test::state_matches(rig.opt(), ref));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Homes, OptimizerKinds, testing::ValuesIn(test::all_homes()), test::home_name);
 
 // Rewrites a version 2 checkpoint as version 1 wrote it: no kind or coefficients in the groups
