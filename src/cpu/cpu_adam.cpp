@@ -561,12 +561,27 @@ Status lamb_accumulate_norms(const AdamStep& step, const AdamTensors& t, std::ui
       for (std::uint64_t x = lo; x < hi; x += kPiece) {
         const std::uint64_t k = std::min(kPiece, hi - x);
         HWY_DYNAMIC_DISPATCH(LambNorm)(pk, gk, step.constants(), ptrs_at(in, x - offset), k, pf.data(), u.data());
-        for (std::uint64_t j = 0; j < k; ++j) {
-          const auto lane = static_cast<std::size_t>((x + j) % LambNorms::kLanes);
-          const double pd = pf[j], ud = u[j];
-          lanes[lane] += pd * pd;  // exact products: a float squared fits a double
+        // Element x + j goes to lane (x + j) % 16. Products are exact (a float squared fits a
+        // double); whole groups of 16 update the 16 lanes independently, which vectorizes
+        // without reordering any lane's sum.
+        std::uint64_t j = 0;
+        auto one = [&](std::uint64_t at) {
+          const auto lane = static_cast<std::size_t>((x + at) % LambNorms::kLanes);
+          const double pd = pf[at], ud = u[at];
+          lanes[lane] += pd * pd;
           lanes[LambNorms::kLanes + lane] += ud * ud;
+        };
+        for (; j < k && (x + j) % LambNorms::kLanes != 0; ++j) one(j);
+        double* lp = lanes;
+        double* lu = lanes + LambNorms::kLanes;
+        for (; j + LambNorms::kLanes <= k; j += LambNorms::kLanes) {
+          for (int l = 0; l < LambNorms::kLanes; ++l) {
+            const double pd = pf[j + static_cast<std::uint64_t>(l)], ud = u[j + static_cast<std::uint64_t>(l)];
+            lp[l] += pd * pd;
+            lu[l] += ud * ud;
+          }
         }
+        for (; j < k; ++j) one(j);
       }
     }
   });
