@@ -198,3 +198,35 @@ def test_what_tier_cannot_run_is_refused_clearly():
         tier_losses(config({"type": "OneBitAdam", "params": {"lr": 1e-3}}))
     with pytest.raises(tier.InvalidArgument, match="min_coeff"):
         tier_losses(config({"type": "Lamb", "params": {"max_coeff": 0.1, "min_coeff": 0.2}}))
+
+
+@pytest.mark.parametrize("kind", ["Adagrad", "Lion", "Lamb"])
+def test_a_checkpoint_continues_each_kind_exactly(kind, swap_dir, tmp_path):
+    """Saved after three steps and loaded into a fresh engine, the next three losses are the same
+    as the original engine's, bit for bit (the state, the kind and its step counter came back)."""
+    params = {"Adagrad": {"lr": 0.05}, "Lion": {"lr": 1e-3, "weight_decay": 0.1},
+              "Lamb": {"lr": 0.02, "weight_decay": 0.01, "max_coeff": 5.0}}[kind]
+    cfg = config({"type": kind, "params": params}, swap_dir)
+
+    def run(engine, steps):
+        losses = []
+        for step in steps:
+            x, y = batch(step)
+            loss = loss_of(engine(x), y)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        return losses
+
+    a, *_ = tier.torch.initialize(make_model(), cfg)
+    run(a, range(3))
+    a.save_checkpoint(str(tmp_path / "ckpt"), tag="t3")
+    want = run(a, range(3, 6))
+    a.close()
+    torch.manual_seed(123)
+    b, *_ = tier.torch.initialize(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                                      torch.nn.Linear(32, 4)), cfg)
+    b.load_checkpoint(str(tmp_path / "ckpt"), tag="t3")
+    assert b.optimizer.kind(0) == kind.lower()
+    assert run(b, range(3, 6)) == want
+    b.close()
