@@ -251,6 +251,22 @@ std::vector<KeySpec> build_schema() {
           .TIER_FIELD(optimizer.min_coeff)
           .sample(0.01, -1)
           .context(kLambContext));
+  // FusedLamb's other params: tier runs their defaults only, and says so instead of ignoring them.
+  add(K("optimizer.params.eps_inside_sqrt", VK::kBool)
+          .check([](const json& v) {
+            return v.get<bool>() ? "false (tier's Lamb adds eps outside the square root, FusedLamb's default)" : "";
+          })
+          .noted("only false is accepted; tier's Lamb adds eps outside the square root")
+          .sample(false, true)
+          .context(kLambContext));
+  add(K("optimizer.params.max_grad_norm", VK::kNumber)
+          .range(0, 1e30)
+          .check([](const json& v) {
+            return v.get<double>() > 0 ? "0 (clip with the top-level gradient_clipping key instead)" : "";
+          })
+          .noted("only 0 is accepted; clip with the top-level gradient_clipping")
+          .sample(0.0, 1.0)
+          .context(kLambContext));
   add(K("optimizer.params.amsgrad", VK::kBool)
           .check([](const json& v) { return v.get<bool>() ? "false (tier's Adam has no AMSGrad variant)" : ""; })
           .noted("only false is accepted; tier's Adam has no AMSGrad variant")
