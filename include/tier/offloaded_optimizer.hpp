@@ -323,9 +323,10 @@ class OffloadedOptimizer {
   Result<PassReport> measure_io_seconds();
   // The update of one step without I/O: runs the update kernel (Lamb: its second pass only, with a
   // trust ratio of 1) over every chunk's partitions, with their current gradients (zeros where
-  // there are none) and outputs, with `threads` threads, on scratch memory in RAM (sane values; 256 MiB of it, or less for a smaller state, so that it
-  // streams from memory like the step). The state, the gradients and the step counters are
-  // unchanged; outputs go to the scratch, not to destinations.
+  // there are none) and outputs, with `threads` threads, on scratch memory in RAM (sane values;
+  // 256 MiB of it, or less for a smaller state, so that it streams from memory like the step). The
+  // state, the gradients and the step counters are unchanged; outputs go to the scratch, not to
+  // destinations.
   Result<PassReport> measure_update_seconds();
 
   OptimizerStats stats() const;
