@@ -32,6 +32,7 @@ struct AdamBenchOptions {
   int reps = 5;
   bool heap = false;  // plain heap memory instead of the pinned, huge-page host arena
   bool progress = true;
+  cpu::OptimizerKind kind = cpu::OptimizerKind::kAdam;  // --optimizer
 };
 
 struct AdamBenchResult {
@@ -151,9 +152,14 @@ Result<AdamBenchResult> measure_adam(const AdamBenchOptions& o) {
   }
   r.bytes_per_param = 2.0 * dtype_size(o.param) + 8.0 * 2 + dtype_size(o.grad) + (o.has_out ? dtype_size(o.out) : 0);
 
-  cpu::AdamHyperParams hp;
+  cpu::AdamHyperParams hp = cpu::default_hyper_params(o.kind);
   hp.weight_decay = 0.01;
   TIER_ASSIGN_OR_RETURN(auto group, cpu::AdamGroup::create(hp));
+  // Lamb: both passes (norms, then the update), as one offloaded step of a parameter makes them.
+  auto update = [&](const cpu::AdamStep& st) {
+    return o.kind == cpu::OptimizerKind::kLamb ? cpu::lamb_update(st, buffers.tensors(), threads)
+                                               : cpu::adam_update(st, buffers.tensors(), threads);
+  };
   const auto n = static_cast<double>(o.params);
   auto timed = [&](auto&& fn) -> Result<double> {
     const auto t0 = std::chrono::steady_clock::now();
@@ -164,7 +170,7 @@ Result<AdamBenchResult> measure_adam(const AdamBenchOptions& o) {
   TIER_RETURN_IF_ERROR(cpu::adam_roofline_pass(buffers.tensors(), threads));
   TIER_RETURN_IF_ERROR(buffers.init(threads));
   TIER_ASSIGN_OR_RETURN(auto warm, group.begin_step());
-  TIER_RETURN_IF_ERROR(cpu::adam_update(warm, buffers.tensors(), threads));
+  TIER_RETURN_IF_ERROR(update(warm));
 
   std::vector<double> adam, roof;
   Progress progress("adam", static_cast<std::uint64_t>(o.reps), false, o.progress);
@@ -175,7 +181,7 @@ Result<AdamBenchResult> measure_adam(const AdamBenchOptions& o) {
     roof.push_back(rf);
     TIER_RETURN_IF_ERROR(buffers.init(threads));
     TIER_ASSIGN_OR_RETURN(auto step, group.begin_step());
-    TIER_ASSIGN_OR_RETURN(const double ad, timed([&] { return cpu::adam_update(step, buffers.tensors(), threads); }));
+    TIER_ASSIGN_OR_RETURN(const double ad, timed([&] { return update(step); }));
     adam.push_back(ad);
     progress.update(static_cast<std::uint64_t>(rep + 1));
   }
@@ -200,12 +206,13 @@ int run_adam(Args& args) {
   auto out = args.choice("out-dtype", {"none", "fp16", "bf16"}, "none");
   auto reps = args.integer("reps", 5);
   auto memory = args.choice("memory", {"arena", "heap"}, "arena");
+  auto kind = args.choice("optimizer", {"adam", "adagrad", "lion", "lamb"}, "adam");
   const std::string simd = args.get("simd", "auto");
   const bool json_out = args.flag("json");
   o.progress = !args.flag("quiet") && !json_out;
   Status s = args.finish();
   for (const Status& e : {params.status(), threads.status(), grad.status(), param.status(), out.status(), reps.status(),
-                          memory.status()}) {
+                          memory.status(), kind.status()}) {
     if (s.ok() && !e.ok()) s = e;
   }
   if (s.ok() && (*threads < 0 || *threads > 4096))
@@ -224,6 +231,10 @@ int run_adam(Args& args) {
   if (o.has_out) o.out = parse_dtype(*out).value();
   o.reps = static_cast<int>(*reps);
   o.heap = *memory == "heap";
+  for (auto k : {cpu::OptimizerKind::kAdam, cpu::OptimizerKind::kAdagrad, cpu::OptimizerKind::kLion,
+                 cpu::OptimizerKind::kLamb}) {
+    if (*kind == cpu::optimizer_kind_name(k)) o.kind = k;
+  }
 
   auto r = measure_adam(o);
   if (!r.ok()) {
@@ -233,6 +244,7 @@ int run_adam(Args& args) {
   const double ratio = r->params_per_second / r->roofline_params_per_second;
   if (json_out) {
     nlohmann::ordered_json j = {{"params", o.params},
+                                {"optimizer", cpu::optimizer_kind_name(o.kind)},
                                 {"threads", r->threads},
                                 {"param_dtype", dtype_name(o.param)},
                                 {"grad_dtype", dtype_name(o.grad)},
@@ -252,12 +264,12 @@ int run_adam(Args& args) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("adam: %s params, params %s, grads %s, out %s, %d threads, SIMD %s, %s memory\n",
-              (fmt(static_cast<double>(o.params) / 1e6, 0) + "M").c_str(), dtype_name(o.param), dtype_name(o.grad),
-              o.has_out ? dtype_name(o.out) : "none", r->threads, r->simd.c_str(),
-              o.heap ? "heap" : (r->locked ? "pinned arena" : "unpinned arena"));
+  std::printf("%s: %s params, params %s, grads %s, out %s, %d threads, SIMD %s, %s memory\n",
+              cpu::optimizer_kind_name(o.kind), (fmt(static_cast<double>(o.params) / 1e6, 0) + "M").c_str(),
+              dtype_name(o.param), dtype_name(o.grad), o.has_out ? dtype_name(o.out) : "none", r->threads,
+              r->simd.c_str(), o.heap ? "heap" : (r->locked ? "pinned arena" : "unpinned arena"));
   Table t({"kernel", "params/s (median)", "best", "bandwidth", "vs roofline"});
-  t.add({"adam", rate_params(r->params_per_second), rate_params(r->best_params_per_second),
+  t.add({cpu::optimizer_kind_name(o.kind), rate_params(r->params_per_second), rate_params(r->best_params_per_second),
          format_rate(r->params_per_second * r->bytes_per_param), fmt(ratio, 3)});
   t.add({"roofline", rate_params(r->roofline_params_per_second), rate_params(r->best_roofline_params_per_second),
          format_rate(r->roofline_params_per_second * r->bytes_per_param), "1.000"});
@@ -268,6 +280,7 @@ int run_adam(Args& args) {
 const CommandRegistrar kRegister(
     {"adam", "CPU Adam/AdamW params/s beside its roofline (Adam's memory pattern, trivial arithmetic)",
      "  --params N            parameters (default 100M)\n"
+     "  --optimizer K         adam | adagrad | lion | lamb: the kernel timed (default adam; lamb: both passes)\n"
      "  --threads N           threads (default 0: all cores)\n"
      "  --grad-dtype T        fp32 | fp16 | bf16 (default fp32)\n"
      "  --param-dtype T       fp32 | bf16 (default fp32)\n"

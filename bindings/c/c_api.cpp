@@ -4,6 +4,7 @@
 #include "tier/tier.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -381,6 +382,20 @@ const char* tier_version_string(void) {
   return TIER_C_STR(TIER_VERSION_MAJOR) "." TIER_C_STR(TIER_VERSION_MINOR) "." TIER_C_STR(TIER_VERSION_PATCH);
 #undef TIER_C_STR
 #undef TIER_C_STR2
+}
+
+const char* tier_optimizer_types(void) {
+  return "adam,adamw,adagrad,lion,lamb";
+}
+
+int tier_optimizer_supported(const char* type) {
+  if (type == nullptr) return 0;
+  std::string t(type);
+  for (char& ch : t) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  for (const char* k : {"adam", "adamw", "adagrad", "lion", "lamb"}) {
+    if (t == k) return 1;
+  }
+  return 0;
 }
 
 const char* tier_status_string(tier_status_t code) {

@@ -493,10 +493,23 @@ NB_MODULE(_tier, m) {
           "add_group",
           [](PyOptimizer& o, double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
              bool bias_correction) {
-            return unwrap(o.get().add_group(hyper(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction)));
+            cpu::AdamHyperParams hp = hyper(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction);
+            // A new group runs the same kind as group 0 (the config's optimizer type), with its clamp.
+            const cpu::AdamHyperParams first = unwrap(o.get().hyper_params(0));
+            hp.kind = first.kind;
+            hp.max_coeff = first.max_coeff;
+            hp.min_coeff = first.min_coeff;
+            if (hp.kind == cpu::OptimizerKind::kAdagrad) hp.decay_mode = cpu::WeightDecayMode::kL2;
+            if (hp.kind == cpu::OptimizerKind::kLion) hp.decay_mode = cpu::WeightDecayMode::kDecoupled;
+            return unwrap(o.get().add_group(hp));
           },
           "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8, "weight_decay"_a = 0.0, "decoupled"_a = true,
-          "bias_correction"_a = true)
+          "bias_correction"_a = true,
+          "Adds a parameter group of the same kind (adam, adagrad, lion, lamb) as group 0; returns its index.")
+      .def(
+          "kind",
+          [](PyOptimizer& o, int group) { return cpu::optimizer_kind_name(unwrap(o.get().hyper_params(group)).kind); },
+          "group"_a = 0, "The update rule of a group: 'adam' (Adam or AdamW), 'adagrad', 'lion' or 'lamb'.")
       .def(
           "set_group",
           [](PyOptimizer& o, int group, double lr, double beta1, double beta2, double eps, double weight_decay) {

@@ -43,7 +43,8 @@ const char* device_kind_name(DeviceKind k) noexcept;  // "auto", "cuda", "emulat
 enum class HugePageMode : std::uint8_t { kAuto = 0, kThp, kHugetlbfs, kOff };
 const char* huge_page_mode_name(HugePageMode m) noexcept;  // "auto", "thp", "hugetlbfs", "off"
 
-enum class OptimizerType : std::uint8_t { kAdam = 0, kAdamW };
+// Adagrad, Lion and Lamb as tier's CPU kernels define them (see tier/cpu_adam.hpp).
+enum class OptimizerType : std::uint8_t { kAdam = 0, kAdamW, kAdagrad, kLion, kLamb };
 
 // zero_optimization.offload_param. Sizes are in elements, as in DeepSpeed.
 struct OffloadParamConfig {
@@ -88,6 +89,9 @@ struct OptimizerConfig {
   // Decoupled (AdamW) weight decay. True for AdamW; for Adam it follows params.adam_w_mode,
   // which defaults to true as in DeepSpeed.
   bool decoupled_weight_decay = true;
+  // Lamb: the trust ratio's clamp (DeepSpeed's FusedLamb params and defaults).
+  double max_coeff = 10.0;
+  double min_coeff = 0.01;
 };
 
 // fp16: mixed precision with dynamic (loss_scale == 0) or static loss scaling.

@@ -1,7 +1,8 @@
-// tier/offloaded_optimizer.hpp — the offloaded optimizer step: Adam/AdamW over fp32 master params,
-// exp_avg and exp_avg_sq that live on NVMe (or in host memory), updated on the CPU in a pipeline
-// that reads chunk i+1, updates chunk i and writes chunk i-1 at once through a bounded set of
-// pinned buffers, so that a step costs about as much as its slowest stream.
+// tier/offloaded_optimizer.hpp — the offloaded optimizer step: Adam/AdamW (or Adagrad, Lion, Lamb:
+// each group's cpu::OptimizerKind) over fp32 master params, exp_avg and exp_avg_sq that live on
+// NVMe (or in host memory), updated on the CPU in a pipeline that reads chunk i+1, updates chunk i
+// and writes chunk i-1 at once through a bounded set of pinned buffers, so that a step costs about
+// as much as its slowest stream.
 //
 // Model:
 //  - A *partition* is a contiguous run of fp32 parameters (typically one model parameter) with its
@@ -26,10 +27,14 @@
 //  - Checkpoints are streamed chunk by chunk to a file (write to a temporary name, fsync, rename)
 //    with per-record checksums, and loaded the same way; see docs/optimizer.md for the format.
 //
+// Lamb: when any group is Lamb, step() first makes a read-only pass over the state for each Lamb
+// partition's ||p|| and ||u|| (cpu::lamb_accumulate_norms), then the usual pass with each Lamb
+// partition's trust ratio: NVMe home reads the state twice per step (see docs/design.md).
+//
 // Determinism: the update is element-wise (cpu::adam_update_chunk), so the result is bit-identical
-// to the in-RAM CPU Adam on the same inputs for any chunk size, buffer count and thread count. The
-// global norm is sqrt of the sum, in partition registration order, of each partition's
-// cpu::sum_of_squares of its final fp32 gradient; the Adam grad_scale is
+// to the in-RAM CPU Adam (Lamb: cpu::lamb_update) on the same inputs for any chunk size, buffer
+// count and thread count. The global norm is sqrt of the sum, in partition registration order, of
+// each partition's cpu::sum_of_squares of its final fp32 gradient; the Adam grad_scale is
 // double(cpu::clip_coefficient(norm, max_grad_norm)) / loss_scale.
 //
 // Host memory: the pinned buffers (buffer_count of them, each holding one chunk's state plus its
@@ -335,11 +340,12 @@ class OffloadedOptimizer {
   // disk sees new data as in a step (no deduplication of bytes it already holds). The committed
   // state is unchanged. NVMe home only.
   Result<PassReport> measure_io_seconds();
-  // The update of one step without I/O: runs the Adam kernel over every chunk's partitions, with
-  // their current gradients (zeros where there are none) and outputs, with `threads` threads, on
-  // scratch memory in RAM (sane values; 256 MiB of it, or less for a smaller state, so that it
-  // streams from memory like the step). The state, the gradients and the step counters are
-  // unchanged; outputs go to the scratch, not to destinations.
+  // The update of one step without I/O: runs the update kernel (Lamb: its second pass only, with a
+  // trust ratio of 1) over every chunk's partitions, with their current gradients (zeros where
+  // there are none) and outputs, with `threads` threads, on scratch memory in RAM (sane values;
+  // 256 MiB of it, or less for a smaller state, so that it streams from memory like the step). The
+  // state, the gradients and the step counters are unchanged; outputs go to the scratch, not to
+  // destinations.
   Result<PassReport> measure_update_seconds();
 
   OptimizerStats stats() const;

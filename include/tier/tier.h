@@ -71,6 +71,15 @@ TIER_API int tier_version(void);
 TIER_API const char* tier_version_string(void);
 
 /* ---------------------------------------------------------------------------------------------
+ * Optimizers: chosen by the engine config's "optimizer": {"type": ...}; probe before building one */
+
+/* The optimizer types this library runs, lower case and comma-separated: "adam,adamw,adagrad,lion,lamb".
+   Static storage. */
+TIER_API const char* tier_optimizer_types(void);
+/* 1 when `type` (any case, e.g. "Lamb") is one of them, 0 otherwise (also for NULL). */
+TIER_API int tier_optimizer_supported(const char* type);
+
+/* ---------------------------------------------------------------------------------------------
  * Status codes and errors */
 
 typedef enum tier_status {

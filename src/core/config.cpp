@@ -353,11 +353,17 @@ struct Parser {
     if (!given.count("optimizer")) {
       cfg.notes.push_back(
           "optimizer: no section, so the client passes the optimizer (as in DeepSpeed): "
-          "tier.torch.initialize(model, config, optimizer=torch.optim.AdamW(...)) takes Adam or AdamW; "
+          "tier.torch.initialize(model, config, optimizer=torch.optim.AdamW(...)) takes Adam, AdamW or Adagrad; "
           "a program without one must add an \"optimizer\" section");
     }
     if (!given.count("optimizer.params.weight_decay")) {
       opt.weight_decay = opt.type == OptimizerType::kAdamW ? 0.01 : 0.0;
+    }
+    // Defaults of the other kinds where they differ from Adam's (DeepSpeed / torch / lion-pytorch).
+    if (opt.type == OptimizerType::kAdagrad && !given.count("optimizer.params.eps")) opt.eps = 1e-10;
+    if (opt.type == OptimizerType::kLion && !given.count("optimizer.params.betas")) {
+      opt.beta1 = 0.9;
+      opt.beta2 = 0.99;
     }
     if (opt.type == OptimizerType::kAdamW) {
       if (given.count("optimizer.params.adam_w_mode") && !opt.decoupled_weight_decay) {
@@ -565,6 +571,11 @@ Status EngineConfig::validate() const {
             "[0, 1); got lr=",
             optimizer.lr, " betas=[", optimizer.beta1, ", ", optimizer.beta2, "] eps=", optimizer.eps,
             " weight_decay=", optimizer.weight_decay));
+  }
+  if (!(optimizer.min_coeff >= 0 && optimizer.min_coeff <= optimizer.max_coeff)) {
+    return invalid_argument(str("config keys 'optimizer.params.min_coeff' (", optimizer.min_coeff,
+                                ") and 'optimizer.params.max_coeff' (", optimizer.max_coeff,
+                                ") must satisfy 0 <= min_coeff <= max_coeff"));
   }
   for (const auto& p : tier.swap_paths) {
     if (p.empty()) return invalid_argument("config key 'tier.swap_paths' holds an empty path");

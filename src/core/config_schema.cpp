@@ -153,7 +153,8 @@ std::vector<KeySpec> build_schema() {
   add(K("gradient_predivide_factor", VK::kNumber).range(0, 1e30).noted(kNotPartitioned).sample(1.0, "x"));
   add(K("sparse_gradients", VK::kBool).noted("gradients are dense in tier").sample(false, "no"));
   add(K("zero_allow_untested_optimizer", VK::kBool)
-          .noted("tier runs its own CPU Adam/AdamW; other optimizers are rejected by optimizer.type")
+          .noted("tier runs its own CPU optimizers (Adam, AdamW, Adagrad, Lion, Lamb); other optimizers are rejected "
+                 "by optimizer.type")
           .sample(true, 2));
   add(K("zero_force_ds_cpu_optimizer", VK::kBool)
           .noted("tier always uses its own CPU optimizer for offloaded state")
@@ -198,24 +199,23 @@ std::vector<KeySpec> build_schema() {
   // optimizer / scheduler
   add(K("optimizer", VK::kObject));
   add(K("optimizer.type", VK::kEnum)
-          .TIER_ENUM_FIELD(optimizer.type, OptimizerType, "adam", "adamw")
+          .TIER_ENUM_FIELD(optimizer.type, OptimizerType, "adam", "adamw", "adagrad", "lion", "lamb")
           .check([](const json& v) -> std::string {
             // Called with the lower-cased name when it is not a choice: name what tier lacks.
             const std::string t = v.get<std::string>();
-            if (t == "adam" || t == "adamw") return "";
-            static const char* const kKnown[] = {"lamb",   "onebitlamb", "onebitadam", "zerooneadam", "adagrad", "lion",
-                                                 "muadam", "muadamw",    "musgd",      "sgd",         "cpuadam"};
+            static const char* const kKnown[] = {"onebitlamb", "onebitadam", "zerooneadam", "muadam",
+                                                 "muadamw",    "musgd",      "sgd",         "cpuadam"};
             for (const char* k : kKnown) {
               if (t == k) {
-                return str("adam or adamw (any case); tier's offloaded CPU optimizer implements only these two, so '",
-                           t,
-                           "' cannot run; use AdamW, or leave out the optimizer section and pass a torch.optim.Adam ",
-                           "or AdamW to initialize(optimizer=...)");
+                return str("adam, adamw, adagrad, lion or lamb (any case); tier's offloaded CPU optimizer ",
+                           "implements only these, so '", t,
+                           "' cannot run; use one of them, or leave out the optimizer section and pass a ",
+                           "torch.optim.Adam, AdamW or Adagrad to initialize(optimizer=...)");
               }
             }
             return "";
           })
-          .sample("AdamW", "Lamb", "adamw"));
+          .sample("AdamW", "OneBitLamb", "adamw"));
   add(K("optimizer.params", VK::kObject));
   add(K("optimizer.params.lr", VK::kNumber).range(0, 1e6).auto_is(5e-5).TIER_FIELD(optimizer.lr).sample(3e-4, -1));
   add(K("optimizer.params.betas", VK::kPair)
@@ -240,6 +240,33 @@ std::vector<KeySpec> build_schema() {
           .TIER_FIELD(optimizer.decoupled_weight_decay)
           .sample(false, 0.5)
           .context({{"optimizer", {{"type", "Adam"}}}}));
+  const json kLambContext = {{"optimizer", {{"type", "Lamb"}}}};
+  add(K("optimizer.params.max_coeff", VK::kNumber)
+          .range(0, 1e6)
+          .TIER_FIELD(optimizer.max_coeff)
+          .sample(0.3, -1)
+          .context(kLambContext));
+  add(K("optimizer.params.min_coeff", VK::kNumber)
+          .range(0, 1e6)
+          .TIER_FIELD(optimizer.min_coeff)
+          .sample(0.01, -1)
+          .context(kLambContext));
+  // FusedLamb's other params: tier runs their defaults only, and says so instead of ignoring them.
+  add(K("optimizer.params.eps_inside_sqrt", VK::kBool)
+          .check([](const json& v) {
+            return v.get<bool>() ? "false (tier's Lamb adds eps outside the square root, FusedLamb's default)" : "";
+          })
+          .noted("only false is accepted; tier's Lamb adds eps outside the square root")
+          .sample(false, true)
+          .context(kLambContext));
+  add(K("optimizer.params.max_grad_norm", VK::kNumber)
+          .range(0, 1e30)
+          .check([](const json& v) {
+            return v.get<double>() > 0 ? "0 (clip with the top-level gradient_clipping key instead)" : "";
+          })
+          .noted("only 0 is accepted; clip with the top-level gradient_clipping")
+          .sample(0.0, 1.0)
+          .context(kLambContext));
   add(K("optimizer.params.amsgrad", VK::kBool)
           .check([](const json& v) { return v.get<bool>() ? "false (tier's Adam has no AMSGrad variant)" : ""; })
           .noted("only false is accepted; tier's Adam has no AMSGrad variant")

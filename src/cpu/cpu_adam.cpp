@@ -32,9 +32,22 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 using detail::AdamPtrs;
 
+// The update rule of one instantiation (AdamStep::Constants::kind and l2 pick it at dispatch).
+enum Op : int { kOpAdam = 0, kOpAdamL2 = 1, kOpAdagrad = 2, kOpLion = 3, kOpLamb = 4 };
+
+// Lamb's new moments (into m, v) and its update direction u. The norms pass and the apply pass
+// both go through exactly these instructions, so u is the same in both.
+template <class DF, class VF>
+HWY_INLINE VF LambDirection(DF df, const AdamStep::Constants& c, VF g, VF p, VF& m, VF& v) {
+  m = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
+  v = hn::MulAdd(v, hn::Set(df, c.beta2), hn::Mul(hn::Mul(g, g), hn::Set(df, c.one_minus_beta2)));
+  const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(df, c.inv_sqrt_bc2), hn::Set(df, c.eps));
+  return hn::MulAdd(hn::Set(df, c.weight_decay), p, hn::Div(hn::Mul(m, hn::Set(df, c.inv_bc1)), denom));
+}
+
 // One full vector of elements at index i. Every element, whether in the body or the tail of a
 // chunk, goes through exactly these instructions: that is what makes chunking invisible.
-template <Kind P, Kind G, Kind O, bool kL2, class DF>
+template <Kind P, Kind G, Kind O, int kOp, class DF>
 HWY_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i) {
   void* pp = static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P);
   auto g =
@@ -42,24 +55,57 @@ HWY_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& 
   auto p = LoadAsF32<P>(df, pp);
   auto m = hn::LoadU(df, a.m + i);
   auto v = hn::LoadU(df, a.v + i);
-  if constexpr (kL2) g = hn::MulAdd(hn::Set(df, c.l2_weight_decay), p, g);
-  m = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
-  v = hn::MulAdd(v, hn::Set(df, c.beta2), hn::Mul(hn::Mul(g, g), hn::Set(df, c.one_minus_beta2)));
-  const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(df, c.inv_sqrt_bc2), hn::Set(df, c.eps));
-  // Decoupled decay and the step in one fused multiply-add: one rounding of p per step.
-  const auto delta = hn::Mul(hn::Set(df, c.step_size), hn::Div(m, denom));
-  if constexpr (kL2) {
-    p = hn::Sub(p, delta);
+  if constexpr (kOp == kOpAdam || kOp == kOpAdamL2) {
+    if constexpr (kOp == kOpAdamL2) g = hn::MulAdd(hn::Set(df, c.l2_weight_decay), p, g);
+    m = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
+    v = hn::MulAdd(v, hn::Set(df, c.beta2), hn::Mul(hn::Mul(g, g), hn::Set(df, c.one_minus_beta2)));
+    const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(df, c.inv_sqrt_bc2), hn::Set(df, c.eps));
+    // Decoupled decay and the step in one fused multiply-add: one rounding of p per step.
+    const auto delta = hn::Mul(hn::Set(df, c.step_size), hn::Div(m, denom));
+    if constexpr (kOp == kOpAdamL2) {
+      p = hn::Sub(p, delta);
+    } else {
+      p = hn::MulSub(p, hn::Set(df, c.decay_factor), delta);
+    }
+    hn::StoreU(m, df, a.m + i);
+    hn::StoreU(v, df, a.v + i);
+  } else if constexpr (kOp == kOpAdagrad) {
+    g = hn::MulAdd(hn::Set(df, c.l2_weight_decay), p, g);
+    v = hn::MulAdd(g, g, v);
+    const auto denom = hn::Add(hn::Sqrt(v), hn::Set(df, c.eps));
+    p = hn::Sub(p, hn::Mul(hn::Set(df, c.step_size), hn::Div(g, denom)));
+    hn::StoreU(v, df, a.v + i);
+  } else if constexpr (kOp == kOpLion) {
+    const auto cm = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
+    const auto zero = hn::Zero(df);
+    const auto sign = hn::IfThenElseZero(hn::Ne(cm, zero), hn::CopySign(hn::Set(df, 1.0f), cm));
+    p = hn::MulSub(p, hn::Set(df, c.decay_factor), hn::Mul(hn::Set(df, c.step_size), sign));
+    m = hn::MulAdd(m, hn::Set(df, c.beta2), hn::Mul(g, hn::Set(df, c.one_minus_beta2)));
+    hn::StoreU(m, df, a.m + i);
   } else {
-    p = hn::MulSub(p, hn::Set(df, c.decay_factor), delta);
+    const auto u = LambDirection(df, c, g, p, m, v);
+    p = hn::Sub(p, hn::Mul(hn::Set(df, c.step_size), u));  // step_size = lr * trust
+    hn::StoreU(m, df, a.m + i);
+    hn::StoreU(v, df, a.v + i);
   }
-  hn::StoreU(m, df, a.m + i);
-  hn::StoreU(v, df, a.v + i);
   StoreFromF32<P>(df, p, pp);
   // The low-precision copy is the stored params converted (bf16 params: rounded once already).
   if constexpr (O != Kind::kNone) {
     StoreFromF32<O>(df, RoundTo<P>(df, p), static_cast<std::uint8_t*>(a.out) + i * ElemBytes(O));
   }
+}
+
+// Lamb pass 1 on one vector: p (as fp32) and u into pf/u at i; the state is only read.
+template <Kind P, Kind G, class DF>
+HWY_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i, float* pf,
+                               float* u) {
+  const auto g =
+      hn::Mul(LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G)), hn::Set(df, c.grad_scale));
+  const auto p = LoadAsF32<P>(df, static_cast<const std::uint8_t*>(a.p) + i * ElemBytes(P));
+  auto m = hn::LoadU(df, a.m + i);
+  auto v = hn::LoadU(df, a.v + i);
+  hn::StoreU(LambDirection(df, c, g, p, m, v), df, u + i);
+  hn::StoreU(p, df, pf + i);
 }
 
 // The roofline: the same loads and stores, trivial arithmetic.
@@ -77,7 +123,7 @@ HWY_INLINE void RooflineVector(DF df, const AdamPtrs& a, std::size_t i) {
   StoreFromF32<O>(df, np, static_cast<std::uint8_t*>(a.out) + i * ElemBytes(O));
 }
 
-template <Kind P, Kind G, Kind O, bool kRoofline, bool kL2>
+template <Kind P, Kind G, Kind O, bool kRoofline, int kOp>
 void AdamT(const AdamStep::Constants& c_in, const AdamPtrs& a_in, std::size_t n) {
   // Local copies: the stores through float* could alias the caller's structs, and the compiler
   // would then reload every pointer and re-broadcast every constant on each vector.
@@ -90,7 +136,7 @@ void AdamT(const AdamStep::Constants& c_in, const AdamPtrs& a_in, std::size_t n)
     if constexpr (kRoofline) {
       RooflineVector<P, G, O>(df, a, i);
     } else {
-      AdamVector<P, G, O, kL2>(df, c, a, i);
+      AdamVector<P, G, O, kOp>(df, c, a, i);
     }
   }
   if (i == n) return;
@@ -109,7 +155,7 @@ void AdamT(const AdamStep::Constants& c_in, const AdamPtrs& a_in, std::size_t n)
   if constexpr (kRoofline) {
     RooflineVector<P, G, O>(df, t, 0);
   } else {
-    AdamVector<P, G, O, kL2>(df, c, t, 0);
+    AdamVector<P, G, O, kOp>(df, c, t, 0);
   }
   std::memcpy(static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P), p, r * ElemBytes(P));
   std::memcpy(a.m + i, m, r * sizeof(float));
@@ -119,15 +165,15 @@ void AdamT(const AdamStep::Constants& c_in, const AdamPtrs& a_in, std::size_t n)
   }
 }
 
-template <bool kRoofline, bool kL2>
+template <bool kRoofline, int kOp>
 void AdamByKind(int pk, int gk, int ok, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
   // params fp32 or bf16; grads fp32, fp16 or bf16; out none, fp16, bf16 or fp32.
 #define TIER_ADAM_OUT(PK, GK)                                                                 \
   switch (static_cast<Kind>(ok)) {                                                            \
-    case Kind::kNone: return AdamT<Kind::PK, Kind::GK, Kind::kNone, kRoofline, kL2>(c, a, n); \
-    case Kind::kF16: return AdamT<Kind::PK, Kind::GK, Kind::kF16, kRoofline, kL2>(c, a, n);   \
-    case Kind::kBF16: return AdamT<Kind::PK, Kind::GK, Kind::kBF16, kRoofline, kL2>(c, a, n); \
-    case Kind::kF32: return AdamT<Kind::PK, Kind::GK, Kind::kF32, kRoofline, kL2>(c, a, n);   \
+    case Kind::kNone: return AdamT<Kind::PK, Kind::GK, Kind::kNone, kRoofline, kOp>(c, a, n); \
+    case Kind::kF16: return AdamT<Kind::PK, Kind::GK, Kind::kF16, kRoofline, kOp>(c, a, n);   \
+    case Kind::kBF16: return AdamT<Kind::PK, Kind::GK, Kind::kBF16, kRoofline, kOp>(c, a, n); \
+    case Kind::kF32: return AdamT<Kind::PK, Kind::GK, Kind::kF32, kRoofline, kOp>(c, a, n);   \
   }
 #define TIER_ADAM_GRAD(PK)                             \
   switch (static_cast<Kind>(gk)) {                     \
@@ -146,16 +192,61 @@ void AdamByKind(int pk, int gk, int ok, const AdamStep::Constants& c, const Adam
 }
 
 void Adam(int pk, int gk, int ok, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
-  if (c.l2) {
-    AdamByKind<false, true>(pk, gk, ok, c, a, n);
-  } else {
-    AdamByKind<false, false>(pk, gk, ok, c, a, n);
+  switch (c.kind) {
+    case OptimizerKind::kAdam:
+      if (c.l2) return AdamByKind<false, kOpAdamL2>(pk, gk, ok, c, a, n);
+      return AdamByKind<false, kOpAdam>(pk, gk, ok, c, a, n);
+    case OptimizerKind::kAdagrad: return AdamByKind<false, kOpAdagrad>(pk, gk, ok, c, a, n);
+    case OptimizerKind::kLion: return AdamByKind<false, kOpLion>(pk, gk, ok, c, a, n);
+    case OptimizerKind::kLamb: return AdamByKind<false, kOpLamb>(pk, gk, ok, c, a, n);
   }
 }
 
 void Roofline(int pk, int gk, int ok, const AdamPtrs& a, std::size_t n) {
   const AdamStep::Constants c{};
-  AdamByKind<true, false>(pk, gk, ok, c, a, n);
+  AdamByKind<true, kOpAdam>(pk, gk, ok, c, a, n);
+}
+
+template <Kind P, Kind G>
+void LambNormT(const AdamStep::Constants& c_in, const AdamPtrs& a_in, std::size_t n, float* pf, float* u) {
+  const AdamStep::Constants c = c_in;
+  const AdamPtrs a = a_in;
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) LambNormVector<P, G>(df, c, a, i, pf, u);
+  if (i == n) return;
+  const std::size_t r = n - i;
+  HWY_ALIGN std::uint8_t p[HWY_MAX_BYTES] = {};
+  HWY_ALIGN float m[HWY_MAX_BYTES / sizeof(float)] = {};
+  HWY_ALIGN float v[HWY_MAX_BYTES / sizeof(float)] = {};
+  HWY_ALIGN std::uint8_t g[HWY_MAX_BYTES] = {};
+  HWY_ALIGN float tp[HWY_MAX_BYTES / sizeof(float)] = {};
+  HWY_ALIGN float tu[HWY_MAX_BYTES / sizeof(float)] = {};
+  std::memcpy(p, static_cast<const std::uint8_t*>(a.p) + i * ElemBytes(P), r * ElemBytes(P));
+  std::memcpy(m, a.m + i, r * sizeof(float));
+  std::memcpy(v, a.v + i, r * sizeof(float));
+  std::memcpy(g, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G), r * ElemBytes(G));
+  const AdamPtrs t{p, m, v, g, nullptr};
+  LambNormVector<P, G>(df, c, t, 0, tp, tu);
+  std::memcpy(pf + i, tp, r * sizeof(float));
+  std::memcpy(u + i, tu, r * sizeof(float));
+}
+
+void LambNorm(int pk, int gk, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n, float* pf, float* u) {
+  const bool bf16 = static_cast<Kind>(pk) == Kind::kBF16;
+  switch (static_cast<Kind>(gk)) {
+    case Kind::kF32:
+      return bf16 ? LambNormT<Kind::kBF16, Kind::kF32>(c, a, n, pf, u)
+                  : LambNormT<Kind::kF32, Kind::kF32>(c, a, n, pf, u);
+    case Kind::kF16:
+      return bf16 ? LambNormT<Kind::kBF16, Kind::kF16>(c, a, n, pf, u)
+                  : LambNormT<Kind::kF32, Kind::kF16>(c, a, n, pf, u);
+    case Kind::kBF16:
+      return bf16 ? LambNormT<Kind::kBF16, Kind::kBF16>(c, a, n, pf, u)
+                  : LambNormT<Kind::kF32, Kind::kBF16>(c, a, n, pf, u);
+    case Kind::kNone: return;
+  }
 }
 
 }  // namespace tier::cpu::HWY_NAMESPACE
@@ -163,7 +254,9 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "cpu/parallel.hpp"
 
@@ -171,6 +264,7 @@ namespace tier::cpu {
 
 HWY_EXPORT(Adam);
 HWY_EXPORT(Roofline);
+HWY_EXPORT(LambNorm);
 
 namespace {
 
@@ -230,7 +324,44 @@ Status AdamHyperParams::validate() const {
   if (decay_mode != WeightDecayMode::kDecoupled && decay_mode != WeightDecayMode::kL2) {
     return invalid_argument("adam: unknown weight decay mode");
   }
+  if (kind != OptimizerKind::kAdam && kind != OptimizerKind::kAdagrad && kind != OptimizerKind::kLion &&
+      kind != OptimizerKind::kLamb) {
+    return invalid_argument(
+        str("optimizer: unknown kind ", static_cast<int>(kind), "; use adam (adamw), adagrad, lion or lamb"));
+  }
+  if (kind == OptimizerKind::kLamb) {
+    TIER_RETURN_IF_ERROR(check_finite(max_coeff, "max_coeff"));
+    TIER_RETURN_IF_ERROR(check_finite(min_coeff, "min_coeff"));
+    if (min_coeff < 0 || min_coeff > max_coeff) {
+      return invalid_argument(str("lamb: min_coeff ", min_coeff, " and max_coeff ", max_coeff,
+                                  " must satisfy 0 <= min_coeff <= max_coeff"));
+    }
+  }
   return {};
+}
+
+const char* optimizer_kind_name(OptimizerKind k) noexcept {
+  switch (k) {
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kAdagrad: return "adagrad";
+    case OptimizerKind::kLion: return "lion";
+    case OptimizerKind::kLamb: return "lamb";
+  }
+  return "unknown";
+}
+
+AdamHyperParams default_hyper_params(OptimizerKind kind) {
+  AdamHyperParams hp;
+  hp.kind = kind;
+  if (kind == OptimizerKind::kAdagrad) {
+    hp.lr = 1e-2;
+    hp.eps = 1e-10;
+    hp.decay_mode = WeightDecayMode::kL2;
+  } else if (kind == OptimizerKind::kLion) {
+    hp.lr = 1e-4;
+    hp.beta2 = 0.99;
+  }
+  return hp;
 }
 
 Result<AdamStep> AdamStep::make(const AdamHyperParams& hp, std::int64_t step, double grad_scale) {
@@ -258,10 +389,44 @@ Result<AdamStep> AdamStep::make(const AdamHyperParams& hp, std::int64_t step, do
   c.decay_factor = c.l2 ? 1.0f : static_cast<float>(1.0 - hp.lr * hp.weight_decay);
   c.l2_weight_decay = c.l2 ? static_cast<float>(hp.weight_decay) : 0.0f;
   c.grad_scale = static_cast<float>(grad_scale);
+  c.kind = hp.kind;
+  c.inv_bc1 = 1.0f;
+  c.weight_decay = 0.0f;
+  switch (hp.kind) {
+    case OptimizerKind::kAdam: break;
+    case OptimizerKind::kAdagrad:  // always L2, no bias correction
+      c.l2 = true;
+      c.step_size = static_cast<float>(hp.lr);
+      c.inv_sqrt_bc2 = 1.0f;
+      c.decay_factor = 1.0f;
+      c.l2_weight_decay = static_cast<float>(hp.weight_decay);
+      break;
+    case OptimizerKind::kLion:  // always decoupled, no bias correction
+      c.l2 = false;
+      c.step_size = static_cast<float>(hp.lr);
+      c.inv_sqrt_bc2 = 1.0f;
+      c.decay_factor = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
+      c.l2_weight_decay = 0.0f;
+      break;
+    case OptimizerKind::kLamb:  // weight decay is a term of u; the trust ratio scales lr
+      c.l2 = false;
+      c.step_size = static_cast<float>(hp.lr);
+      c.inv_bc1 = static_cast<float>(1.0 / bc1);
+      c.decay_factor = 1.0f;
+      c.l2_weight_decay = 0.0f;
+      c.weight_decay = static_cast<float>(hp.weight_decay);
+      break;
+  }
   if (!std::isfinite(c.step_size) || !std::isfinite(c.inv_sqrt_bc2) || !std::isfinite(c.grad_scale)) {
     return invalid_argument(str("adam: step ", step, " gives non-finite constants in fp32 (lr ", hp.lr, ", beta1 ",
                                 hp.beta1, ", beta2 ", hp.beta2, ", grad_scale ", grad_scale, ")"));
   }
+  return s;
+}
+
+AdamStep AdamStep::with_trust(double trust) const {
+  AdamStep s = *this;
+  if (hp_.kind == OptimizerKind::kLamb) s.c_.step_size = static_cast<float>(hp_.lr * trust);
   return s;
 }
 
@@ -341,6 +506,100 @@ Status adam_update(const AdamStep& step, const AdamTensors& t, int threads) {
 
 Status adam_roofline_pass(const AdamTensors& t, int threads) {
   return run(nullptr, t, threads);
+}
+
+void LambNorms::reset(std::uint64_t numel) {
+  numel_ = numel;
+  acc_.assign((numel + kBlock - 1) / kBlock * 2 * kLanes, 0.0);
+}
+
+double LambNorms::total(int which) const noexcept {
+  double sum = 0;
+  const std::size_t blocks = acc_.size() / (2 * kLanes);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    double l[kLanes];
+    const double* lanes = acc_.data() + (b * 2 + static_cast<std::size_t>(which)) * kLanes;
+    for (int i = 0; i < kLanes; ++i) l[i] = lanes[i];
+    for (int w = kLanes / 2; w >= 1; w /= 2) {  // a fixed pairwise tree
+      for (int i = 0; i < w; ++i) l[i] = l[i] + l[i + w];
+    }
+    sum += l[0];
+  }
+  return sum;
+}
+
+Status lamb_accumulate_norms(const AdamStep& step, const AdamTensors& t, std::uint64_t offset, LambNorms& norms,
+                             int threads) {
+  detail::init_simd_once();
+  if (step.hyper_params().kind != OptimizerKind::kLamb) {
+    return invalid_argument(
+        str("lamb norms: the step is ", optimizer_kind_name(step.hyper_params().kind), ", not lamb"));
+  }
+  AdamTensors in = t;
+  in.out = TensorRef{};
+  TIER_RETURN_IF_ERROR(validate(in));
+  const std::uint64_t n = in.params.numel;
+  if (offset > norms.numel() || n > norms.numel() - offset) {
+    return invalid_argument(
+        str("lamb norms: elements [", offset, ", ", offset + n, ") are past the parameter's ", norms.numel()));
+  }
+  if (n == 0) return {};
+  TIER_ASSIGN_OR_RETURN(const int nthreads, detail::resolve_threads(threads));
+  const int pk = detail::kind_of(in.params.dtype);
+  const int gk = detail::kind_of(in.grads.dtype);
+  // Whole 64 Ki blocks (of the parameter) go to one thread each, so a (block, lane) slot is
+  // only ever added to in element order.
+  const std::uint64_t first_block = offset / LambNorms::kBlock;
+  const std::uint64_t blocks = (offset + n - 1) / LambNorms::kBlock - first_block + 1;
+  detail::parallel_ranges(blocks, nthreads, 1, [&](std::uint64_t bb, std::uint64_t be) {
+    constexpr std::uint64_t kPiece = 4096;
+    std::vector<float> pf(kPiece), u(kPiece);
+    for (std::uint64_t b = first_block + bb; b < first_block + be; ++b) {
+      const std::uint64_t lo = std::max(offset, b * LambNorms::kBlock);
+      const std::uint64_t hi = std::min(offset + n, (b + 1) * LambNorms::kBlock);
+      double* lanes = norms.acc_.data() + b * 2 * LambNorms::kLanes;
+      for (std::uint64_t x = lo; x < hi; x += kPiece) {
+        const std::uint64_t k = std::min(kPiece, hi - x);
+        HWY_DYNAMIC_DISPATCH(LambNorm)(pk, gk, step.constants(), ptrs_at(in, x - offset), k, pf.data(), u.data());
+        // Element x + j goes to lane (x + j) % 16. Products are exact (a float squared fits a
+        // double); whole groups of 16 update the 16 lanes independently, which vectorizes
+        // without reordering any lane's sum.
+        std::uint64_t j = 0;
+        auto one = [&](std::uint64_t at) {
+          const auto lane = static_cast<std::size_t>((x + at) % LambNorms::kLanes);
+          const double pd = pf[at], ud = u[at];
+          lanes[lane] += pd * pd;
+          lanes[LambNorms::kLanes + lane] += ud * ud;
+        };
+        for (; j < k && (x + j) % LambNorms::kLanes != 0; ++j) one(j);
+        double* lp = lanes;
+        double* lu = lanes + LambNorms::kLanes;
+        for (; j + LambNorms::kLanes <= k; j += LambNorms::kLanes) {
+          for (int l = 0; l < LambNorms::kLanes; ++l) {
+            const double pd = pf[j + static_cast<std::uint64_t>(l)], ud = u[j + static_cast<std::uint64_t>(l)];
+            lp[l] += pd * pd;
+            lu[l] += ud * ud;
+          }
+        }
+        for (; j < k; ++j) one(j);
+      }
+    }
+  });
+  return {};
+}
+
+double lamb_trust_ratio(const AdamHyperParams& hp, double param_sq, double update_sq) {
+  if (!(param_sq > 0) || !(update_sq > 0)) return 1.0;
+  if (!std::isfinite(param_sq) || !std::isfinite(update_sq)) return 1.0;
+  const double r = std::sqrt(param_sq) / std::sqrt(update_sq);
+  return std::clamp(r, hp.min_coeff, hp.max_coeff);
+}
+
+Status lamb_update(const AdamStep& step, const AdamTensors& t, int threads) {
+  LambNorms norms(t.params.numel);
+  TIER_RETURN_IF_ERROR(lamb_accumulate_norms(step, t, 0, norms, threads));
+  const double trust = lamb_trust_ratio(step.hyper_params(), norms.param_sq(), norms.update_sq());
+  return adam_update(step.with_trust(trust), t, threads);
 }
 
 }  // namespace tier::cpu

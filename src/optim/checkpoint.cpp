@@ -45,7 +45,10 @@ namespace {
 constexpr char kFileMagic[8] = {'T', 'I', 'E', 'R', 'O', 'P', 'T', 'C'};
 constexpr char kRecordMagic[4] = {'T', 'R', 'E', 'C'};
 constexpr char kTrailerMagic[8] = {'T', 'I', 'E', 'R', 'T', 'A', 'I', 'L'};
-constexpr std::uint32_t kVersion = 1;
+// Version 2 added each group's optimizer kind (and Lamb's coefficients); version 1 files are
+// still read, their groups as Adam.
+constexpr std::uint32_t kVersion = 2;
+constexpr std::uint32_t kOldestVersion = 1;
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kRecordBytes = 40;
 constexpr std::size_t kTrailerBytes = 32;
@@ -125,6 +128,9 @@ json group_json(const cpu::AdamGroup& g) {
           {"weight_decay", hp.weight_decay},
           {"decay_mode", hp.decay_mode == cpu::WeightDecayMode::kL2 ? "l2" : "decoupled"},
           {"bias_correction", hp.bias_correction},
+          {"kind", cpu::optimizer_kind_name(hp.kind)},
+          {"max_coeff", hp.max_coeff},
+          {"min_coeff", hp.min_coeff},
           {"step", g.step()}};
 }
 
@@ -163,8 +169,9 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
   if (!m.is_object() || m.value("format", "") != "tier-optimizer-checkpoint") {
     return bad("the metadata is not a tier optimizer checkpoint's");
   }
-  if (!m.contains("version") || !m["version"].is_number_unsigned() || m["version"].get<std::uint32_t>() != kVersion) {
-    return bad(str("unsupported format version (this build reads version ", kVersion, ")"));
+  if (!m.contains("version") || !m["version"].is_number_unsigned() ||
+      m["version"].get<std::uint32_t>() < kOldestVersion || m["version"].get<std::uint32_t>() > kVersion) {
+    return bad(str("unsupported format version (this build reads versions ", kOldestVersion, " to ", kVersion, ")"));
   }
   const json& parts = m.contains("partitions") ? m["partitions"] : json();
   const json& groups = m.contains("groups") ? m["groups"] : json();
@@ -212,6 +219,22 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
     hp.decay_mode =
         j["decay_mode"].get<std::string>() == "l2" ? cpu::WeightDecayMode::kL2 : cpu::WeightDecayMode::kDecoupled;
     hp.bias_correction = j["bias_correction"].get<bool>();
+    if (j.contains("kind")) {  // version 2; version 1 groups are Adam
+      const std::string kind = j["kind"].is_string() ? j["kind"].get<std::string>() : "";
+      bool known = false;
+      for (auto k : {cpu::OptimizerKind::kAdam, cpu::OptimizerKind::kAdagrad, cpu::OptimizerKind::kLion,
+                     cpu::OptimizerKind::kLamb}) {
+        if (kind == cpu::optimizer_kind_name(k)) {
+          hp.kind = k;
+          known = true;
+        }
+      }
+      if (!known || !num("max_coeff") || !num("min_coeff")) {
+        return bad(str("parameter group ", g, " has a malformed or unknown optimizer kind '", kind, "'"));
+      }
+      hp.max_coeff = j["max_coeff"].get<double>();
+      hp.min_coeff = j["min_coeff"].get<double>();
+    }
     if (Status s = hp.validate(); !s.ok()) return bad(str("parameter group ", g, ": ", s.message()));
     const auto step = j["step"].get<std::int64_t>();
     if (step < 0) return bad(str("parameter group ", g, " has a negative step counter"));
@@ -451,9 +474,10 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   if (get<std::uint32_t>(header, 60) != crc32c(header, 60)) {
     return data_loss(str("checkpoint ", path, ": the header fails its checksum; the file is corrupt"));
   }
-  if (get<std::uint32_t>(header, 8) != kVersion || get<std::uint32_t>(header, 12) != kHeaderBytes) {
+  if (get<std::uint32_t>(header, 8) < kOldestVersion || get<std::uint32_t>(header, 8) > kVersion ||
+      get<std::uint32_t>(header, 12) != kHeaderBytes) {
     return data_loss(str("checkpoint ", path, ": format version ", get<std::uint32_t>(header, 8),
-                         " is not the one this build reads (", kVersion, ")"));
+                         " is not one this build reads (", kOldestVersion, " to ", kVersion, ")"));
   }
   const auto meta_bytes = get<std::uint64_t>(header, 16);
   if (meta_bytes > kMaxMetaBytes || kHeaderBytes + meta_bytes + kTrailerBytes > size) {

@@ -132,8 +132,11 @@ void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int
 // partition piece of the chunk on the workers' threads, each piece with its group's constants,
 // outputs to the partition's destination or packed into `staging` from its first element's slot
 // (chunk offset * 4), where process() hands them to on_output.
+// `part_steps`, when not empty, holds each partition's step (Lamb: with its trust ratio) and
+// takes the place of its group's.
 static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base, std::byte* staging,
-                           const std::vector<cpu::AdamStep>& steps, const std::vector<void*>& dest) {
+                           const std::vector<cpu::AdamStep>& steps, const std::vector<void*>& dest,
+                           const std::vector<cpu::AdamStep>& part_steps = {}) {
   float* P = OffloadedOptimizer::Impl::section(base, c, StateKind::kMaster);
   float* M = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvg);
   float* V = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvgSq);
@@ -148,7 +151,7 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
       const std::uint64_t n = std::min(p.start + p.numel, end) - flat;
       const std::uint64_t ci = flat - c.start;
       const std::uint64_t pi = flat - p.start;
-      const cpu::AdamStep& st = steps[static_cast<std::size_t>(p.group)];
+      const cpu::AdamStep& st = part_steps.empty() ? steps[static_cast<std::size_t>(p.group)] : part_steps[pid];
       const std::size_t os = param_output_size(p.output);
       std::byte* out = nullptr;
       if (p.output != ParamOutput::kNone) {
@@ -191,6 +194,53 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
     }
   });
   return first_error;
+}
+
+// Lamb's first pass over one chunk whose sections are at `base`: adds the squared norms of p and
+// u of every Lamb partition piece in it to that partition's accumulator. Reads only. Pieces go in
+// element order on the calling thread (each call spreads its 64 Ki blocks over the threads), so
+// the sums do not depend on the chunk size or the thread count.
+static Status lamb_norms_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base,
+                               const std::vector<cpu::AdamStep>& steps,
+                               std::vector<std::unique_ptr<cpu::LambNorms>>& norms) {
+  float* P = OffloadedOptimizer::Impl::section(base, c, StateKind::kMaster);
+  float* M = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvg);
+  float* V = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvgSq);
+  for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+    if (!norms[pid]) continue;
+    const Partition& p = im.parts[pid];
+    const std::uint64_t a = std::max(p.start, c.start);
+    const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
+    const cpu::AdamStep& st = steps[static_cast<std::size_t>(p.group)];
+    const std::uint64_t ci = a - c.start;
+    const std::uint64_t pi = a - p.start;
+    const std::uint64_t n = e - a;
+    Status s;
+    if (p.grad != nullptr) {
+      const std::size_t gs = dtype_size(p.grad_dtype);
+      s = cpu::lamb_accumulate_norms(
+          st,
+          {{P + ci, DType::kF32, n},
+           {M + ci, DType::kF32, n},
+           {V + ci, DType::kF32, n},
+           cpu::ConstTensorRef(static_cast<const std::byte*>(p.grad) + pi * gs, p.grad_dtype, n),
+           {}},
+          pi, *norms[pid], im.opt.threads);
+    } else {
+      for (std::uint64_t k = 0; k < n && s.ok(); k += kZeroSlice) {
+        const std::uint64_t m = std::min(kZeroSlice, n - k);
+        s = cpu::lamb_accumulate_norms(st,
+                                       {{P + ci + k, DType::kF32, m},
+                                        {M + ci + k, DType::kF32, m},
+                                        {V + ci + k, DType::kF32, m},
+                                        cpu::ConstTensorRef(zero_grads(), DType::kF32, m),
+                                        {}},
+                                       pi + k, *norms[pid], im.opt.threads);
+      }
+    }
+    if (!s.ok()) return s.with_context(partition_label(pid, p));
+  }
+  return {};
 }
 
 // ------------------------------------------------------------------------------------ creation
@@ -688,27 +738,6 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
   };
 
-  std::vector<void*> dest;
-  if (options.destination) {
-    dest.assign(im.parts.size(), nullptr);
-    for (std::size_t i = 0; i < im.parts.size(); ++i) {
-      if (im.parts[i].output != ParamOutput::kNone) dest[i] = options.destination(static_cast<PartitionId>(i));
-    }
-  }
-
-  Status sink_error;
-  double output_seconds = 0;
-  // Transfers of outputs still reading a buffer's staging (see OutputChunk::pending).
-  std::vector<std::vector<nvme::IoFuture>> pending(im.bufs.size());
-  auto drain = [&](std::vector<nvme::IoFuture>& fs) {
-    for (const nvme::IoFuture& f : fs) {
-      Status s = f.wait();
-      if (!s.ok() && sink_error.ok()) {
-        sink_error = s.with_context("a transfer of updated params started by on_output");
-      }
-    }
-    fs.clear();
-  };
   // Declared gradients are fetched before a partition's first chunk and handed back after its last.
   bool any_declared = false;
   for (const Partition& p : im.parts) any_declared = any_declared || p.declared;
@@ -743,12 +772,86 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
       if (options.grad_done) options.grad_done(pid);
     }
   };
+  // Lamb: pass 1 reads the whole state once (NVMe home: every chunk's committed slot, nothing
+  // written) for each Lamb partition's ||p|| and ||u||; pass 2 below is the usual pipeline with
+  // each Lamb partition's step scaled by its trust ratio.
+  std::vector<cpu::AdamStep> part_steps;
+  detail::PipelineStats lamb_pass;  // added to the report's streams after pass 2
+  bool any_lamb = false;
+  for (const Partition& p : im.parts) {
+    any_lamb =
+        any_lamb || im.groups[static_cast<std::size_t>(p.group)].hyper_params().kind == cpu::OptimizerKind::kLamb;
+  }
+  if (any_lamb) {
+    std::vector<std::unique_ptr<cpu::LambNorms>> norms(im.parts.size());
+    for (std::size_t i = 0; i < im.parts.size(); ++i) {
+      const Partition& p = im.parts[i];
+      if (steps[static_cast<std::size_t>(p.group)].hyper_params().kind == cpu::OptimizerKind::kLamb) {
+        norms[i] = std::make_unique<cpu::LambNorms>(p.numel);
+      }
+    }
+    // Declared gradients are fetched for pass 1 as for pass 2 (and handed back in between).
+    auto norms_chunk = [&](std::size_t i, float* base) -> Status {
+      const Chunk& c = im.chunks[i];
+      if (any_declared) TIER_RETURN_IF_ERROR(fetch_grads(c));
+      TIER_RETURN_IF_ERROR(lamb_norms_chunk(im, c, base, steps, norms));
+      if (any_declared) return_grads(&c);
+      return {};
+    };
+    Status s1;
+    const auto tn = Clock::now();
+    if (im.nvme()) {
+      s1 = detail::run_pipeline(
+          *im.swap, im.chunks, im.bufs, true, false, [&](std::size_t i, Buffer& b) { return norms_chunk(i, b.state); },
+          &lamb_pass);
+    } else {
+      for (std::size_t i = 0; i < im.chunks.size() && s1.ok(); ++i) s1 = norms_chunk(i, im.chunks[i].host.get());
+    }
+    lamb_pass.update.busy_seconds = since(tn);
+    if (!s1.ok()) {
+      if (any_declared) return_grads(nullptr);
+      rollback();
+      ++im.steps_failed;
+      return s1.with_context(str("optimizer step ", old_steps[0] + 1,
+                                 " (lamb norms pass) was not applied; the state is intact and the gradients are kept "
+                                 "(call step() again to retry, or clear_grads())"));
+    }
+    part_steps.reserve(im.parts.size());
+    for (std::size_t i = 0; i < im.parts.size(); ++i) {
+      const cpu::AdamStep& st = steps[static_cast<std::size_t>(im.parts[i].group)];
+      part_steps.push_back(norms[i] ? st.with_trust(cpu::lamb_trust_ratio(st.hyper_params(), norms[i]->param_sq(),
+                                                                          norms[i]->update_sq()))
+                                    : st);
+    }
+  }
+
+  std::vector<void*> dest;
+  if (options.destination) {
+    dest.assign(im.parts.size(), nullptr);
+    for (std::size_t i = 0; i < im.parts.size(); ++i) {
+      if (im.parts[i].output != ParamOutput::kNone) dest[i] = options.destination(static_cast<PartitionId>(i));
+    }
+  }
+
+  Status sink_error;
+  double output_seconds = 0;
+  // Transfers of outputs still reading a buffer's staging (see OutputChunk::pending).
+  std::vector<std::vector<nvme::IoFuture>> pending(im.bufs.size());
+  auto drain = [&](std::vector<nvme::IoFuture>& fs) {
+    for (const nvme::IoFuture& f : fs) {
+      Status s = f.wait();
+      if (!s.ok() && sink_error.ok()) {
+        sink_error = s.with_context("a transfer of updated params started by on_output");
+      }
+    }
+    fs.clear();
+  };
   bool updated_any = false;
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
     const Chunk& c = im.chunks[i];
     drain(pending[b]);  // the staging is about to be overwritten
     if (any_declared) TIER_RETURN_IF_ERROR(fetch_grads(c));
-    TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest));
+    TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
     updated_any = true;
     if (any_declared) return_grads(&c);
     if (!options.on_output || !sink_error.ok()) return {};
@@ -786,6 +889,12 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     }
     r.update.busy_seconds = since(tu);
   }
+  r.read.bytes += lamb_pass.read.bytes;
+  r.read.transfers += lamb_pass.read.transfers;
+  r.read.busy_seconds += lamb_pass.read.busy_seconds;
+  r.update.busy_seconds += lamb_pass.update.busy_seconds;
+  r.io_busy_seconds += lamb_pass.io_busy_seconds;
+  r.update_wait_seconds += lamb_pass.update_wait_seconds;
   for (auto& fs : pending) drain(fs);
   r.output_seconds = output_seconds;
   if (any_declared) return_grads(nullptr);  // after a failure: what is still held

@@ -38,6 +38,21 @@ Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const E
   hp.decay_mode = config.optimizer.type == OptimizerType::kAdamW || config.optimizer.decoupled_weight_decay
                       ? cpu::WeightDecayMode::kDecoupled
                       : cpu::WeightDecayMode::kL2;
+  switch (config.optimizer.type) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW: hp.kind = cpu::OptimizerKind::kAdam; break;
+    case OptimizerType::kAdagrad:
+      hp.kind = cpu::OptimizerKind::kAdagrad;
+      hp.decay_mode = cpu::WeightDecayMode::kL2;  // Adagrad's decay is always L2
+      break;
+    case OptimizerType::kLion:
+      hp.kind = cpu::OptimizerKind::kLion;
+      hp.decay_mode = cpu::WeightDecayMode::kDecoupled;
+      break;
+    case OptimizerType::kLamb: hp.kind = cpu::OptimizerKind::kLamb; break;
+  }
+  hp.max_coeff = config.optimizer.max_coeff;
+  hp.min_coeff = config.optimizer.min_coeff;
   o.groups = {hp};
   o.max_grad_norm = config.gradient_clipping;
   o.loss_scale = LossScaleOptions::from_config(config.fp16);

@@ -204,6 +204,18 @@ static int test_version(void) {
   return 0;
 }
 
+static int test_optimizer_types(void) {
+  CHECK(strcmp(tier_optimizer_types(), "adam,adamw,adagrad,lion,lamb") == 0);
+  CHECK(tier_optimizer_supported("Lamb") == 1);
+  CHECK(tier_optimizer_supported("ADAGRAD") == 1);
+  CHECK(tier_optimizer_supported("lion") == 1);
+  CHECK(tier_optimizer_supported("AdamW") == 1);
+  CHECK(tier_optimizer_supported("OneBitLamb") == 0);
+  CHECK(tier_optimizer_supported("") == 0);
+  CHECK(tier_optimizer_supported(NULL) == 0);
+  return 0;
+}
+
 static int test_status_strings(void) {
   CHECK(strcmp(tier_status_string(TIER_OK), "ok") == 0);
   CHECK(strcmp(tier_status_string(TIER_ERROR_INVALID_ARGUMENT), "invalid_argument") == 0);
@@ -1142,6 +1154,7 @@ typedef struct test_case {
 
 static const test_case kCases[] = {
     {"version", test_version},
+    {"optimizer_types", test_optimizer_types},
     {"status_strings", test_status_strings},
     {"engine_create_errors", test_engine_create_errors},
     {"register_and_read", test_register_and_read},

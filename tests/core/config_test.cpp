@@ -256,15 +256,51 @@ TEST(EngineConfig, ValidateCatchesHandEditedFields) {
   EXPECT_TRUE(cfg.validate().ok());
 }
 
-TEST(EngineConfig, LambAndOtherDeepSpeedOptimizersAreRefusedNamingWhatIsSupported) {
-  for (const char* type : {"Lamb", "OneBitLamb", "Adagrad", "Lion"}) {
+TEST(EngineConfig, OtherDeepSpeedOptimizersAreRefusedNamingWhatIsSupported) {
+  for (const char* type : {"OneBitLamb", "OneBitAdam", "ZeroOneAdam", "SGD"}) {
     auto c = parse(std::string(R"({"optimizer": {"type": ")") + type + R"(", "params": {"lr": 0.001}}})");
     ASSERT_FALSE(c.ok()) << type;
     const std::string& m = c.status().message();
     EXPECT_NE(m.find("'optimizer.type'"), std::string::npos) << m;
-    EXPECT_NE(m.find("adam or adamw"), std::string::npos) << m;
+    EXPECT_NE(m.find("adam, adamw, adagrad, lion or lamb"), std::string::npos) << m;
     EXPECT_NE(m.find("cannot run"), std::string::npos) << m;
   }
+}
+
+TEST(EngineConfig, AdagradLionAndLambAreAcceptedInAnyCaseWithTheirDefaults) {
+  auto lamb = parse(R"({"optimizer": {"type": "LAMB", "params": {"lr": 0.002, "weight_decay": 0.01,
+                       "bias_correction": false, "max_coeff": 0.3, "min_coeff": 0.02}}})");
+  ASSERT_TRUE(lamb.ok()) << lamb.status();
+  EXPECT_EQ(lamb->optimizer.type, OptimizerType::kLamb);
+  EXPECT_EQ(lamb->optimizer.max_coeff, 0.3);
+  EXPECT_EQ(lamb->optimizer.min_coeff, 0.02);
+  EXPECT_FALSE(lamb->optimizer.bias_correction);
+  auto lamb_defaults = parse(R"({"optimizer": {"type": "Lamb"}})");
+  ASSERT_TRUE(lamb_defaults.ok()) << lamb_defaults.status();
+  EXPECT_EQ(lamb_defaults->optimizer.max_coeff, 10.0);
+  EXPECT_EQ(lamb_defaults->optimizer.min_coeff, 0.01);
+  EXPECT_EQ(lamb_defaults->optimizer.weight_decay, 0.0);
+
+  auto adagrad = parse(R"({"optimizer": {"type": "adagrad", "params": {"lr": 0.01}}})");
+  ASSERT_TRUE(adagrad.ok()) << adagrad.status();
+  EXPECT_EQ(adagrad->optimizer.type, OptimizerType::kAdagrad);
+  EXPECT_EQ(adagrad->optimizer.eps, 1e-10);  // DeepSpeed's and torch's default
+  auto adagrad_eps = parse(R"({"optimizer": {"type": "Adagrad", "params": {"eps": 1e-8}}})");
+  ASSERT_TRUE(adagrad_eps.ok());
+  EXPECT_EQ(adagrad_eps->optimizer.eps, 1e-8);
+
+  auto lion = parse(R"({"optimizer": {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.1}}})");
+  ASSERT_TRUE(lion.ok()) << lion.status();
+  EXPECT_EQ(lion->optimizer.type, OptimizerType::kLion);
+  EXPECT_EQ(lion->optimizer.beta2, 0.99);
+  auto lion_betas = parse(R"({"optimizer": {"type": "Lion", "params": {"betas": [0.95, 0.98]}}})");
+  ASSERT_TRUE(lion_betas.ok());
+  EXPECT_EQ(lion_betas->optimizer.beta1, 0.95);
+  EXPECT_EQ(lion_betas->optimizer.beta2, 0.98);
+
+  auto inverted = parse(R"({"optimizer": {"type": "Lamb", "params": {"max_coeff": 0.1, "min_coeff": 0.5}}})");
+  ASSERT_FALSE(inverted.ok());
+  EXPECT_NE(inverted.status().message().find("min_coeff"), std::string::npos) << inverted.status();
 }
 
 TEST(EngineConfig, AConfigWithoutAnOptimizerSaysTheClientMustPassOne) {

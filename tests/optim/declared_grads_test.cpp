@@ -90,6 +90,34 @@ TEST_P(DeclaredGrads, MatchAddGradBitForBitAndAreFetchedInOrderOnce) {
   }
 }
 
+TEST_P(DeclaredGrads, LambFetchesThemForBothOfItsPasses) {
+  const auto model = test::mixed_model();
+  auto groups = test::three_groups();
+  groups[1].kind = cpu::OptimizerKind::kLamb;  // one Lamb group among Adam ones
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    Source src;
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      auto g = test::make_grad(model[i].numel, src.dtype, test::grad_seed(step, 0, i));
+      ref.add_grad(i, g.data(), src.dtype);
+      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), src.dtype, model[i].numel)).value();
+      ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
+      src.grads[static_cast<PartitionId>(i)] = std::move(g);
+    }
+    ASSERT_TRUE(ref.step(1.0, 0));
+    auto r = rig->opt().step(src.options(model));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "after step " << step;
+    EXPECT_EQ(src.fetched.size(), 2 * model.size());  // once per pass
+    EXPECT_EQ(std::multiset<PartitionId>(src.fetched.begin(), src.fetched.end()),
+              std::multiset<PartitionId>(src.returned.begin(), src.returned.end()));
+  }
+}
+
 TEST_P(DeclaredGrads, AFailedFetchKeepsTheStateAndTheDeclarationsForARetry) {
   const auto model = test::mixed_model();
   const auto groups = test::three_groups();

@@ -1,6 +1,6 @@
 // Helpers shared by the offloaded optimizer's tests: a small model (partitions of mixed sizes and
-// groups), deterministic gradients, the in-RAM reference (cpu::adam_update on whole partitions with
-// the norm and grad_scale computed the documented way), and optimizers over each state home.
+// groups), deterministic gradients, the in-RAM reference (cpu::adam_update, or cpu::lamb_update, on whole partitions
+// with the norm and grad_scale computed the documented way), and optimizers over each state home.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -142,13 +142,15 @@ class Reference {
       }
       cpu::TensorRef out{};
       if (model_[i].output != ParamOutput::kNone) out = {out_[i].data(), param_output_dtype(model_[i].output), n};
-      const Status s = cpu::adam_update(steps[static_cast<std::size_t>(model_[i].group)],
-                                        {{p_[i].data(), DType::kF32, n},
-                                         {m_[i].data(), DType::kF32, n},
-                                         {v_[i].data(), DType::kF32, n},
-                                         cpu::ConstTensorRef(g, DType::kF32, n),
-                                         out},
-                                        1);
+      const cpu::AdamStep& st = steps[static_cast<std::size_t>(model_[i].group)];
+      const cpu::AdamTensors t{{p_[i].data(), DType::kF32, n},
+                               {m_[i].data(), DType::kF32, n},
+                               {v_[i].data(), DType::kF32, n},
+                               cpu::ConstTensorRef(g, DType::kF32, n),
+                               out};
+      // Lamb: both passes over the whole partition in RAM.
+      const Status s =
+          st.hyper_params().kind == cpu::OptimizerKind::kLamb ? cpu::lamb_update(st, t, 1) : cpu::adam_update(st, t, 1);
       EXPECT_TRUE(s.ok()) << s;
     }
     clear();

@@ -21,7 +21,7 @@ TOTAL_STEPS = 20  # what the Trainer passes as total_num_steps
 
 # Why each bad file is refused (a fragment both verdicts must carry).
 REFUSED = {
-    "bad_lamb.json": "adam or adamw",
+    "bad_onebitlamb.json": "adam, adamw, adagrad, lion or lamb",
     "bad_aio_conflict.json": "'zero_optimization.aio.block_size'",
     "bad_scheduler_param.json": "does not apply to WarmupDecayLR",
     "bad_fp16_and_bf16.json": "enable at most one",
@@ -167,7 +167,7 @@ def test_a_client_adam_keeps_torchs_l2_weight_decay():
 
 def test_other_client_optimizers_and_both_sources_are_refused_by_name():
     model = tiny_model()
-    with pytest.raises(TypeError, match=r"torch.optim.Adam and torch.optim.AdamW, not SGD"):
+    with pytest.raises(TypeError, match=r"torch.optim.Adam, torch.optim.AdamW and torch.optim.Adagrad, not SGD"):
         tier.torch.initialize(model, base_config(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     cfg = base_config()
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}

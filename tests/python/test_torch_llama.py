@@ -207,7 +207,7 @@ def test_corrupt_checkpoint_is_refused_and_state_kept(swap_dir, tmp_path):
 
 def test_bad_configs_name_the_key_and_the_fix(swap_dir):
     with pytest.raises(tier.InvalidArgument) as e:
-        tier.torch.initialize(make_model(), {"optimizer": {"type": "Lamb"}})
+        tier.torch.initialize(make_model(), {"optimizer": {"type": "OneBitLamb"}})
     assert "optimizer.type" in str(e.value) and "adamw" in str(e.value)
     with pytest.raises(tier.InvalidArgument) as e:
         tier.torch.initialize(make_model(), {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})

@@ -245,20 +245,31 @@ def _resolve_auto(cfg, key_path, value):
 
 
 def _client_optimizer_section(optimizer):
-    """The ``optimizer`` config section equivalent to a client's torch optimizer (Adam or AdamW):
-    tier runs the update itself, offloaded, so it takes the type and hyper-parameters."""
-    kinds = {torch.optim.AdamW: "AdamW", torch.optim.Adam: "Adam"}
+    """The ``optimizer`` config section equivalent to a client's torch optimizer (Adam, AdamW or
+    Adagrad): tier runs the update itself, offloaded, so it takes the type and hyper-parameters."""
+    kinds = {torch.optim.AdamW: "AdamW", torch.optim.Adam: "Adam", torch.optim.Adagrad: "Adagrad"}
     kind = kinds.get(type(optimizer))
     if kind is None:
         raise TypeError(
-            f"initialize(optimizer=...): tier runs the optimizer itself and implements torch.optim.Adam and "
-            f"torch.optim.AdamW, not {type(optimizer).__name__}; pass one of those, or drop the argument and add "
-            '{"optimizer": {"type": "AdamW", "params": {"lr": ...}}} to the config'
+            f"initialize(optimizer=...): tier runs the optimizer itself and implements torch.optim.Adam, "
+            f"torch.optim.AdamW and torch.optim.Adagrad, not {type(optimizer).__name__}; pass one of those, or drop "
+            'the argument and add {"optimizer": {"type": "AdamW", "params": {"lr": ...}}} to the config (types '
+            "Adam, AdamW, Adagrad, Lion and Lamb run there)"
         )
     g = optimizer.param_groups[0]
     for flag in ("maximize", "amsgrad"):
         if g.get(flag):
             raise ValueError(f"initialize(optimizer=...): {kind} with {flag}=True is not supported by tier's optimizer")
+    if kind == "Adagrad":
+        # tier's Adagrad is torch's with lr_decay = 0 and a zero initial accumulator.
+        for key in ("lr_decay", "initial_accumulator_value"):
+            if float(g.get(key, 0.0)) != 0.0:
+                raise ValueError(
+                    f"initialize(optimizer=...): Adagrad with {key}={g[key]} is not supported by tier's optimizer "
+                    f"(it runs {key}=0); set {key}=0"
+                )
+        params = {"lr": float(g["lr"]), "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
+        return {"type": kind, "params": params}
     params = {
         "lr": float(g["lr"]),
         "betas": [float(b) for b in g["betas"]],
@@ -303,8 +314,9 @@ def initialize(
       step; None without either.
 
     ``model_parameters`` may give parameter groups (dicts with ``params`` and overrides of
-    ``lr``/``weight_decay``/``betas``/``eps``). ``optimizer``: a ``torch.optim.Adam`` or ``AdamW``
-    whose type, hyper-parameters and param groups tier takes over, for a config without an
+    ``lr``/``weight_decay``/``betas``/``eps``). ``optimizer``: a ``torch.optim.Adam``, ``AdamW`` or
+    ``Adagrad`` (lr_decay and initial_accumulator_value 0) whose type, hyper-parameters and param
+    groups tier takes over, for a config without an
     ``optimizer`` section; giving both is an error. ``args``: read only for
     ``args.deepspeed_config`` (a path) when no config is given. ``total_num_steps`` and
     ``warmup_num_steps`` fill the scheduler's ``"auto"`` step counts, as the Hugging Face Trainer
