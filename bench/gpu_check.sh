@@ -12,7 +12,10 @@
 #   4. `tier-bench copy` on the CUDA device: host-to-device and device-to-host bandwidth from the
 #      pinned arena through the device layer, beside plain cudaMemcpyAsync from cudaHostAlloc'd
 #      memory measured in the same run (target: a ratio of at least 0.9 each way);
-#   5. prints a table last and writes it to summary.txt in the log directory (--out).
+#   5. times the main job's Llama steps with params, gradients and optimizer state on NVMe (92M
+#      parameters on the GPU; the default small model with --no-gpu);
+#   6. prints one JSON line of figures (figures.json, from bench/gpu_figures.py: copy rates and
+#      ratios, the Llama step time), then a table, also written to summary.txt (--out).
 # Exit status: 0 all ran and passed; 1 something failed; 2 not run (no GPU, bad usage);
 # 3 incomplete: nothing failed but a step could not run (no torch with CUDA, time budget), named
 # in the table.
@@ -297,5 +300,28 @@ else
   run_copy emulated-paced 0.95 1.05 --device emulated --h2d-gbps 1 --d2h-gbps 0.8 --chunk 16M --reps 2 --size 128M
   cp "$log_dir/copy-emulated-paced.json" "$log_dir/copy.json" 2>/dev/null
 fi
+
+# ---------------------------------------------------------------- 5. a Llama training step
+# The main job (params, gradients and optimizer state on NVMe under the log directory) on the
+# device: 92M parameters on a GPU, the default small model with --no-gpu.
+llama_json="$log_dir/llama.json"
+if [ "$py_ok" != 1 ]; then
+  not_run "llama step" "the Python package is not installed (see above)"
+elif [ "$(left)" -lt 40 ]; then
+  not_run "llama step" "the time budget is spent"
+else
+  shape=(--hidden 1024 --layers 8 --heads 8 --batch 4 --seq 128 --gas 1 --steps 6)
+  [ "$no_gpu" = 1 ] && shape=(--steps 4)
+  if (cd "$log_dir" && timeout "$(step_limit 5)" "$venv/bin/python" -m tier.examples.finetune_llama "${shape[@]}" \
+        --swap-dir "$log_dir/llama-swap" --json >"$llama_json" 2>"$log_dir/llama.log"); then
+    row "llama step" "$(python3 "$root_dir/bench/gpu_figures.py" --llama-row "$log_dir")"
+  else
+    tail -20 "$log_dir/llama.log"
+    fail "llama step" "the main job failed (llama.log)"
+  fi
+fi
+
+# ---------------------------------------------------------------- 6. one JSON line of figures
+python3 "$root_dir/bench/gpu_figures.py" "$log_dir" | tee "$log_dir/figures.json"
 
 finish
