@@ -40,6 +40,20 @@ struct Source {
   std::vector<PartitionId> fetched, returned;
   PartitionId fail_at = ~PartitionId{0};
 
+  // Makes step `step`'s gradient of every partition but `skip`, gives it to the reference and
+  // declares it with its sum of squares.
+  void declare(OffloadedOptimizer& opt, Reference& ref, std::uint64_t step, std::size_t skip = ~std::size_t{0}) {
+    const auto& model = ref.model();
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      if (i == skip) continue;
+      auto g = test::make_grad(model[i].numel, dtype, test::grad_seed(step, 0, i));
+      ref.add_grad(i, g.data(), dtype);
+      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), dtype, model[i].numel)).value();
+      ASSERT_TRUE(opt.declare_grad(static_cast<PartitionId>(i), sumsq).ok());
+      grads[static_cast<PartitionId>(i)] = std::move(g);
+    }
+  }
+
   StepOptions options(const std::vector<test::PartDesc>& model) {
     StepOptions so;
     so.grad_source = [this, &model](PartitionId id) -> Result<cpu::ConstTensorRef> {
@@ -63,14 +77,7 @@ TEST_P(DeclaredGrads, MatchAddGradBitForBitAndAreFetchedInOrderOnce) {
   ASSERT_TRUE(rig->status().ok());
   for (std::uint64_t step = 1; step <= 3; ++step) {
     Source src;
-    for (std::size_t i = 0; i < model.size(); ++i) {
-      if (i == 2) continue;  // no gradient: updated with zeros, never fetched
-      auto g = test::make_grad(model[i].numel, src.dtype, test::grad_seed(step, 0, i));
-      ref.add_grad(i, g.data(), src.dtype);
-      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), src.dtype, model[i].numel)).value();
-      ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
-      src.grads[static_cast<PartitionId>(i)] = std::move(g);
-    }
+    src.declare(rig->opt(), ref, step, 2);  // partition 2: no gradient, updated with zeros, never fetched
     double norm = 0;
     ASSERT_TRUE(ref.step(1.0, o.max_grad_norm, &norm));
     auto r = rig->opt().step(src.options(model));
@@ -101,13 +108,7 @@ TEST_P(DeclaredGrads, LambFetchesThemForBothOfItsPasses) {
   ASSERT_TRUE(rig->status().ok());
   for (std::uint64_t step = 1; step <= 2; ++step) {
     Source src;
-    for (std::size_t i = 0; i < model.size(); ++i) {
-      auto g = test::make_grad(model[i].numel, src.dtype, test::grad_seed(step, 0, i));
-      ref.add_grad(i, g.data(), src.dtype);
-      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), src.dtype, model[i].numel)).value();
-      ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
-      src.grads[static_cast<PartitionId>(i)] = std::move(g);
-    }
+    src.declare(rig->opt(), ref, step);
     ASSERT_TRUE(ref.step(1.0, 0));
     auto r = rig->opt().step(src.options(model));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -127,13 +128,7 @@ TEST_P(DeclaredGrads, AFailedFetchKeepsTheStateAndTheDeclarationsForARetry) {
   auto rig = make(o, ref);
   ASSERT_TRUE(rig->status().ok());
   Source src;
-  for (std::size_t i = 0; i < model.size(); ++i) {
-    auto g = test::make_grad(model[i].numel, src.dtype, test::grad_seed(1, 0, i));
-    ref.add_grad(i, g.data(), src.dtype);
-    const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), src.dtype, model[i].numel)).value();
-    ASSERT_TRUE(rig->opt().declare_grad(static_cast<PartitionId>(i), sumsq).ok());
-    src.grads[static_cast<PartitionId>(i)] = std::move(g);
-  }
+  src.declare(rig->opt(), ref, 1);
   src.fail_at = static_cast<PartitionId>(model.size() - 1);
   auto failed = rig->opt().step(src.options(model));
   ASSERT_FALSE(failed.ok());
