@@ -195,7 +195,7 @@ class _EngineGrads:
         if first:
             flat.copy_(g)
         else:
-            flat.add_(g.float())
+            flat.add_(g)  # in fp32, whatever the gradient's dtype
         self.held.add(pid)
         if engine.is_gradient_accumulation_boundary():
             self.sumsq[pid] = self._sum_of_squares(flat)
@@ -547,10 +547,6 @@ class TierEngine(torch.nn.Module):
         opt_cfg.pop("train_batch_size", None)
         opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
         self.optimizer = _tier.Optimizer.create(opt_config, trainable_numel, self.native)
-        # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
-        # otherwise (host-resident state) in host memory beside it.
-        self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
-        self._grads = _MicroStepGrads(self)
         groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):
@@ -570,11 +566,16 @@ class TierEngine(torch.nn.Module):
         if store is not None:
             store.drop_rest()
         self.optimizer.finish_registration()
+        # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
+        # otherwise (host-resident state) in host memory beside it.
+        self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
         if self._grads_in_engine:
             self._grads = _EngineGrads(self, self.optimizer.partition_count)
             for slot in self._slots:
                 if slot.pid is not None:
                     self._grads.register(self.native, slot.pid, slot.name, slot.numel, "nvme")
+        else:
+            self._grads = _MicroStepGrads(self)
         self._tensor_of_partition = [-1] * self.optimizer.partition_count
         for slot in self._slots:
             if slot.pid is not None:
