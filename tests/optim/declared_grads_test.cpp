@@ -22,14 +22,7 @@ class DeclaredGrads : public testing::TestWithParam<Home> {
     if (auto why = test::home_unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
   }
   std::unique_ptr<Rig> make(OffloadedOptimizerOptions o, const Reference& ref) {
-    o.chunk_elements = 4096;  // several partitions per chunk, and partitions across chunks
-    o.buffer_count = 3;
-    auto rig = std::make_unique<Rig>(GetParam(), o);
-    EXPECT_TRUE(rig->status().ok()) << rig->status();
-    if (rig->status().ok()) {
-      EXPECT_TRUE(rig->register_model(ref, 11).ok());
-    }
-    return rig;
+    return test::make_rig(GetParam(), std::move(o), ref);
   }
 };
 

@@ -326,6 +326,19 @@ struct Outputs {
 };
 
 // Feeds one step's gradients (all micro-steps) to both, in `dtype`, copied or borrowed.
+// A rig for `home` with `ref`'s model registered, and (unless `o` sets them) 4096-element chunks
+// (several partitions per chunk, and partitions across chunks) and 3 buffers.
+inline std::unique_ptr<Rig> make_rig(const Home& home, OffloadedOptimizerOptions o, const Reference& ref) {
+  o.chunk_elements = o.chunk_elements ? o.chunk_elements : 4096;
+  o.buffer_count = o.buffer_count ? o.buffer_count : 3;
+  auto rig = std::make_unique<Rig>(home, o);
+  EXPECT_TRUE(rig->status().ok()) << rig->status();
+  if (rig->status().ok()) {
+    EXPECT_TRUE(rig->register_model(ref, 11).ok());
+  }
+  return rig;
+}
+
 inline void feed(OffloadedOptimizer& opt, Reference& ref, std::uint64_t step, int micro_steps, DType dtype,
                  GradMode mode, std::vector<std::vector<std::uint8_t>>* keep = nullptr, float scale = 1e-2f) {
   for (int micro = 0; micro < micro_steps; ++micro) {
