@@ -446,9 +446,19 @@ NB_MODULE(_tier, m) {
       .def_static(
           "create",
           [](const EngineConfig& cfg, std::uint64_t max_elements, nb::object engine) {
-            Counters* counters = nullptr;
-            if (!engine.is_none()) counters = &nb::cast<Engine&>(engine).counters();
-            auto options = unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, counters));
+            Engine* e = engine.is_none() ? nullptr : &nb::cast<Engine&>(engine);
+            auto options =
+                unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, e ? &e->counters() : nullptr));
+            if (e != nullptr) {
+              // The pipeline buffers count against the engine's host budget (the engine outlives
+              // the optimizer: PyOptimizer keeps a reference and drops the optimizer first).
+              options.pinned_source = [e](std::uint64_t bytes, const std::string& name) {
+                return e->reserve_host(name, bytes);
+              };
+              // An explicit budget is a pinned, prefaulted arena: the optimizer's swap space may
+              // register it as fixed buffers too. An auto budget is a cap that is never pinned whole.
+              if (e->config().tier.host_budget != 0) options.arena = &e->host_arena();
+            }
             PyOptimizer out;
             Result<std::unique_ptr<optim::OffloadedOptimizer>> r{Status(StatusCode::kInternal, "not created")};
             {

@@ -156,6 +156,14 @@ class Engine {
   // Writes every dirty tensor to its home tier and makes NVMe durable (fdatasync).
   Status flush();
 
+  // Pinned host memory inside the host tier's budget, for a component beside the engine (an
+  // offloaded optimizer's pipeline buffers): a host-homed uint8 tensor named `name`, held by a
+  // write lease until the region's `keep` is destroyed, then unregistered. It counts in the host
+  // tier's resident bytes (stats, check_invariants) and leaves that much less room for copies.
+  // The engine must outlive the region. Errors: those of register_tensor and acquire, with a
+  // message that names tier.budgets.host.
+  Result<PinnedRegion> reserve_host(const std::string& name, std::uint64_t bytes);
+
   // Bracket one training step: the access order of the first step is recorded and prefetched in
   // the following ones.
   void begin_step();

@@ -113,6 +113,12 @@ struct OffloadedOptimizerOptions {
   // Pinned buffers come from this arena (it must outlive the optimizer and have room for them);
   // null: the optimizer maps its own arena of exactly the buffers' size.
   HostArena* arena = nullptr;
+  // When set, the pinned buffers come from here instead, one call per buffer (bytes, a name):
+  // e.g. Engine::reserve_host of the engine the optimizer serves, so that they count against
+  // tier.budgets.host. Regions must be pinned and 4 KiB aligned (O_DIRECT sources); `arena` then
+  // only names the arena they lie in, for the swap space's fixed buffers (may be null). The
+  // source, not the optimizer, reports them as resident.
+  std::function<Result<PinnedRegion>(std::uint64_t bytes, const std::string& name)> pinned_source;
   // Chunk buffers of the pipeline (offload_optimizer.buffer_count): 3 or more let reads, updates
   // and writes overlap fully; 1 and 2 work but serialize. Host home uses one (output staging).
   unsigned buffer_count = 4;

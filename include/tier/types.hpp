@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -67,6 +68,15 @@ struct TensorDesc {
   std::uint64_t bytes() const noexcept { return numel * dtype_size(dtype); }
   // Non-empty name without control characters, numel > 0, bytes that fit in 63 bits.
   Status validate() const;
+};
+
+// Memory lent by one component to another: `bytes` bytes at `data`, held for as long as `keep` (or
+// a copy of it) lives. E.g. Engine::reserve_host hands an offloaded optimizer pinned host memory
+// that counts against tier.budgets.host.
+struct PinnedRegion {
+  std::byte* data = nullptr;
+  std::uint64_t bytes = 0;
+  std::shared_ptr<void> keep;
 };
 
 }  // namespace tier

@@ -1060,6 +1060,47 @@ Status Engine::write(TensorId id, const void* src) {
   return lease.release();
 }
 
+namespace {
+// What keeps a reserve_host region: the lease on the tensor, then the tensor itself.
+struct HostReservation {
+  Engine* engine = nullptr;
+  TensorId id = 0;
+  Lease lease;
+  ~HostReservation() {
+    lease.release().ignore();
+    engine->unregister_tensor(id).ignore();
+  }
+};
+}  // namespace
+
+Result<PinnedRegion> Engine::reserve_host(const std::string& name, std::uint64_t bytes) {
+  TensorDesc desc;
+  desc.name = name;
+  desc.dtype = DType::kU8;
+  desc.numel = bytes;
+  auto why = [&](const Status& s) {
+    return s.with_context(str("reserving ", format_bytes(bytes), " of pinned memory for '", name,
+                              "' inside tier.budgets.host (",
+                              format_bytes(impl_->budget[static_cast<int>(Tier::kHost)]), ")"));
+  };
+  auto id = register_tensor(desc, Tier::kHost);
+  if (!id.ok()) return why(id.status());
+  auto lease = acquire_now(*id, Tier::kHost, Access::kWrite);
+  if (!lease.ok()) {
+    unregister_tensor(*id).ignore();
+    return why(lease.status());
+  }
+  auto keep = std::make_shared<HostReservation>();
+  keep->engine = this;
+  keep->id = *id;
+  keep->lease = std::move(lease).value();
+  PinnedRegion r;
+  r.data = static_cast<std::byte*>(keep->lease.data());
+  r.bytes = bytes;
+  r.keep = std::move(keep);
+  return r;
+}
+
 Status Engine::flush() {
   Impl& e = *impl_;
   struct Join {

@@ -255,7 +255,7 @@ OffloadedOptimizer::~OffloadedOptimizer() {
   }
   // Give back what was reported as resident.
   std::int64_t host = 0, nvme = 0;
-  for (const Buffer& b : im.bufs) host += static_cast<std::int64_t>(b.block.size());
+  host += im.own_pinned_bytes();
   host += static_cast<std::int64_t>(im.accumulator_bytes.load());
   for (const Chunk& c : im.chunks) {
     if (c.host) host += static_cast<std::int64_t>(c.bytes());
@@ -340,7 +340,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   const std::uint64_t buf_bytes = detail::round_up(state_bytes + ce * 4, 4096);
   const std::uint64_t align = buf_bytes >= HostArena::kHugePage ? HostArena::kHugePage : 4096;
   im->arena = o.arena;
-  if (im->arena == nullptr) {
+  if (im->arena == nullptr && !o.pinned_source) {
     HostArenaOptions ao;
     ao.bytes = detail::round_up(buf_bytes, align) * (o.home == StateHome::kHost ? 1 : o.buffer_count);
     TIER_ASSIGN_OR_RETURN(im->own_arena, HostArena::create(ao));
@@ -349,17 +349,28 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   // Host home moves no chunks: one buffer serves as the output staging and scratch.
   const unsigned nbufs = o.home == StateHome::kHost ? 1 : o.buffer_count;
   for (unsigned b = 0; b < nbufs; ++b) {
-    auto block = im->arena->try_allocate(buf_bytes, align);
-    if (!block.ok()) {
-      return block.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", nbufs, " (",
-                                             format_bytes(buf_bytes),
-                                             " each; lower buffer_bytes or buffer_count, "
-                                             "or give an arena with room)"));
+    Result<PinnedRegion> mem{Status(StatusCode::kInternal, "not allocated")};
+    if (o.pinned_source) {
+      mem = o.pinned_source(buf_bytes, str("tier/optimizer/buffer", b));
+      if (mem.ok() && (mem->bytes < buf_bytes || reinterpret_cast<std::uintptr_t>(mem->data) % 4096 != 0)) {
+        mem = internal_error(str("the pinned source gave ", mem->bytes, " bytes at ", static_cast<void*>(mem->data),
+                                 " for ", buf_bytes, " bytes, 4 KiB aligned"));
+      }
+    } else if (auto block = im->arena->try_allocate(buf_bytes, align); block.ok()) {
+      auto held = std::make_shared<HostBlock>(std::move(block).value());
+      mem = PinnedRegion{held->data(), held->size(), held};
+    } else {
+      mem = block.status();
+    }
+    if (!mem.ok()) {
+      return mem.status().with_context(str("optimizer: pinned buffer ", b + 1, " of ", nbufs, " (",
+                                           format_bytes(buf_bytes), " each; lower tier.optimizer.buffer_bytes or ",
+                                           "offload_optimizer.buffer_count, or give the buffers more room)"));
     }
     Buffer buf;
-    buf.block = std::move(block).value();
-    buf.state = reinterpret_cast<float*>(buf.block.data());
-    buf.staging = buf.block.data() + state_bytes;
+    buf.mem = std::move(mem).value();
+    buf.state = reinterpret_cast<float*>(buf.mem.data);
+    buf.staging = buf.mem.data + state_bytes;
     im->bufs.push_back(std::move(buf));
   }
 
@@ -385,8 +396,8 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   (void)cpu::simd_target();  // applies TIER_CPU_SIMD before any kernel runs
 
   std::int64_t pinned = 0;
-  for (const Buffer& b : im->bufs) pinned += static_cast<std::int64_t>(b.block.size());
-  im->report_resident(pinned, 0);
+  for (const Buffer& b : im->bufs) pinned += static_cast<std::int64_t>(b.mem.bytes);
+  im->report_resident(im->own_pinned_bytes(), 0);
   if (o.counters) {
     o.counters->set_info("optim.home", state_home_name(o.home));
     o.counters->set_metric("optim.chunk_elements", static_cast<double>(ce));
@@ -1164,7 +1175,7 @@ OptimizerStats OffloadedOptimizer::stats() const {
   s.chunks = im.chunks.size();
   s.chunk_elements = im.chunk_elems;
   s.buffer_count = static_cast<unsigned>(im.bufs.size());
-  for (const Buffer& b : im.bufs) s.pinned_bytes += b.block.size();
+  for (const Buffer& b : im.bufs) s.pinned_bytes += b.mem.bytes;
   s.accumulator_bytes = im.accumulator_bytes.load();
   for (const Chunk& c : im.chunks) {
     if (c.host) s.host_state_bytes += c.bytes();

@@ -64,7 +64,7 @@ struct Chunk {
 // A pipeline buffer: one chunk's three sections, then the low-precision staging (4 bytes per
 // element, so any mix of output dtypes fits at the element's own offset).
 struct Buffer {
-  HostBlock block;
+  PinnedRegion mem;  // from the optimizer's arena (keep: the HostBlock) or options.pinned_source
   float* state = nullptr;
   std::byte* staging = nullptr;
   nvme::IoFuture pending;  // registration / write_state: the write still using the buffer
@@ -83,6 +83,14 @@ struct OffloadedOptimizer::Impl {
   std::unique_ptr<nvme::SwapSpace> own_swap;
   nvme::SwapSpace* swap = nullptr;
   std::vector<detail::Buffer> bufs;
+  // Pinned bytes of the buffers this optimizer reports as its own (none when they came from
+  // options.pinned_source, which counts them).
+  std::int64_t own_pinned_bytes() const {
+    if (opt.pinned_source) return 0;
+    std::int64_t n = 0;
+    for (const detail::Buffer& b : bufs) n += static_cast<std::int64_t>(b.mem.bytes);
+    return n;
+  }
   std::unique_ptr<detail::Workers> workers;
 
   std::vector<detail::Partition> parts;
