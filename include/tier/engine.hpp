@@ -141,7 +141,9 @@ class Engine {
   // configured), kAlreadyExists (name taken), kResourceExhausted (the home tier's budget cannot
   // hold it).
   Result<TensorId> register_tensor(const TensorDesc& desc, Tier home, const void* initial = nullptr);
-  // Drops every copy of an idle tensor. kFailedPrecondition while leases are held.
+  // Drops every copy of an idle tensor. kFailedPrecondition while leases are held. The engine's
+  // own transfers of it (a prefetch, an eviction's write-back) are waited for, up to
+  // tier.acquire_timeout_ms (then kTimedOut).
   Status unregister_tensor(TensorId id);
 
   AcquireFuture acquire(TensorId id, Tier tier, Access access);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <future>
+#include <thread>
 
 #include "engine/engine_impl.hpp"
 #include "tier/log.hpp"
@@ -492,6 +493,7 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   Copy& src = t.copies[static_cast<int>(from)];
   ++src.pins;
   ++t.readers;
+  ++t.transfers;
   const std::uint64_t gen = t.generation;
   const std::uint64_t bytes = t.desc.bytes();
   auto start = [this, id, to, from, prefetch, counted, gen, bytes](Buffer b) {
@@ -529,6 +531,7 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
         Copy& s2 = t2.copies[static_cast<int>(from)];
         --s2.pins;
         --t2.readers;
+        --t2.transfers;
         d.state = CopyState::kAbsent;
         auto waiters = std::move(d.on_ready);
         d.on_ready.clear();
@@ -551,6 +554,7 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
   Copy& src = t.copies[static_cast<int>(from)];
   --src.pins;
   --t.readers;
+  --t.transfers;
   if (s.ok()) {
     d.state = CopyState::kValid;
     d.last_use = ++clock;
@@ -954,6 +958,7 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
     t.live = false;
     t.zero_home = false;
     t.readers = 0;
+    t.transfers = 0;
     t.blocked.clear();
     t.desc = desc;
     t.home = home;
@@ -1024,20 +1029,38 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
 
 Status Engine::unregister_tensor(TensorId id) {
   Impl& e = *impl_;
-  return e.call([&]() -> Status {
-    if (id >= e.tensors.size() || !e.tensors[id].live) return not_found(str("unregister: no tensor with id ", id));
-    Impl::TensorRec& t = e.tensors[id];
-    bool busy = t.readers > 0 || t.writer || !t.blocked.empty();
-    for (const auto& c : t.copies) busy = busy || c.pins > 0 || c.state == CopyState::kLoading || c.writing_back;
-    if (busy) return failed_precondition(str("unregister '", t.desc.name, "': leases or transfers are in flight"));
-    for (Tier x : kAllTiers) e.drop_copy(t, x);
-    t.live = false;
-    ++t.generation;
-    e.by_name.erase(t.desc.name);
-    e.free_ids.push_back(id);
-    e.trace.reset();
-    return Status::Ok();
-  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(e.cfg.tier.acquire_timeout_ms);
+  auto pause = std::chrono::microseconds(100);
+  for (;;) {
+    bool transfers = false;
+    Status s = e.call([&]() -> Status {
+      if (id >= e.tensors.size() || !e.tensors[id].live) return not_found(str("unregister: no tensor with id ", id));
+      Impl::TensorRec& t = e.tensors[id];
+      if (t.readers > t.transfers || t.writer || !t.blocked.empty()) {
+        return failed_precondition(str("unregister '", t.desc.name, "': leases are held or acquires wait"));
+      }
+      for (const auto& c : t.copies)
+        transfers = transfers || c.pins > 0 || c.state == CopyState::kLoading || c.writing_back;
+      if (transfers) {
+        return failed_precondition(
+            str("unregister '", t.desc.name, "': the engine's own transfers of it are in flight"));
+      }
+      for (Tier x : kAllTiers) e.drop_copy(t, x);
+      t.live = false;
+      ++t.generation;
+      e.by_name.erase(t.desc.name);
+      e.free_ids.push_back(id);
+      e.trace.reset();
+      return Status::Ok();
+    });
+    // A prefetch or an eviction's write-back of an idle tensor ends on its own: wait for it.
+    if (!transfers) return s;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return timed_out(str(s.message(), " after ", e.cfg.tier.acquire_timeout_ms, " ms"));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(5000));
+  }
 }
 
 AcquireFuture Engine::acquire(TensorId id, Tier tier, Access access) {

@@ -101,7 +101,8 @@ struct Engine::Impl {
     bool zero_home = false;  // the home copy reads as zeros without I/O
     std::uint64_t generation = 0;
     std::array<Copy, kNumTiers> copies;
-    std::uint32_t readers = 0;  // read leases + internal transfers reading this tensor
+    std::uint32_t readers = 0;    // read leases + internal transfers reading this tensor
+    std::uint32_t transfers = 0;  // of which internal transfers (a load's source)
     bool writer = false;
     struct Blocked {
       std::shared_ptr<detail::AcquireState> acquire;
