@@ -217,6 +217,25 @@ struct PyOptimizer {
   }
 };
 
+optim::StateKind state_kind_of(const std::string& kind) {
+  if (kind == "master") return optim::StateKind::kMaster;
+  if (kind == "exp_avg") return optim::StateKind::kExpAvg;
+  if (kind == "exp_avg_sq") return optim::StateKind::kExpAvgSq;
+  raise(invalid_argument(str("state kind '", kind, "' is not one of: master, exp_avg, exp_avg_sq")));
+}
+
+// A C-contiguous CPU fp32 array of a partition's numel, as a pointer (the caller holds the array).
+void* state_view(PyOptimizer& o, optim::PartitionId id, nb::handle arr, const char* what) {
+  if (id >= o.get().partition_count()) raise(invalid_argument(str(what, ": no partition ", id)));
+  nb::ndarray<nb::c_contig, nb::device::cpu> a;
+  const std::uint64_t want = o.get().partition_numel(id) * sizeof(float);
+  if (!nb::try_cast(arr, a) || a.dtype() != nb::dtype<float>() || a.nbytes() != want) {
+    raise(invalid_argument(str(what, ": expected a C-contiguous CPU float32 array of ", want / sizeof(float),
+                               " elements for partition ", id)));
+  }
+  return a.data();
+}
+
 cpu::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, double wd, bool decoupled,
                            bool bias_correction) {
   cpu::AdamHyperParams hp;
@@ -592,6 +611,37 @@ NB_MODULE(_tier, m) {
           "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none); "
           "a gradient declared with declare_grad is read from engine tensor grad_tensors[i].")
       .def(
+          "step_to",
+          [](PyOptimizer& o, const std::vector<nb::object>& destinations, bool skip_missing_grads) {
+            // Raw pointers taken with the GIL held; the arrays stay referenced by `destinations`.
+            std::vector<void*> dest(destinations.size(), nullptr);
+            for (std::size_t i = 0; i < destinations.size(); ++i) {
+              if (destinations[i].is_none()) continue;
+              const auto id = static_cast<optim::PartitionId>(i);
+              const std::uint64_t want =
+                  o.get().partition_numel(id) * optim::param_output_size(o.get().partition_output(id));
+              nb::ndarray<nb::c_contig, nb::device::cpu> a;
+              if (!nb::try_cast(destinations[i], a) || a.nbytes() != want) {
+                raise(invalid_argument(str("step_to: destination ", i, " must be a writable C-contiguous CPU array of ",
+                                           want, " bytes (the partition's numel in its output dtype)")));
+              }
+              dest[i] = a.data();
+            }
+            optim::StepOptions so;
+            so.skip_missing_grads = skip_missing_grads;
+            so.destination = [&](optim::PartitionId id) -> void* { return id < dest.size() ? dest[id] : nullptr; };
+            Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
+            {
+              nb::gil_scoped_release unlocked;
+              r = o.get().step(so);
+            }
+            return report_dict(unwrap(std::move(r)));
+          },
+          "destinations"_a, "skip_missing_grads"_a = false,
+          "One optimizer step; the updated params of partition i are written into destinations[i] (a CPU array "
+          "of its output dtype, or None: not written; read_params() has them). skip_missing_grads: partitions "
+          "without a gradient stay untouched, as torch.optim skips a parameter whose grad is None.")
+      .def(
           "declare_grad",
           [](PyOptimizer& o, optim::PartitionId id, double sumsq) { check(o.get().declare_grad(id, sumsq)); },
           "partition"_a, "sumsq"_a,
@@ -600,6 +650,36 @@ NB_MODULE(_tier, m) {
       .def("set_lr", [](PyOptimizer& o, int group, double lr) { check(o.get().set_lr(group, lr)); })
       .def("lr", [](PyOptimizer& o, int group) { return unwrap(o.get().hyper_params(group)).lr; })
       .def("group_step", [](PyOptimizer& o, int group) { return unwrap(o.get().group_step(group)); })
+      .def("set_group_step",
+           [](PyOptimizer& o, int group, std::int64_t step) { check(o.get().set_group_step(group, step)); })
+      .def(
+          "read_state",
+          [](PyOptimizer& o, optim::PartitionId id, const std::string& kind, nb::handle out) {
+            const optim::StateKind k = state_kind_of(kind);
+            float* dst = static_cast<float*>(state_view(o, id, out, "read_state"));
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = o.get().read_state(id, k, dst, 0, o.get().partition_numel(id));
+            }
+            check(s);
+          },
+          "partition"_a, "kind"_a, "out"_a,
+          "Copies a partition's committed state ('master', 'exp_avg' or 'exp_avg_sq': numel fp32) into out.")
+      .def(
+          "write_state",
+          [](PyOptimizer& o, optim::PartitionId id, const std::string& kind, nb::handle src) {
+            const optim::StateKind k = state_kind_of(kind);
+            const float* from = static_cast<const float*>(state_view(o, id, src, "write_state"));
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = o.get().write_state(id, k, from, 0, o.get().partition_numel(id));
+            }
+            check(s);
+          },
+          "partition"_a, "kind"_a, "src"_a,
+          "Overwrites a partition's state ('master', 'exp_avg' or 'exp_avg_sq') with numel fp32 values.")
       .def_prop_ro("group_count", [](PyOptimizer& o) { return o.get().group_count(); })
       .def_prop_ro("partition_count", [](PyOptimizer& o) { return o.get().partition_count(); })
       .def_prop_ro("loss_scale", [](PyOptimizer& o) { return o.get().loss_scale(); })

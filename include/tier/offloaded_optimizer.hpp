@@ -201,6 +201,11 @@ struct StepOptions {
   // (optional) The gradient of a declared partition is no longer needed (after its last chunk, or
   // when the step fails); called once per grad_source call.
   std::function<void(PartitionId)> grad_done;
+  // Partitions that got no gradient this step keep their state and params untouched, as
+  // torch.optim skips a parameter whose .grad is None (no decay, no momentum step; nothing is
+  // written to their destination or handed to on_output). Off: they are updated with zeros (as
+  // DeepSpeed does). Either way the group's step counter, which bias correction uses, advances.
+  bool skip_missing_grads = false;
 };
 
 // One stream of the pipeline.
@@ -310,6 +315,9 @@ class OffloadedOptimizer {
   Status set_lr(int group, double lr);
   // Steps applied so far in a group (0 before the first).
   Result<std::int64_t> group_step(int group) const;
+  // Sets a group's step counter (e.g. importing a state dict made elsewhere); the next step is
+  // step + 1. Errors: unknown group, a negative step.
+  Status set_group_step(int group, std::int64_t step);
   const LossScaler& loss_scaler() const noexcept;
   double loss_scale() const noexcept;  // multiply the loss by this before backward
 
@@ -359,6 +367,8 @@ class OffloadedOptimizer {
   std::uint64_t partition_count() const noexcept;
   // The numel of a partition (0 for an unknown id).
   std::uint64_t partition_numel(PartitionId id) const noexcept;
+  // The low-precision output of a partition (kNone for an unknown id).
+  ParamOutput partition_output(PartitionId id) const noexcept;
 
   // The implementation's state (opaque; defined in src/optim).
   struct Impl;

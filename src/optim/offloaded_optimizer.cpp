@@ -149,6 +149,11 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
     while (flat < end) {
       const Partition& p = im.parts[pid];
       const std::uint64_t n = std::min(p.start + p.numel, end) - flat;
+      if (!im.skipping.empty() && im.skipping[pid]) {
+        flat += n;
+        ++pid;
+        continue;
+      }
       const std::uint64_t ci = flat - c.start;
       const std::uint64_t pi = flat - p.start;
       const cpu::AdamStep& st = part_steps.empty() ? steps[static_cast<std::size_t>(p.group)] : part_steps[pid];
@@ -207,7 +212,7 @@ static Status lamb_norms_chunk(const OffloadedOptimizer::Impl& im, const Chunk& 
   float* M = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvg);
   float* V = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvgSq);
   for (PartitionId pid = c.first; pid <= c.last; ++pid) {
-    if (!norms[pid]) continue;
+    if (!norms[pid] || (!im.skipping.empty() && im.skipping[pid])) continue;
     const Partition& p = im.parts[pid];
     const std::uint64_t a = std::max(p.start, c.start);
     const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
@@ -674,6 +679,14 @@ std::uint64_t OffloadedOptimizer::partitions_with_grads() const noexcept {
 Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("step"));
+  struct SkipScope {  // the partitions left untouched, for this step only
+    std::vector<std::uint8_t>& v;
+    ~SkipScope() { v.clear(); }
+  } skip_scope{im.skipping};
+  if (options.skip_missing_grads) {
+    im.skipping.assign(im.parts.size(), 0);
+    for (std::size_t i = 0; i < im.parts.size(); ++i) im.skipping[i] = im.parts[i].contributions == 0 ? 1 : 0;
+  }
   const auto t0 = Clock::now();
   StepReport r;
   r.chunks = im.chunks.size();
@@ -870,6 +883,7 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     for (PartitionId pid = c.first; pid <= c.last && sink_error.ok(); ++pid) {
       const Partition& p = im.parts[pid];
       if (p.output == ParamOutput::kNone || (!dest.empty() && dest[pid] != nullptr)) continue;
+      if (!im.skipping.empty() && im.skipping[pid]) continue;
       const std::uint64_t a = std::max(p.start, c.start);
       const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
       OutputChunk oc{pid, a - p.start, e - a, p.output, staging + (a - c.start) * 4, &pending[b]};
@@ -968,6 +982,11 @@ Status OffloadedOptimizer::set_lr(int group, double lr) {
 Result<std::int64_t> OffloadedOptimizer::group_step(int group) const {
   TIER_RETURN_IF_ERROR(check_group(*impl_, group));
   return impl_->groups[static_cast<std::size_t>(group)].step();
+}
+
+Status OffloadedOptimizer::set_group_step(int group, std::int64_t step) {
+  TIER_RETURN_IF_ERROR(check_group(*impl_, group));
+  return impl_->groups[static_cast<std::size_t>(group)].set_step(step).with_context(str("optimizer group ", group));
 }
 
 const LossScaler& OffloadedOptimizer::loss_scaler() const noexcept {
@@ -1197,6 +1216,10 @@ std::uint64_t OffloadedOptimizer::partition_count() const noexcept {
 
 std::uint64_t OffloadedOptimizer::partition_numel(PartitionId id) const noexcept {
   return id < impl_->parts.size() ? impl_->parts[id].numel : 0;
+}
+
+ParamOutput OffloadedOptimizer::partition_output(PartitionId id) const noexcept {
+  return id < impl_->parts.size() ? impl_->parts[id].output : ParamOutput::kNone;
 }
 
 }  // namespace tier::optim

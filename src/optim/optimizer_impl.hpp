@@ -104,6 +104,8 @@ struct OffloadedOptimizer::Impl {
   bool chunk_open = false;
   float* open_base = nullptr;
   std::uint64_t open_fill = 0;
+  // During a step with StepOptions::skip_missing_grads: per partition, 1 to leave it untouched.
+  std::vector<std::uint8_t> skipping;
   // Set when registration failed (a chunk write): every later call reports it.
   Status poisoned;
   // Set when the host-resident state was left half-updated (a failed load after verification, a

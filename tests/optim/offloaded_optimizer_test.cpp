@@ -176,6 +176,69 @@ TEST_P(OptimizerHome, MissingAndPartialGradients) {
   EXPECT_TRUE(test::state_matches(rig->opt(), ref));
 }
 
+TEST_P(OptimizerHome, SkipMissingGradsLeavesThosePartitionsUntouched) {
+  const auto model = test::mixed_model();
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  o.max_grad_norm = 0.05;
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  // The untouched partition's params as registered, in its output dtype, to compare the
+  // destination against (it must not be written).
+  const std::size_t frozen = 2;
+  ASSERT_NE(model[frozen].output, ParamOutput::kNone);
+  const std::vector<float> before = ref.master(frozen);
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    test::Outputs outs(model);
+    std::vector<std::uint8_t> sentinel(outs.data[frozen].size(), 0xA5);
+    outs.data[frozen] = sentinel;
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      if (i == frozen && step != 2) continue;  // a gradient in step 2 only
+      auto g = test::make_grad(model[i].numel, DType::kBF16, test::grad_seed(step, 0, i));
+      ASSERT_TRUE(
+          rig->opt()
+              .add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kBF16, model[i].numel))
+              .ok());
+      ref.add_grad(i, g.data(), DType::kBF16);
+    }
+    double norm = 0;
+    ASSERT_TRUE(ref.step(1.0, o.max_grad_norm, &norm, true));
+    StepOptions so;
+    so.skip_missing_grads = true;
+    so.destination = [&](PartitionId id) -> void* { return outs.data[id].data(); };
+    auto r = rig->opt().step(so);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->grad_norm, norm);
+    EXPECT_EQ(r->zero_grad_partitions, step == 2 ? 0u : 1u);
+    ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "after step " << step;
+    if (step == 1) {
+      // Never stepped: the master is as registered, the moments zero.
+      std::vector<float> got(model[frozen].numel);
+      ASSERT_TRUE(rig->opt().read_state(frozen, StateKind::kMaster, got.data(), 0, got.size()).ok());
+      EXPECT_TRUE(test::same_bits(got.data(), before.data(), got.size(), "untouched master"));
+    }
+    if (step != 2) {
+      EXPECT_EQ(outs.data[frozen], sentinel) << "the destination of an untouched partition was written";
+    } else {
+      EXPECT_NE(outs.data[frozen], sentinel);
+    }
+  }
+  // Without the option the same missing gradient means an update with zeros (DeepSpeed's way).
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    if (i == frozen) continue;
+    auto g = test::make_grad(model[i].numel, DType::kBF16, test::grad_seed(4, 0, i));
+    ASSERT_TRUE(rig->opt()
+                    .add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g.data(), DType::kBF16, model[i].numel))
+                    .ok());
+    ref.add_grad(i, g.data(), DType::kBF16);
+  }
+  ASSERT_TRUE(ref.step(1.0, o.max_grad_norm));
+  ASSERT_TRUE(rig->opt().step().ok());
+  EXPECT_TRUE(test::state_matches(rig->opt(), ref));
+}
+
 TEST_P(OptimizerHome, Fp16OverflowSkipsTheStepAndBacksOffTheScale) {
   const std::vector<PartDesc> model = {{3000, 0, ParamOutput::kF16}, {9000, 0, ParamOutput::kF16}};
   const std::vector<cpu::AdamHyperParams> groups = {test::three_groups()[0]};

@@ -115,8 +115,9 @@ class Reference {
     ++count_[i];
   }
 
-  // One step; returns false when skipped for a non-finite gradient.
-  bool step(double loss_scale, double max_norm, double* norm_out = nullptr) {
+  // One step; returns false when skipped for a non-finite gradient. `skip_missing`: partitions
+  // without a gradient stay untouched (StepOptions::skip_missing_grads) instead of taking zeros.
+  bool step(double loss_scale, double max_norm, double* norm_out = nullptr, bool skip_missing = false) {
     double total = 0;
     for (std::size_t i = 0; i < model_.size(); ++i) {
       if (count_[i] == 0) continue;
@@ -136,6 +137,7 @@ class Reference {
       const std::uint64_t n = model_[i].numel;
       std::vector<float> zeros;
       const float* g = acc_[i].data();
+      if (count_[i] == 0 && skip_missing) continue;
       if (count_[i] == 0) {
         zeros.assign(n, 0.0f);
         g = zeros.data();

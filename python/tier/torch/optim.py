@@ -1,0 +1,315 @@
+"""tier.torch.OffloadedAdamW: an AdamW for any PyTorch training loop whose fp32 master weights
+and moments live in tier (host memory or NVMe) and are updated there by tier's CPU Adam.
+
+The model, its parameters and their gradients stay where the training loop keeps them (on the GPU
+or the CPU); only the optimizer's state moves out, which is 12 of the 16 bytes per parameter of
+mixed-precision Adam training. It is a real ``torch.optim.Optimizer``: ``param_groups`` carry
+each group's hyper-parameters (LR schedulers write ``lr`` there and the next step uses it),
+gradients are read from ``p.grad`` after the loop has accumulated, clipped or unscaled them
+(``torch.nn.utils.clip_grad_norm_``, ``GradScaler.unscale_``), a parameter whose ``grad`` is None
+is skipped as ``torch.optim.AdamW`` skips it, and ``state_dict()`` / ``load_state_dict()`` use
+``torch.optim.AdamW``'s format, so Trainer checkpoints and plain AdamW state dicts go both ways.
+"""
+
+import json
+import os
+
+import torch
+
+from .. import _tier
+
+_OUTPUT_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _read_config(config):
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as f:
+            return json.load(f)
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))  # a private copy
+    raise TypeError(f"config must be a dict, a path to a JSON file or None, not {type(config).__name__}")
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with its state offloaded to tier.
+
+    ``config`` is a tier / DeepSpeed-format config (a dict or a JSON path); what it says under
+    ``zero_optimization.offload_optimizer`` decides where the state lives (``"device": "nvme"``
+    with ``nvme_path``, or ``"cpu"``), and its ``tier``/``aio`` sections tune the pipeline.
+    ``nvme_path`` is a shortcut for ``{"offload_optimizer": {"device": "nvme", "nvme_path": ...}}``.
+    Without either, the state is kept in host memory. ``amsgrad`` and ``maximize`` are not
+    supported and are refused. The per-parameter ``step`` of ``torch.optim.AdamW`` is a per-group
+    counter here: a parameter that missed a step's gradient keeps its values and moments, but its
+    next bias correction uses the group's count.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        amsgrad=False,
+        maximize=False,
+        config=None,
+        nvme_path=None,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    ):
+        if amsgrad:
+            raise ValueError("OffloadedAdamW: amsgrad=True is not supported (tier's CPU Adam keeps no max of v)")
+        if maximize:
+            raise ValueError("OffloadedAdamW: maximize=True is not supported; negate the loss instead")
+        if capturable or differentiable:
+            raise ValueError("OffloadedAdamW: capturable and differentiable are not supported (the update runs on the CPU)")
+        del foreach, fused  # accepted for signature compatibility; the CPU kernel is always fused
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
+        super().__init__(params, defaults)
+
+        cfg = _read_config(config)
+        zero = cfg.setdefault("zero_optimization", {})
+        off = zero.setdefault("offload_optimizer", {})
+        if nvme_path is not None:
+            off["device"] = "nvme"
+            off["nvme_path"] = os.fspath(nvme_path)
+        off.setdefault("device", "cpu")
+        # The training loop sums micro-steps into p.grad and clips it: the native optimizer takes
+        # one finished gradient per parameter and step.
+        cfg["gradient_accumulation_steps"] = 1
+        cfg.pop("train_batch_size", None)
+        cfg.pop("gradient_clipping", None)
+        for key in ("fp16", "bf16"):
+            cfg.pop(key, None)  # loss scaling belongs to the loop (torch.amp.GradScaler)
+        g0 = self.param_groups[0]
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": g0["lr"],
+                "betas": list(g0["betas"]),
+                "eps": g0["eps"],
+                "weight_decay": g0["weight_decay"],
+            },
+        }
+        self._home = off["device"]
+
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        for p in self._params:
+            if p.dtype not in _OUTPUT_OF:
+                raise TypeError(f"OffloadedAdamW: parameters must be fp32, fp16 or bf16, not {p.dtype}")
+            if p.is_sparse:
+                raise TypeError("OffloadedAdamW: sparse parameters are not supported")
+        total = sum(p.numel() for p in self._params)
+        if total == 0:
+            raise ValueError("OffloadedAdamW got no parameters with elements")
+        self._native = _tier.Optimizer.create(_tier.Config.from_json(json.dumps(cfg)), total)
+        for gi, g in enumerate(self.param_groups):
+            if gi > 0:
+                self._native.add_group(
+                    lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"]
+                )
+        self._pid = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                master = p.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+                self._pid[p] = self._native.add_partition(
+                    p.numel(), gi, _OUTPUT_OF[p.dtype], master, f"param{len(self._pid)}"
+                )
+        self._native.finish_registration()
+        # Updated params land here (CPU params are written in place when contiguous), and each
+        # parameter's version after the write: a parameter changed since (model.load_state_dict,
+        # an in-place edit) is re-read into the master before the next step.
+        self._staging = {}
+        self._seen = {}
+        self.last_report = None
+        for p in self._params:
+            self._note_version(p)
+
+    # ------------------------------------------------------------------ helpers
+    def _note_version(self, p):
+        self._seen[p] = (p.data_ptr(), p._version)
+
+    def _resync_changed(self):
+        for p in self._params:
+            if self._seen.get(p) != (p.data_ptr(), p._version):
+                master = p.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+                self._native.write_state(self._pid[p], "master", master)
+                self._note_version(p)
+
+    def _destination(self, p):
+        if p.device.type == "cpu" and p.is_contiguous():
+            return p.data.view(-1)
+        buf = self._staging.get(p)
+        if buf is None:
+            pin = torch.cuda.is_available() and p.device.type == "cuda"
+            buf = torch.empty(p.numel(), dtype=p.dtype, pin_memory=pin)
+            self._staging[p] = buf
+        return buf
+
+    def _push_hyper_params(self):
+        for gi, g in enumerate(self.param_groups):
+            b1, b2 = g["betas"]
+            self._native.set_group(gi, float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._resync_changed()
+        self._push_hyper_params()
+        held = []  # CPU views of the gradients, borrowed by the native optimizer until step returns
+        dests = [None] * len(self._params)
+        for p in self._params:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("OffloadedAdamW does not support sparse gradients")
+            g = p.grad.detach()
+            if g.device.type != "cpu":
+                g = g.to("cpu")
+            g = g.contiguous().reshape(-1)
+            pid = self._pid[p]
+            self._native.add_grad(pid, g, borrow=True)
+            held.append(g)
+            dests[pid] = self._destination(p)
+        if not held:
+            return loss
+        try:
+            self.last_report = self._native.step_to(dests, skip_missing_grads=True)
+        except BaseException:
+            self._native.clear_grads()
+            raise
+        finally:
+            del held
+        for p in self._params:
+            if p.grad is None:
+                continue
+            buf = self._staging.get(p)
+            if buf is not None and (p.device.type != "cpu" or not p.is_contiguous()):
+                p.data.copy_(buf.view_as(p))
+            self._note_version(p)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ state dicts
+    def _index(self):
+        return {p: i for i, p in enumerate(self._params)}
+
+    def state_dict(self):
+        """``torch.optim.AdamW``'s format: per parameter ``step``, ``exp_avg`` and
+        ``exp_avg_sq`` (fp32, the parameter's shape), plus ``master`` (the fp32 master weights)
+        for fp16/bf16 parameters. It gathers the whole state in host memory, as torch's does; for
+        a streamed checkpoint use ``save_checkpoint``."""
+        state = {}
+        groups = []
+        index = 0
+        for gi, g in enumerate(self.param_groups):
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = list(range(index, index + len(g["params"])))
+            groups.append(entry)
+            step = self._native.group_step(gi)
+            for p in g["params"]:
+                if step > 0:
+                    pid = self._pid[p]
+                    s = {"step": torch.tensor(float(step))}
+                    for kind in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
+                        out = torch.empty(p.numel(), dtype=torch.float32)
+                        self._native.read_state(pid, kind, out)
+                        s[kind] = out.view(p.shape)
+                    state[index] = s
+                index += 1
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(groups)} parameter groups but the optimizer has {len(self.param_groups)}"
+            )
+        for mine, theirs in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group: "
+                    f"{len(theirs['params'])} vs {len(mine['params'])}"
+                )
+        saved = state_dict["state"]
+        # Check everything before writing anything: a bad dict leaves the state as it was.
+        plan = []
+        for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+            steps = set()
+            for p, key in zip(mine["params"], theirs["params"]):
+                s = saved.get(key)
+                if s is None:
+                    continue
+                for kind in ("exp_avg", "exp_avg_sq", "master"):
+                    if kind in s and s[kind].numel() != p.numel():
+                        raise ValueError(
+                            f"state of parameter {key}: {kind} has {s[kind].numel()} elements, the parameter {p.numel()}"
+                        )
+                if "exp_avg" not in s or "exp_avg_sq" not in s:
+                    raise ValueError(f"state of parameter {key} lacks exp_avg or exp_avg_sq (not an Adam state dict)")
+                steps.add(int(float(s.get("step", 0))))
+                plan.append((p, s))
+            if len(steps) > 1:
+                raise ValueError(
+                    f"parameter group {gi}: the loaded state has different step counts {sorted(steps)}; OffloadedAdamW "
+                    "keeps one step count per group"
+                )
+            plan.append((gi, steps.pop() if steps else 0))
+        for item in plan:
+            if isinstance(item[0], int):
+                self._native.set_group_step(item[0], item[1])
+                continue
+            p, s = item
+            pid = self._pid[p]
+            for kind in ("exp_avg", "exp_avg_sq"):
+                self._native.write_state(pid, kind, s[kind].detach().to("cpu", torch.float32).contiguous().reshape(-1))
+            master = s.get("master")
+            if master is None:
+                master = p.detach()  # torch's AdamW keeps no separate master: the parameter is it
+            self._native.write_state(pid, "master", master.to("cpu", torch.float32).contiguous().reshape(-1))
+            self._note_version(p)
+        for mine, theirs in zip(self.param_groups, groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
+        self._push_hyper_params()
+
+    # ------------------------------------------------------------------ tier extras
+    def save_checkpoint(self, path):
+        """Streams the whole native state (masters, moments, step counters, hyper-parameters) to
+        one checksummed file without gathering it in host memory."""
+        self._native.save_checkpoint(os.fspath(path))
+
+    def load_checkpoint(self, path):
+        self._native.load_checkpoint(os.fspath(path))
+        for gi, g in enumerate(self.param_groups):
+            g["lr"] = self._native.lr(gi)
+        for p in self._params:
+            out = torch.empty(p.numel(), dtype=p.dtype)
+            self._native.read_params(self._pid[p], _OUTPUT_OF[p.dtype], out)
+            p.data.copy_(out.view_as(p))
+            self._note_version(p)
+
+    def stats(self):
+        """The native optimizer's figures: where the state lives, chunks, bytes."""
+        return self._native.stats()
+
+    @property
+    def home(self):
+        """Where the state lives: ``"nvme"`` or ``"cpu"`` (host memory)."""
+        return self._home
+
+    def close(self):
+        """Frees the native optimizer (its files and buffers) now rather than at garbage collection."""
+        self._native.close()

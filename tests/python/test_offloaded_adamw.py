@@ -1,0 +1,271 @@
+"""tier.torch.OffloadedAdamW in plain PyTorch loops and under the Hugging Face Trainer: the same
+training as torch.optim.AdamW (accumulation, clipping, LR schedules, parameters without a
+gradient), state dicts in AdamW's format both ways, and Trainer checkpoints that resume."""
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+import tier.torch
+
+HOMES = ["cpu", "nvme"]
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 48), torch.nn.GELU(), torch.nn.Linear(48, 4)
+    )
+
+
+def data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+
+
+def offloaded(params, home, tmp_path, **kw):
+    if home == "nvme":
+        return tier.torch.OffloadedAdamW(params, nvme_path=str(tmp_path / "swap"), **kw)
+    return tier.torch.OffloadedAdamW(params, **kw)
+
+
+def train(model, opt, steps, sched=None, gas=2, clip=0.5, frozen_at=None, start=0):
+    """`gas` micro-steps per step, clipping, an optional scheduler; from step `frozen_at` on the
+    first layer gets no gradient (its grads stay None)."""
+    x, y = data()
+    losses = []
+    for step in range(start, start + steps):
+        total = 0.0
+        for micro in range(gas):
+            xb = x[micro * 32 : (micro + 1) * 32]
+            yb = y[micro * 32 : (micro + 1) * 32]
+            loss = torch.nn.functional.mse_loss(model(xb), yb) / gas
+            loss.backward()
+            total += loss.item()
+        if frozen_at is not None and step >= frozen_at:
+            for p in model[0].parameters():
+                p.grad = None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
+def max_param_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("home", HOMES)
+def test_matches_torch_adamw_with_accumulation_clipping_schedule_and_frozen_params(home, tmp_path):
+    ref, mine = make_model(), make_model()
+    groups = lambda m: [  # noqa: E731
+        {"params": list(m[0].parameters()) + list(m[2].parameters())},
+        {"params": list(m[4].parameters()), "lr": 3e-3, "weight_decay": 0.0},
+    ]
+    opt_ref = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = offloaded(groups(mine), home, tmp_path, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    warm = lambda s: min(1.0, (s + 1) / 3) * 0.5 * (1 + math.cos(math.pi * s / 10))  # noqa: E731
+    sched_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, warm)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warm)
+    a = train(ref, opt_ref, 8, sched_ref, frozen_at=5)
+    b = train(mine, opt, 8, sched, frozen_at=5)
+    assert max(abs(p - q) / abs(p) for p, q in zip(a, b)) <= 1e-5, (a, b)
+    assert max_param_diff(ref, mine) <= 1e-5
+    assert opt.param_groups[1]["lr"] == opt_ref.param_groups[1]["lr"]  # the schedule wrote it
+    assert opt.stats()["home"] == ("nvme" if home == "nvme" else "host")
+    assert opt.last_report["step"] == 8
+
+
+def test_bf16_params_keep_an_fp32_master(tmp_path):
+    model = make_model().to(torch.bfloat16)
+    opt = offloaded(model.parameters(), "nvme", tmp_path, lr=1e-3)
+    x, y = data()
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    for i, p in enumerate(model.parameters()):
+        master = sd["state"][i]["master"]
+        assert master.dtype == torch.float32 and master.shape == p.shape
+        assert torch.equal(master.to(torch.bfloat16), p.detach())  # the params are the master, rounded
+    # The fp32 masters carry steps too small for bf16 to show: they differ from the params.
+    assert any(not torch.equal(sd["state"][i]["master"], p.detach().float()) for i, p in enumerate(model.parameters()))
+
+
+@pytest.mark.parametrize("home", HOMES)
+def test_state_dicts_go_both_ways_with_torch_adamw(home, tmp_path):
+    # torch AdamW -> OffloadedAdamW: continuing gives torch's own continuation.
+    ref = make_model()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=5e-3)
+    train(ref, opt_ref, 3)
+    snapshot = {k: v.clone() for k, v in ref.state_dict().items()}
+    saved = copy.deepcopy(opt_ref.state_dict())  # torch hands out its live tensors
+    cont_ref = train(ref, opt_ref, 3, start=3)
+
+    mine = make_model()
+    mine.load_state_dict(snapshot)
+    opt = offloaded(mine.parameters(), home, tmp_path, lr=5e-3)
+    opt.load_state_dict(saved)
+    cont = train(mine, opt, 3, start=3)
+    assert max(abs(p - q) / abs(p) for p, q in zip(cont_ref, cont)) <= 1e-5, (cont_ref, cont)
+    assert max_param_diff(ref, mine) <= 1e-5
+
+    # OffloadedAdamW -> torch AdamW.
+    back = make_model()
+    back.load_state_dict(mine.state_dict())
+    opt_back = torch.optim.AdamW(back.parameters(), lr=5e-3)
+    opt_back.load_state_dict(opt.state_dict())
+    a = train(back, opt_back, 2, start=6)
+    b = train(mine, opt, 2, start=6)
+    assert max(abs(p - q) / abs(p) for p, q in zip(a, b)) <= 1e-5, (a, b)
+
+
+def test_a_bad_state_dict_changes_nothing(tmp_path):
+    model = make_model()
+    opt = offloaded(model.parameters(), "nvme", tmp_path, lr=1e-2)
+    train(model, opt, 2)
+    before = opt.state_dict()
+    bad = opt.state_dict()
+    bad["state"][1]["exp_avg"] = torch.zeros(3)  # wrong size
+    with pytest.raises(ValueError, match="exp_avg has 3 elements"):
+        opt.load_state_dict(bad)
+    with pytest.raises(ValueError, match="parameter groups"):
+        opt.load_state_dict({"state": {}, "param_groups": before["param_groups"] * 2})
+    after = opt.state_dict()
+    for k in before["state"]:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(before["state"][k][kind], after["state"][k][kind])
+
+
+def test_params_changed_outside_the_optimizer_are_taken_up(tmp_path):
+    """model.load_state_dict after some steps: the next step starts from the loaded weights, as
+    with torch's AdamW (whose master is the parameter itself)."""
+    ref, mine = make_model(), make_model()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = offloaded(mine.parameters(), "cpu", tmp_path, lr=1e-2)
+    train(ref, opt_ref, 2)
+    train(mine, opt, 2)
+    other = make_model(seed=7).state_dict()
+    ref.load_state_dict(other)
+    mine.load_state_dict(other)
+    a = train(ref, opt_ref, 2, start=2)
+    b = train(mine, opt, 2, start=2)
+    assert max(abs(p - q) / abs(p) for p, q in zip(a, b)) <= 1e-5, (a, b)
+    assert max_param_diff(ref, mine) <= 1e-5
+
+
+def test_streamed_checkpoint_round_trip(tmp_path):
+    model = make_model()
+    opt = offloaded(model.parameters(), "nvme", tmp_path, lr=1e-2)
+    train(model, opt, 2)
+    path = str(tmp_path / "opt.tier")
+    opt.save_checkpoint(path)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = train(model, opt, 2, start=2)
+    opt.load_checkpoint(path)  # also puts the params back to the checkpoint's masters
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k])
+    assert train(model, opt, 2, start=2) == expected
+
+
+def test_refuses_what_it_does_not_run():
+    params = make_model().parameters()
+    with pytest.raises(ValueError, match="amsgrad"):
+        tier.torch.OffloadedAdamW(params, amsgrad=True)
+    with pytest.raises(ValueError, match="maximize"):
+        tier.torch.OffloadedAdamW(make_model().parameters(), maximize=True)
+    with pytest.raises(TypeError, match="fp32, fp16 or bf16"):
+        tier.torch.OffloadedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+
+
+# ------------------------------------------------------------------ Hugging Face Trainer
+
+
+def tiny_qwen2():
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=32, seq=16):
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 128, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_run(tmp_path, name, make_opt, max_steps, resume=None):
+    import transformers
+
+    model = tiny_qwen2()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        max_steps=max_steps,
+        save_steps=2,
+        save_strategy="steps",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
+    opt = make_opt(model) if make_opt is not None else None
+    sched = transformers.get_cosine_schedule_with_warmup(opt, 1, max_steps) if opt is not None else None
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, sched))
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, model
+
+
+def test_hf_trainer_matches_adamw_and_resumes_from_its_checkpoint(tmp_path):
+    pytest.importorskip("accelerate")
+    swap = tmp_path / "swap"
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+    def ours(model):
+        return tier.torch.OffloadedAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, nvme_path=str(swap))
+
+    ref_losses, ref_model = trainer_run(tmp_path, "ref", adamw, 4)
+    losses, model = trainer_run(tmp_path, "tier", ours, 4)
+    assert len(losses) == len(ref_losses) == 4
+    assert max(abs(p - q) / abs(p) for p, q in zip(ref_losses, losses)) <= 1e-4, (ref_losses, losses)
+    assert max_param_diff(ref_model, model) <= 1e-4
+
+    # The Trainer saved optimizer.pt from state_dict() at step 2; resuming there reproduces steps 3-4.
+    ckpt = tmp_path / "tier" / "checkpoint-2"
+    assert (ckpt / "optimizer.pt").exists()
+    resumed_losses, resumed = trainer_run(tmp_path, "tier-resumed", ours, 4, resume=str(ckpt))
+    assert max(abs(p - q) / abs(p) for p, q in zip(losses[2:], resumed_losses[-2:])) <= 1e-4, (losses, resumed_losses)
+    assert max_param_diff(model, resumed) <= 1e-4
+    assert os.path.isdir(swap)
