@@ -438,6 +438,34 @@ NB_MODULE(_tier, m) {
           "stats_json", [](const Engine& e, int indent) { return e.stats().to_json(indent); }, "indent"_a = -1)
       .def("check_invariants", [](const Engine& e) { check(e.check_invariants()); })
       .def(
+          "start_trace", [](Engine& e, std::size_t max_events) { e.counters().start_trace(max_events); },
+          "max_events"_a = 1'000'000,
+          "Starts the timeline: every transfer on every link, stalls and spans, as Chrome trace events.")
+      .def_prop_ro("tracing", [](Engine& e) { return e.counters().tracing(); })
+      .def(
+          "trace_span",
+          [](Engine& e, const std::string& lane, const std::string& name, std::int64_t begin_ns, std::int64_t end_ns,
+             std::uint64_t bytes) {
+            using Clock = std::chrono::steady_clock;
+            const auto at = [](std::int64_t ns) {
+              return Clock::time_point(std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(ns)));
+            };
+            e.counters().trace_span(lane, name, at(begin_ns), at(end_ns), bytes);
+          },
+          "lane"_a, "name"_a, "begin_ns"_a, "end_ns"_a, "bytes"_a = 0,
+          "Adds a span to the timeline; times are time.monotonic_ns() values (the same clock as the engine's).")
+      .def(
+          "write_trace",
+          [](Engine& e, const std::string& path) {
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = e.counters().write_trace(path);
+            }
+            check(s);
+          },
+          "path"_a, "Writes the timeline recorded so far (Chrome trace-event JSON) to `path`; recording goes on.")
+      .def(
           "note_transfer",
           [](Engine& e, const std::string& link, std::uint64_t bytes, double seconds) {
             Link l;

@@ -161,6 +161,9 @@ struct TierConfig {
   std::uint64_t acquire_timeout_ms = 60'000;
   // Engine: check every invariant after every state change (slow; for tests and debugging).
   bool debug_checks = false;
+  // Engine: record a timeline of every transfer, stall and adapter span and write it here as
+  // Chrome trace-event JSON when the engine closes (Perfetto, chrome://tracing); "": off.
+  std::string trace_file;
 };
 
 struct ConfigOptions {

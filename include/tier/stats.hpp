@@ -18,6 +18,7 @@
 #include <mutex>
 #include <string>
 
+#include "tier/status.hpp"
 #include "tier/types.hpp"
 
 namespace tier {
@@ -69,21 +70,23 @@ class Counters {
   class Transfer {
    public:
     Transfer() = default;
-    Transfer(Transfer&& o) noexcept : owner_(o.owner_), link_(o.link_) { o.owner_ = nullptr; }
+    Transfer(Transfer&& o) noexcept : owner_(o.owner_), link_(o.link_), begin_(o.begin_) { o.owner_ = nullptr; }
     Transfer& operator=(Transfer&& o) noexcept;
     ~Transfer();
     void finish(std::uint64_t bytes, bool ok = true) noexcept;
 
    private:
     friend class Counters;
-    Transfer(Counters* owner, Link link) : owner_(owner), link_(link) {}
+    Transfer(Counters* owner, Link link, std::chrono::steady_clock::time_point begin)
+        : owner_(owner), link_(link), begin_(begin) {}
     Counters* owner_ = nullptr;
     Link link_ = Link::kNvmeToHost;
+    std::chrono::steady_clock::time_point begin_{};
   };
   Transfer begin(Link link) noexcept;
   // Counts a transfer made and timed elsewhere (e.g. by a framework's own copy): `bytes` and one
   // operation, and `seconds` of busy time (added as is: overlap with other transfers on the link
-  // is not known here).
+  // is not known here). On the timeline it ends now and began `seconds` ago.
   void record(Link link, std::uint64_t bytes, double seconds) noexcept;
 
   void set_info(const std::string& key, const std::string& value);
@@ -92,8 +95,27 @@ class Counters {
 
   StatsSnapshot snapshot() const;
 
+  // ---- The timeline: Chrome trace-event JSON, as Perfetto (ui.perfetto.dev) and chrome://tracing
+  // open it. Once started, every transfer on every link is recorded from begin() to finish() on
+  // that link's lane, with its bytes; spans given with trace_span() go on their own lanes (the
+  // adapter's "compute", the engine's "stalls", the optimizer's "optimizer"). At most
+  // `max_events` are kept; later ones are counted as dropped (written in the file's metadata).
+  void start_trace(std::size_t max_events = 1'000'000);
+  bool tracing() const noexcept { return tracing_.load(std::memory_order_relaxed); }
+  // A span [begin, end) named `name` on lane `lane`; `bytes` (0: none) goes into its args.
+  void trace_span(const std::string& lane, const std::string& name, std::chrono::steady_clock::time_point begin,
+                  std::chrono::steady_clock::time_point end, std::uint64_t bytes = 0);
+  // What was recorded so far (recording goes on), as {"traceEvents": [...], ...}.
+  std::string trace_json() const;
+  // trace_json() written to "<path>.tmp" and renamed to `path`. Errors: the file's I/O error.
+  Status write_trace(const std::string& path) const;
+
  private:
-  void end_transfer(Link link, std::uint64_t bytes, bool ok) noexcept;
+  void end_transfer(Link link, std::uint64_t bytes, bool ok, std::chrono::steady_clock::time_point begin = {}) noexcept;
+  struct TraceEvent;
+  struct Trace;
+  std::atomic<bool> tracing_{false};
+  std::unique_ptr<Trace> trace_;
 
   struct LinkState;
   std::array<std::atomic<std::uint64_t>, kNumTiers> resident_{};

@@ -605,6 +605,7 @@ std::vector<KeySpec> build_schema() {
           .sample(1000000, "slow"));
   add(K("tier.emulated.latency_us", VK::kNumber).range(0, 1e9).TIER_FIELD(tier.emulated.latency_us).sample(5.0, -1.0));
   add(K("tier.optimizer_threads", VK::kInt).range(0, 4096).auto_is(0).TIER_FIELD(tier.optimizer_threads).sample(2, -1));
+  add(K("tier.trace_file", VK::kString).TIER_FIELD(tier.trace_file).sample("step-trace.json", 5));
   add(K("tier.optimizer", VK::kObject));
   add(K("tier.optimizer.buffer_bytes", VK::kSize)
           .auto_is(0)

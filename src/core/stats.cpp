@@ -1,5 +1,11 @@
 #include "tier/stats.hpp"
 
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 namespace tier {
@@ -14,6 +20,38 @@ struct Counters::LinkState {
   std::uint64_t in_flight = 0;
   Clock::time_point busy_since{};
   Clock::duration busy{};
+};
+
+// The timeline: fixed lanes for the links, then one per span lane name, in order of first use.
+struct Counters::TraceEvent {
+  int lane = 0;
+  std::string name;
+  Clock::time_point begin, end;
+  std::uint64_t bytes = 0;
+  bool ok = true;
+};
+
+struct Counters::Trace {
+  mutable std::mutex mu;
+  std::size_t max_events = 0;
+  std::uint64_t dropped = 0;
+  std::vector<TraceEvent> events;
+  std::vector<std::string> lanes;  // span lanes; lane id kNumLinks + index
+
+  int lane_of(const std::string& name) {
+    for (std::size_t i = 0; i < lanes.size(); ++i) {
+      if (lanes[i] == name) return kNumLinks + static_cast<int>(i);
+    }
+    lanes.push_back(name);
+    return kNumLinks + static_cast<int>(lanes.size() - 1);
+  }
+  void add(TraceEvent e) {
+    if (events.size() >= max_events) {
+      ++dropped;
+      return;
+    }
+    events.push_back(std::move(e));
+  }
 };
 
 Counters::Counters() : links_(new LinkState[kNumLinks]), start_(Clock::now()) {}
@@ -34,49 +72,153 @@ void Counters::add_resident(Tier t, std::int64_t delta) noexcept {
 
 Counters::Transfer& Counters::Transfer::operator=(Transfer&& o) noexcept {
   if (this != &o) {
-    if (owner_) owner_->end_transfer(link_, 0, false);
+    if (owner_) owner_->end_transfer(link_, 0, false, begin_);
     owner_ = o.owner_;
     link_ = o.link_;
+    begin_ = o.begin_;
     o.owner_ = nullptr;
   }
   return *this;
 }
 
 Counters::Transfer::~Transfer() {
-  if (owner_) owner_->end_transfer(link_, 0, false);
+  if (owner_) owner_->end_transfer(link_, 0, false, begin_);
 }
 
 void Counters::Transfer::finish(std::uint64_t bytes, bool ok) noexcept {
   if (!owner_) return;
-  owner_->end_transfer(link_, bytes, ok);
+  owner_->end_transfer(link_, bytes, ok, begin_);
   owner_ = nullptr;
 }
 
 Counters::Transfer Counters::begin(Link link) noexcept {
   LinkState& s = links_[static_cast<int>(link)];
+  const auto now = Clock::now();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.in_flight++ == 0) s.busy_since = Clock::now();
-  return Transfer(this, link);
+  if (s.in_flight++ == 0) s.busy_since = now;
+  return Transfer(this, link, now);
 }
 
 void Counters::record(Link link, std::uint64_t bytes, double seconds) noexcept {
-  LinkState& s = links_[static_cast<int>(link)];
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.bytes += bytes;
-  ++s.ops;
-  if (seconds > 0) s.busy += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-void Counters::end_transfer(Link link, std::uint64_t bytes, bool ok) noexcept {
-  LinkState& s = links_[static_cast<int>(link)];
-  std::lock_guard<std::mutex> lock(s.mu);
-  if (--s.in_flight == 0) s.busy += Clock::now() - s.busy_since;
-  if (ok) {
+  const auto busy = seconds > 0 ? std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds))
+                                : Clock::duration{};
+  {
+    LinkState& s = links_[static_cast<int>(link)];
+    std::lock_guard<std::mutex> lock(s.mu);
     s.bytes += bytes;
     ++s.ops;
-  } else {
-    ++s.errors;
+    s.busy += busy;
   }
+  if (tracing()) {
+    const auto now = Clock::now();
+    try {
+      std::lock_guard<std::mutex> lock(trace_->mu);
+      trace_->add({static_cast<int>(link), link_name(link), now - busy, now, bytes, true});
+    } catch (...) {
+      // Out of memory for the timeline: the event is lost, the counters above are kept.
+    }
+  }
+}
+
+void Counters::end_transfer(Link link, std::uint64_t bytes, bool ok, Clock::time_point begin) noexcept {
+  const auto now = Clock::now();
+  {
+    LinkState& s = links_[static_cast<int>(link)];
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (--s.in_flight == 0) s.busy += now - s.busy_since;
+    if (ok) {
+      s.bytes += bytes;
+      ++s.ops;
+    } else {
+      ++s.errors;
+    }
+  }
+  if (tracing() && begin != Clock::time_point{}) {
+    try {
+      std::lock_guard<std::mutex> lock(trace_->mu);
+      trace_->add({static_cast<int>(link), link_name(link), begin, now, bytes, ok});
+    } catch (...) {
+      // Out of memory for the timeline: the counters above are what matters; the event is lost.
+    }
+  }
+}
+
+void Counters::start_trace(std::size_t max_events) {
+  std::lock_guard<std::mutex> lock(info_mu_);
+  if (!trace_) trace_ = std::make_unique<Trace>();
+  {
+    std::lock_guard<std::mutex> tl(trace_->mu);
+    trace_->max_events = max_events;
+  }
+  tracing_.store(true);
+}
+
+void Counters::trace_span(const std::string& lane, const std::string& name, Clock::time_point begin,
+                          Clock::time_point end, std::uint64_t bytes) {
+  if (!tracing()) return;
+  std::lock_guard<std::mutex> lock(trace_->mu);
+  trace_->add({trace_->lane_of(lane), name, begin, end, bytes, true});
+}
+
+std::string Counters::trace_json() const {
+  std::ostringstream out;
+  auto us = [&](Clock::time_point t) { return std::chrono::duration<double, std::micro>(t - start_).count(); };
+  auto quoted = [](const std::string& s) { return nlohmann::json(s).dump(); };
+  out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+  out << R"({"ph":"M","pid":1,"name":"process_name","args":{"name":"tier"}})";
+  std::vector<TraceEvent> events;
+  std::vector<std::string> lanes;
+  std::uint64_t dropped = 0;
+  if (trace_) {
+    std::lock_guard<std::mutex> lock(trace_->mu);
+    events = trace_->events;
+    lanes = trace_->lanes;
+    dropped = trace_->dropped;
+  }
+  for (int i = 0; i < kNumLinks; ++i) {
+    out << ",\n"
+        << R"({"ph":"M","pid":1,"tid":)" << i << R"(,"name":"thread_name","args":{"name":)"
+        << quoted(str("link ", link_name(static_cast<Link>(i)))) << "}}";
+  }
+  for (std::size_t i = 0; i < lanes.size(); ++i) {
+    out << ",\n"
+        << R"({"ph":"M","pid":1,"tid":)" << kNumLinks + i << R"(,"name":"thread_name","args":{"name":)"
+        << quoted(lanes[i]) << "}}";
+  }
+  char num[64];
+  for (const TraceEvent& e : events) {
+    const double ts = us(e.begin);
+    const double dur = std::max(0.0, us(e.end) - ts);
+    out << ",\n{\"ph\":\"X\",\"pid\":1,\"tid\":" << e.lane << ",\"name\":" << quoted(e.name);
+    std::snprintf(num, sizeof num, ",\"ts\":%.3f,\"dur\":%.3f", ts, dur);
+    out << num << ",\"cat\":\"" << (e.lane < kNumLinks ? "transfer" : "span") << "\",\"args\":{";
+    out << "\"bytes\":" << e.bytes;
+    if (e.lane < kNumLinks && dur > 0) {
+      std::snprintf(num, sizeof num, ",\"gbps\":%.3f", static_cast<double>(e.bytes) / (dur * 1e3));
+      out << num;
+    }
+    if (!e.ok) out << ",\"failed\":true";
+    out << "}}";
+  }
+  out << "\n],\"otherData\":{\"events\":" << events.size() << ",\"dropped_events\":" << dropped << "}}\n";
+  return out.str();
+}
+
+Status Counters::write_trace(const std::string& path) const {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return errno_status(errno, str("trace: cannot create ", tmp));
+    f << trace_json();
+    f.flush();
+    if (!f) return errno_status(errno ? errno : EIO, str("trace: writing ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    return errno_status(err, str("trace: renaming ", tmp, " to ", path));
+  }
+  return Status::Ok();
 }
 
 void Counters::set_info(const std::string& key, const std::string& value) {

@@ -148,12 +148,21 @@ Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
     } else {
       done = state_->cv.wait_for(lock, timeout, [&] { return state_->done; });
     }
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    const double waited = std::chrono::duration<double>(t1 - t0).count();
     if (state_->link) {
       state_->link->with([&](Engine::Impl& e) {
-        std::lock_guard<std::mutex> g(e.stall_mu);
-        ++e.m_stalls;
-        e.m_stall_seconds += waited;
+        {
+          std::lock_guard<std::mutex> g(e.stall_mu);
+          ++e.m_stalls;
+          e.m_stall_seconds += waited;
+        }
+        if (e.counters->tracing()) {
+          const std::string what =
+              state_->lease ? str("stall on tensor ", state_->lease->tensor, " (", tier_name(state_->lease->tier), ")")
+                            : std::string("stall");
+          e.counters->trace_span("stalls", what, t0, t1);
+        }
       });
     }
     if (!done) return timed_out(str("acquire still pending after ", timeout.count(), " ms"));
@@ -934,7 +943,15 @@ Status Engine::Impl::check_invariants_locked() const {
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  if (!impl_ || impl_->cfg.tier.trace_file.empty()) return;
+  const std::string& path = impl_->cfg.tier.trace_file;
+  if (Status s = impl_->counters->write_trace(path); !s.ok()) {
+    TIER_LOG(kError, "engine: the timeline (tier.trace_file) could not be written: ", s.to_string());
+  } else {
+    TIER_LOG(kInfo, "engine: timeline written to ", path, " (open it in ui.perfetto.dev or chrome://tracing)");
+  }
+}
 
 Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, const void* initial) {
   TIER_RETURN_IF_ERROR(desc.validate());

@@ -182,6 +182,7 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
   TIER_RETURN_IF_ERROR(config.validate());
   set_log_level(config.tier.log_level);
   auto counters = std::make_shared<Counters>();
+  if (!config.tier.trace_file.empty()) counters->start_trace();
   auto owned = std::make_shared<Owned>();
   detail::Backends b;
 

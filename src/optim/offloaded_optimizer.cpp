@@ -727,6 +727,8 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
       c->set_metric("optim.update_wait_seconds", r.update_wait_seconds);
       c->set_metric("optim.grad_norm", r.grad_norm);
       c->set_metric("optim.loss_scale", r.next_loss_scale);
+      c->trace_span("optimizer", str("optimizer step ", r.step, r.applied ? "" : " (skipped)"), t0, Clock::now(),
+                    r.read.bytes + r.write.bytes);
     }
   };
 

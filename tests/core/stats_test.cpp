@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <fstream>
+#include <map>
 #include <thread>
+#include <vector>
 
 namespace tier {
 namespace {
@@ -104,6 +107,94 @@ TEST(StatsSnapshot, JsonHasEveryTierLinkInfoAndMetric) {
   EXPECT_EQ(j["links"]["host_to_device"]["bytes"], 1 << 20);
   EXPECT_EQ(j["info"]["device"], "emulated");
   EXPECT_DOUBLE_EQ(j["metrics"]["prefetch.stall_seconds"].get<double>(), 0.25);
+}
+
+}  // namespace
+}  // namespace tier
+
+namespace tier {
+namespace {
+
+// The timeline: every transfer between start_trace and now, on its link's lane with its bytes,
+// spans on named lanes, a cap with a count of what it dropped, valid Chrome trace JSON.
+TEST(CountersTrace, RecordsTransfersAndSpansAsChromeTraceEvents) {
+  Counters c;
+  {
+    auto before = c.begin(Link::kNvmeToHost);
+    before.finish(7);  // before start_trace: counted, not traced
+  }
+  c.start_trace(4);
+  auto t = c.begin(Link::kNvmeToHost);
+  auto u = c.begin(Link::kHostToDevice);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  t.finish(4096);
+  u.finish(100, false);
+  const auto t0 = std::chrono::steady_clock::now();
+  c.trace_span("compute", "forward", t0, t0 + std::chrono::milliseconds(3));
+  c.trace_span("compute", "backward \"quoted\"", t0 + std::chrono::milliseconds(3), t0 + std::chrono::milliseconds(9));
+  c.trace_span("stalls", "dropped: over the cap", t0, t0);
+
+  const auto j = nlohmann::json::parse(c.trace_json());
+  std::map<int, std::string> lanes;
+  std::vector<nlohmann::json> spans;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") lanes[e["tid"].get<int>()] = e["args"]["name"];
+    if (e["ph"] == "X") spans.push_back(e);
+  }
+  ASSERT_EQ(spans.size(), 4u);
+  EXPECT_EQ(j["otherData"]["dropped_events"], 1);
+  EXPECT_EQ(lanes.at(spans[0]["tid"].get<int>()), str("link ", link_name(Link::kNvmeToHost)));
+  EXPECT_EQ(spans[0]["args"]["bytes"], 4096);
+  EXPECT_GE(spans[0]["dur"].get<double>(), 2000.0);  // microseconds: it was in flight for 2 ms
+  EXPECT_EQ(spans[1]["args"]["failed"], true);
+  EXPECT_EQ(lanes.at(spans[2]["tid"].get<int>()), "compute");
+  EXPECT_EQ(spans[2]["name"], "forward");
+  EXPECT_NEAR(spans[2]["dur"].get<double>(), 3000.0, 1.0);
+  EXPECT_EQ(spans[3]["name"], "backward \"quoted\"");
+  EXPECT_EQ(spans[3]["tid"], spans[2]["tid"]);
+  EXPECT_NEAR(spans[3]["ts"].get<double>() - spans[2]["ts"].get<double>(), 3000.0, 1.0);
+  // The counters are unaffected by tracing.
+  EXPECT_EQ(c.snapshot().link(Link::kNvmeToHost).bytes, 4096u + 7u);
+}
+
+TEST(CountersTrace, OffByDefaultAndWrittenAtomically) {
+  Counters c;
+  EXPECT_FALSE(c.tracing());
+  c.begin(Link::kHostToNvme).finish(1);
+  c.trace_span("compute", "ignored", std::chrono::steady_clock::now(), std::chrono::steady_clock::now());
+  auto j = nlohmann::json::parse(c.trace_json());
+  for (const auto& e : j["traceEvents"]) EXPECT_NE(e["ph"], "X");
+  const std::string path = testing::TempDir() + "tier-trace-test.json";
+  ASSERT_TRUE(c.write_trace(path).ok());
+  std::ifstream f(path);
+  const auto written = nlohmann::json::parse(f, nullptr, false);
+  EXPECT_FALSE(written.is_discarded());
+  EXPECT_TRUE(written.contains("traceEvents"));
+  const Status bad = c.write_trace("/nonexistent-dir/x/trace.json");
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("/nonexistent-dir/x/trace.json.tmp"), std::string::npos) << bad;
+}
+
+}  // namespace
+}  // namespace tier
+
+namespace tier {
+namespace {
+
+TEST(CountersTrace, TransfersRecordedElsewhereAreOnTheTimelineToo) {
+  Counters c;
+  c.start_trace();
+  c.record(Link::kDeviceToHost, 1234, 0.002);
+  const auto j = nlohmann::json::parse(c.trace_json());
+  int found = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    ++found;
+    EXPECT_EQ(e["tid"], static_cast<int>(Link::kDeviceToHost));
+    EXPECT_EQ(e["args"]["bytes"], 1234);
+    EXPECT_NEAR(e["dur"].get<double>(), 2000.0, 1.0);
+  }
+  EXPECT_EQ(found, 1);
 }
 
 }  // namespace

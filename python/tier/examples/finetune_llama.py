@@ -187,6 +187,8 @@ def main(argv=None):
     p.add_argument("--config", help="a DeepSpeed-format JSON config instead of the built-in one")
     p.add_argument("--corpus", default="docs", help="folder of Markdown files to train on (default: ./docs)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--trace", metavar="FILE", help="write the run's timeline (transfers per link, stalls, "
+                   "forward/backward/optimizer spans) to FILE as Chrome trace JSON (ui.perfetto.dev)")
     args = p.parse_args(argv)
     if args.preset:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
@@ -207,6 +209,10 @@ def run(args, swap_dir):
     shape = model_shape(args)
     n_params = shape[0]
     config = args.config or default_config(args, shape)
+    if args.trace:
+        if isinstance(config, str):
+            raise SystemExit("--trace with --config: set \"tier\": {\"trace_file\": ...} in the config instead")
+        config.setdefault("tier", {})["trace_file"] = os.path.abspath(args.trace)
     model = make_model(args, config)
     engine, *_ = tier.torch.initialize(model, config)
     s0 = engine.stats()

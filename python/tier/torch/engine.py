@@ -807,8 +807,24 @@ class TierEngine(torch.nn.Module):
             staging.drain()
 
     # ------------------------------------------------------------------ the training loop
+    def _span(self, name, t0_ns):
+        """A compute span on the timeline (tier.trace_file or start_trace), from t0_ns to now."""
+        if self.native.tracing:
+            self.native.trace_span("compute", name, t0_ns, time.monotonic_ns())
+
+    def start_trace(self, max_events=1_000_000):
+        """Starts recording the timeline (as ``"tier": {"trace_file": ...}`` does from the start):
+        each transfer per link, stalls, forward/backward/optimizer spans."""
+        self.native.start_trace(max_events)
+
+    def save_trace(self, path):
+        """Writes the timeline recorded so far as Chrome trace-event JSON (open it in
+        ui.perfetto.dev or chrome://tracing); recording goes on."""
+        self.native.write_trace(os.fspath(path))
+
     def forward(self, *args, **kwargs):
         t0 = time.perf_counter()
+        t0_ns = time.monotonic_ns()
         if not self._in_step and torch.is_grad_enabled():
             # One micro-step (forward + backward) is one step of the access trace.
             self.native.begin_step()
@@ -816,6 +832,7 @@ class TierEngine(torch.nn.Module):
         with _linear.patched_linear():
             out = self.module(*args, **kwargs)
         self._timers["forward"] += time.perf_counter() - t0
+        self._span("forward", t0_ns)
         return out
 
     def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False, scale_wrt_gas=True):
@@ -823,6 +840,7 @@ class TierEngine(torch.nn.Module):
         ``scale_wrt_gas=False`` the loss is not divided. ``allreduce_gradients`` and
         ``release_loss`` are DeepSpeed's and moot in one process."""
         t0 = time.perf_counter()
+        t0_ns = time.monotonic_ns()
         scaled = loss
         if scale_wrt_gas and self._gas > 1:
             scaled = scaled / self._gas
@@ -840,6 +858,7 @@ class TierEngine(torch.nn.Module):
             self.native.end_step()
             self._in_step = False
         self._timers["backward"] += time.perf_counter() - t0
+        self._span("backward", t0_ns)
         return loss
 
     def is_gradient_accumulation_boundary(self):
@@ -866,6 +885,7 @@ class TierEngine(torch.nn.Module):
         if not boundary:
             return None
         t0 = time.perf_counter()
+        t0_ns = time.monotonic_ns()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
         self._grads.flush(self.optimizer)
         self._apply_lr()
@@ -894,6 +914,7 @@ class TierEngine(torch.nn.Module):
         else:
             self.skipped_steps += 1
         self._timers["step"] += time.perf_counter() - t0
+        self._span("step", t0_ns)
         return report
 
     def zero_grad(self, set_to_none=True):
