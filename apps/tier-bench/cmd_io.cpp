@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
+#include "io_bench.hpp"
 #include "tier/ext/host_arena.hpp"
 #include "tier/stats.hpp"
 #include "tier/ext/swap_space.hpp"
@@ -37,46 +38,6 @@ using nvme::IoFuture;
 using nvme::SwapExtent;
 using nvme::SwapSpace;
 using nvme::SwapSpaceOptions;
-
-struct IoBenchSpec {
-  std::vector<std::string> paths;
-  std::uint64_t size = 1ull << 30;
-  std::uint64_t block_size = 1 << 20;
-  unsigned queue_depth = 32;
-  unsigned parallelism = 1;
-  IoEngineKind engine = IoEngineKind::kAuto;
-  bool write = false;
-  bool direct = true;
-  bool sqpoll = false;
-  bool fixed_buffers = true;
-  bool single_submit = false;
-  bool heap_buffers = false;  // ordinary 4 KiB-page buffers instead of the arena (a reference)
-  bool prefill = true;
-  HugePageMode huge_pages = HugePageMode::kAuto;
-  unsigned tensors = 0;  // > 0: tensor mode
-  std::uint64_t min_tensor = 64 << 10;
-  std::uint64_t max_tensor = 4 << 20;
-  std::uint64_t seed = 1;
-  std::string device;   // /proc/diskstats name; empty: the device holding the first path
-  unsigned passes = 1;  // timed passes; the median is reported
-  bool progress = true;
-};
-
-struct IoBenchResult {
-  std::string engine;
-  std::uint64_t bytes = 0;      // per pass
-  double seconds = 0;           // mean per pass
-  double bytes_per_second = 0;  // the median pass
-  std::vector<double> passes;   // bytes per second of each pass
-  std::string device;
-  double avg_request_bytes = 0;  // 0 when unknown
-  std::uint64_t device_requests = 0;
-  bool direct = false;
-  bool fixed_buffers = false;
-  double huge_page_fraction = 0;
-  std::uint64_t requests = 0;
-  std::uint64_t submit_calls = 0;
-};
 
 // ------------------------------------------------------------------ /proc/diskstats
 
@@ -271,6 +232,8 @@ Status stream(SwapSpace& sp, const SwapExtent& e, std::byte* buf, std::uint64_t 
   return st->run(window, progress);
 }
 
+}  // namespace
+
 Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
   if (spec.paths.empty()) return invalid_argument("--path: give the directory to test (on the SSD)");
   if (spec.block_size % 4096 != 0 || spec.block_size == 0 || spec.block_size > (1u << 30)) {
@@ -417,6 +380,8 @@ Result<IoEngineKind> parse_engine(const std::string& s) {
   if (s == "posix") return IoEngineKind::kPosix;
   return invalid_argument(str("--engine '", s, "' is not one of auto|uring|aio|posix"));
 }
+
+namespace {
 
 int run_io(Args& args) {
   IoBenchSpec spec;
