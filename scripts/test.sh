@@ -30,5 +30,7 @@ TSAN_OPTIONS="halt_on_error=1:history_size=7:suppressions=$PWD/tests/tsan.supp" 
 # The Python package as users get it: `pip install .` from the repo root, then its tests, run from
 # outside the source tree so that the installed package is the one imported.
 .venv/bin/python -m pip install -q --disable-pip-version-check .
-(cd tests/python && ../../.venv/bin/python -m pytest -q -p no:cacheprovider .)
+# tier-bench is not part of the Python package: the tests that run it (config --check, plan) use
+# the release build's.
+(cd tests/python && TIER_BENCH="$PWD/../../build/bin/tier-bench" ../../.venv/bin/python -m pytest -q -p no:cacheprovider .)
 echo "test.sh: every test passed in $(( $(date +%s) - start )) s"

@@ -1,0 +1,97 @@
+"""`tier-bench plan`: the parameter count it derives from a config.json is the one transformers
+builds (seven families), its memory table is consistent with the limits it is given, and the
+config it recommends is one tier accepts."""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_configs import tier_bench  # noqa: E402
+
+BENCH = tier_bench()
+if BENCH is None:
+    pytest.fail("tier-bench not found: set TIER_BENCH (scripts/test.sh does)", pytrace=False)
+
+SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL, intermediate_size=172, num_key_value_heads=2),
+    "llama_tied_bias": lambda: transformers.LlamaConfig(
+        **SMALL, intermediate_size=96, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
+    ),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=128, num_key_value_heads=1),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=128, num_key_value_heads=2),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=128, num_key_value_heads=2, head_dim=32),
+    "gemma": lambda: transformers.GemmaConfig(**SMALL, intermediate_size=128, num_key_value_heads=1, head_dim=16),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**SMALL, intermediate_size=256),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4, n_positions=128),
+}
+
+
+def plan(*args, check=True):
+    r = subprocess.run([BENCH, "plan", *map(str, args), "--json"], capture_output=True, text=True, timeout=120)
+    if check:
+        assert r.returncode in (0, 3), r.stderr
+        return json.loads(r.stdout)
+    return r
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parameter_count_is_what_transformers_builds(name, tmp_path):
+    cfg = CONFIGS[name]()
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    expected = sum(p.numel() for p in model.parameters())  # tied weights once
+    got = plan("--model", tmp_path, "--nvme-size", "1T")
+    assert got["parameters"] == expected, (name, got["parameters"], expected)
+    assert got["model_type"] == cfg.model_type
+
+
+def test_memory_table_follows_the_limits_and_the_config_is_accepted(tmp_path):
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32
+    )
+    cfg.save_pretrained(tmp_path / "llama7b")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "recommended.json"
+    got = plan("--model", tmp_path / "llama7b", "--gpu", "24G", "--host", "64G", "--nvme", nvme, "--nvme-size", "2T",
+               "--seq", 1024, "--write-config", out, "--compute-tflops", 100)
+    n = got["parameters"]
+    assert 6.7e9 < n < 6.8e9  # Llama-2-7B
+    by = {c["name"]: c for c in got["choices"]}
+    gpu = by["all on the GPU"]
+    assert gpu["device_bytes"] > 16 * n and not gpu["fits"] and "device" in gpu["why_not"]
+    host = by["optimizer in host memory"]
+    assert host["host_bytes"] >= 12 * n  # fp32 master and moments
+    assert not host["fits"]  # 4 B/param of bf16 params+grads alone (27 GB) exceed 24 GiB
+    nv = by["params + optimizer on NVMe"]
+    assert nv["nvme_bytes"] >= 28 * n and nv["fits"] and nv["device_bytes"] < 24 * 2**30
+    for c in got["choices"]:
+        assert c["fits"] == (c["device_bytes"] <= 24 * 2**30 and c["host_bytes"] <= 64 * 2**30
+                             and c["nvme_bytes"] <= 2 * 2**40)
+        assert c["step_seconds"] == pytest.approx(c["forward_backward_seconds"] + c["optimizer_seconds"])
+        assert c["forward_backward_seconds"] >= 6 * n * 1024 / 100e12 * 0.999  # compute is counted
+    fitting = [c for c in got["choices"] if c["fits"]]
+    assert got["recommended"] == min(fitting, key=lambda c: c["step_seconds"])["name"]
+    written = json.loads(out.read_text())
+    assert written["zero_optimization"]["offload_param"]["device"] == by[got["recommended"]]["offload_param"]
+    r = subprocess.run([BENCH, "config", "--check", str(out), "--strict"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bad_input_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    r = plan("--model", tmp_path, check=False)
+    assert r.returncode == 2 and "model_type 'mamba'" in r.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    r = plan("--model", tmp_path, check=False)
+    assert r.returncode == 2 and "'vocab_size' is missing" in r.stderr
+    r = plan("--model", tmp_path / "nowhere", check=False)
+    assert r.returncode == 2 and "cannot read" in r.stderr
