@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "tier/cpu_kernels.hpp"
+#include "tier/state_codec.hpp"
 #include "tier/status.hpp"
 
 namespace tier::cpu {
@@ -152,18 +153,27 @@ class AdamGroup {
 };
 
 // The tensors of one update; all have the same numel. `params`: fp32 (or bf16), updated in
-// place. `exp_avg`, `exp_avg_sq`: fp32, updated in place. `grads`: fp32, fp16 or bf16, read.
-// `out`: optional (data == nullptr for none), fp16 or bf16 (or fp32), receives the updated
-// params. Buffers must not overlap and must be aligned to their element size.
+// place. `exp_avg`, `exp_avg_sq`: the optimizer state, updated in place, in one of the families of
+// state_codec.hpp: both fp32, both bf16, or exp_avg kI8 with exp_avg_sq kU8 and their block
+// scales. `grads`: fp32, fp16 or bf16, read. `out`: optional (data == nullptr for none), fp16 or
+// bf16 (or fp32), receives the updated params. Buffers must not overlap and must be aligned to
+// their element size.
 struct AdamTensors {
   TensorRef params;
   TensorRef exp_avg;
   TensorRef exp_avg_sq;
   ConstTensorRef grads;
   TensorRef out;
+  // int8 state only (null otherwise): one fp32 scale per kStateBlock (256) elements of exp_avg
+  // and of exp_avg_sq, ceil(numel / 256) each, read and rewritten by the update. Block b covers
+  // elements [256b, 256b + 256) of this range: a chunk must start on a block boundary of the
+  // tensor, and only the tensor's last chunk may end inside a block.
+  float* exp_avg_scales = nullptr;
+  float* exp_avg_sq_scales = nullptr;
 };
 
-// Checks dtypes, lengths, alignment and overlap; the update functions call it.
+// Checks dtypes (state: one family), lengths, alignment, scales and overlap; the update functions
+// call it. kInvalidArgument naming the tensor or field.
 Status validate(const AdamTensors& t);
 
 // Updates one contiguous chunk on the calling thread with the step's kind (for pipelines that run it beside I/O).
