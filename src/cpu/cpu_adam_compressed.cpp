@@ -219,16 +219,18 @@ struct Moment {
   bool is_sq;    // exp_avg_sq (v) rather than exp_avg (m)
 };
 
-// Widens `len` elements of a moment into x[0, kBlock), zeros after len.
+// Widens `len` elements of a moment into x[0, kBlock), zeros after len. A whole block is read in
+// place; a partial one (a tensor's last) through a zero-padded copy.
 void DecodeBlock(int family, const Moment& mo, std::size_t len, float* x) {
   if (family == kFamilyBF16) {
+    if (len == kBlock) return DecodeBlockBF16(static_cast<const std::uint16_t*>(mo.data), x);
     HWY_ALIGN std::uint16_t h[kBlock] = {};
     std::memcpy(h, mo.data, len * sizeof(std::uint16_t));
-    DecodeBlockBF16(h, x);
-    return;
+    return DecodeBlockBF16(h, x);
   }
-  HWY_ALIGN std::uint8_t q[kBlock] = {};
-  std::memcpy(q, mo.data, len);
+  HWY_ALIGN std::uint8_t pad[kBlock] = {};
+  const std::uint8_t* q = static_cast<const std::uint8_t*>(mo.data);
+  if (len != kBlock) q = static_cast<const std::uint8_t*>(std::memcpy(pad, mo.data, len));
   if (mo.is_sq) {
     DecodeBlockV8(q, *mo.scale, x);
   } else {
@@ -239,14 +241,16 @@ void DecodeBlock(int family, const Moment& mo, std::size_t len, float* x) {
 // Narrows x[0, len) (zeros after len) into the moment's `len` elements and its scale.
 void EncodeBlock(int family, const float* x, std::size_t len, const Moment& mo) {
   if (family == kFamilyBF16) {
+    if (len == kBlock) return EncodeBlockBF16(x, static_cast<std::uint16_t*>(mo.data));
     HWY_ALIGN std::uint16_t h[kBlock];
     EncodeBlockBF16(x, h);
     std::memcpy(mo.data, h, len * sizeof(std::uint16_t));
     return;
   }
-  HWY_ALIGN std::uint8_t q[kBlock];
+  HWY_ALIGN std::uint8_t pad[kBlock];
+  std::uint8_t* q = len == kBlock ? static_cast<std::uint8_t*>(mo.data) : pad;
   *mo.scale = mo.is_sq ? EncodeBlockV8(x, q) : EncodeBlockM8(x, reinterpret_cast<std::int8_t*>(q));
-  std::memcpy(mo.data, q, len);
+  if (len != kBlock) std::memcpy(mo.data, pad, len);
 }
 
 std::size_t StateElemBytes(int family) {
@@ -255,6 +259,10 @@ std::size_t StateElemBytes(int family) {
 
 // ---------------------------------------------------------------------------------------------
 // Entry points (one per target, dispatched from the HWY_ONCE part below).
+
+// Blocks widened at a time: the fp32 kernel runs on kStage * kBlock elements per call (16 KiB of
+// scratch for m and v, well inside L1), which amortizes its dispatch.
+constexpr std::size_t kStage = 8;
 
 // The update over `n` elements from a block boundary; the last block may be partial.
 void CompressedAdam(int family, int pk, int gk, int ok, const AdamStep::Constants& c, const StatePtrs& a,
@@ -265,27 +273,28 @@ void CompressedAdam(int family, int pk, int gk, int ok, const AdamStep::Constant
   const std::size_t pes = ElemBytes(pk == 2 ? Kind::kBF16 : Kind::kF32);
   const std::size_t ges = ElemBytes(static_cast<Kind>(gk));
   const std::size_t oes = ok == 3 ? 0 : ElemBytes(static_cast<Kind>(ok));
-  HWY_ALIGN float m[kBlock];
-  HWY_ALIGN float v[kBlock];
-  for (std::size_t at = 0, b = 0; at < n; at += kBlock, ++b) {
-    const std::size_t len = std::min(kBlock, n - at);
-    const Moment mm{static_cast<std::uint8_t*>(a.m) + at * es, a.m_scales ? a.m_scales + b : nullptr, false};
-    const Moment mv{static_cast<std::uint8_t*>(a.v) + at * es, a.v_scales ? a.v_scales + b : nullptr, true};
-    if (use_m) {
-      DecodeBlock(family, mm, len, m);
-    } else {
-      std::memset(m, 0, sizeof(m));
-    }
-    if (use_v) {
-      DecodeBlock(family, mv, len, v);
-    } else {
-      std::memset(v, 0, sizeof(v));
+  HWY_ALIGN float m[kStage * kBlock];
+  HWY_ALIGN float v[kStage * kBlock];
+  if (!use_m) std::memset(m, 0, sizeof(m));  // read by the kernel, never stored
+  if (!use_v) std::memset(v, 0, sizeof(v));
+  auto moment = [&](void* base, float* scales, std::size_t at, bool is_sq) {
+    return Moment{static_cast<std::uint8_t*>(base) + at * es, scales ? scales + at / kBlock : nullptr, is_sq};
+  };
+  for (std::size_t at = 0; at < n; at += kStage * kBlock) {
+    const std::size_t len = std::min(kStage * kBlock, n - at);
+    for (std::size_t j = 0; j * kBlock < len; ++j) {
+      const std::size_t b = at + j * kBlock, blen = std::min(kBlock, len - j * kBlock);
+      if (use_m) DecodeBlock(family, moment(a.m, a.m_scales, b, false), blen, m + j * kBlock);
+      if (use_v) DecodeBlock(family, moment(a.v, a.v_scales, b, true), blen, v + j * kBlock);
     }
     const AdamPtrs p{static_cast<std::uint8_t*>(a.p) + at * pes, m, v, static_cast<const std::uint8_t*>(a.g) + at * ges,
                      a.out ? static_cast<std::uint8_t*>(a.out) + at * oes : nullptr};
     detail::adam_fp32_kernel(pk, gk, ok, c, p, len);
-    if (use_m) EncodeBlock(family, m, len, mm);
-    if (use_v) EncodeBlock(family, v, len, mv);
+    for (std::size_t j = 0; j * kBlock < len; ++j) {
+      const std::size_t b = at + j * kBlock, blen = std::min(kBlock, len - j * kBlock);
+      if (use_m) EncodeBlock(family, m + j * kBlock, blen, moment(a.m, a.m_scales, b, false));
+      if (use_v) EncodeBlock(family, v + j * kBlock, blen, moment(a.v, a.v_scales, b, true));
+    }
   }
 }
 
