@@ -1,5 +1,6 @@
 // tier/cpu_adam.hpp — Adam and AdamW (and Adagrad, Lion, Lamb) on the CPU over fp32 master
-// parameters and fp32 optimizer state, the update ZeRO-Offload runs on the host.
+// parameters and fp32 (or compressed: bf16, block int8) optimizer state, the update ZeRO-Offload
+// runs on the host.
 //
 // Gradients may be fp32, fp16 or bf16; params fp32 (bf16 is accepted too, updated in fp32
 // arithmetic and rounded back). The updated params can be written, in the same pass, as fp16 or
@@ -43,6 +44,20 @@
 //   lamb_update() does both over a parameter held in one buffer. The squared norms are summed in
 //   fp64 into fixed (block, lane) slots in element order, so they too are independent of chunking
 //   and thread count.
+//
+// Compressed state (formats, sizes and error bounds in state_codec.hpp). exp_avg and exp_avg_sq
+// may instead be both bf16, or exp_avg int8 and exp_avg_sq uint8 with one fp32 scale per block of
+// 256 elements each (AdamTensors::exp_avg_scales, exp_avg_sq_scales). The update then reads the
+// compressed bytes, widens each block to fp32, runs exactly the fp32 arithmetic above on it (so
+// the step uses the fresh fp32 moments, not their rounded copies), and stores the new moments
+// compressed: bf16 rounded to nearest-even; int8 re-quantized with a fresh scale per block.
+// Adam/AdamW (both decay modes, bias correction on or off), Adagrad and Lion take every grad,
+// param and `out` dtype they take with fp32 state; an unused moment (Adagrad's exp_avg, Lion's
+// exp_avg_sq) is left untouched. Lamb with compressed state returns kUnsupported for now (its norms
+// pass reads fp32 state), as does adam_roofline_pass. Determinism: a block is always handled
+// whole, so adam_update splits the range only at block boundaries, and any thread count and any
+// chunking whose chunks start on a block boundary (only the last may end inside one) give
+// bit-identical results for a given SIMD target.
 //
 // Thread safety: AdamStep is an immutable value; the update functions may run concurrently on
 // disjoint tensors. AdamGroup is not thread-safe (one owner advances it).
