@@ -44,9 +44,8 @@ using detail::AdamPtrs;
 using detail::StatePtrs;
 
 constexpr std::size_t kBlock = kStateBlock;
-// Families as ints for the dispatch tables (StateDType's values).
+// Families as ints for the dispatch tables (StateDType's values): bf16, else int8.
 constexpr int kFamilyBF16 = 1;
-constexpr int kFamilyInt8 = 2;
 
 using detail::kMagic32Bits;
 using detail::kMagic64Bits;
