@@ -38,8 +38,9 @@
 //   Decoded values are held at FLT_MAX (s'^2 or value * scale could round a hair past the block's
 //   largest input, and near FLT_MAX into an infinity).
 //   A block of zeros has scale 0 and decodes to exact zeros (nothing is divided by the scale).
-//   The scale is finite for finite input. A block holding an infinity or a NaN (an fp16 overflow
-//   the caller did not skip) gets a NaN scale: the whole block decodes to NaN, so it is noticed.
+//   The scale is finite for finite input. In the update, a block holding an infinity or a NaN (an
+//   fp16 overflow whose step the caller did not skip) gets a NaN scale: the whole block decodes to
+//   NaN, so it is noticed (encode_state refuses such input instead).
 //
 // Thread safety: pure functions over caller-owned buffers; safe from any thread on disjoint data.
 #pragma once
