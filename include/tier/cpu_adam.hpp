@@ -1,5 +1,6 @@
 // tier/cpu_adam.hpp — Adam and AdamW (and Adagrad, Lion, Lamb) on the CPU over fp32 master
-// parameters and fp32 optimizer state, the update ZeRO-Offload runs on the host.
+// parameters and fp32 (or compressed: bf16, block int8) optimizer state, the update ZeRO-Offload
+// runs on the host.
 //
 // Gradients may be fp32, fp16 or bf16; params fp32 (bf16 is accepted too, updated in fp32
 // arithmetic and rounded back). The updated params can be written, in the same pass, as fp16 or
@@ -44,6 +45,20 @@
 //   fp64 into fixed (block, lane) slots in element order, so they too are independent of chunking
 //   and thread count.
 //
+// Compressed state (formats, sizes and error bounds in state_codec.hpp). exp_avg and exp_avg_sq
+// may instead be both bf16, or exp_avg int8 and exp_avg_sq uint8 with one fp32 scale per block of
+// 256 elements each (AdamTensors::exp_avg_scales, exp_avg_sq_scales). The update then reads the
+// compressed bytes, widens each block to fp32, runs exactly the fp32 arithmetic above on it (so
+// the step uses the fresh fp32 moments, not their rounded copies), and stores the new moments
+// compressed: bf16 rounded to nearest-even; int8 re-quantized with a fresh scale per block.
+// Adam/AdamW (both decay modes, bias correction on or off), Adagrad and Lion take every grad,
+// param and `out` dtype they take with fp32 state; an unused moment (Adagrad's exp_avg, Lion's
+// exp_avg_sq) is left untouched. Lamb with compressed state returns kUnsupported for now (its norms
+// pass reads fp32 state), as does adam_roofline_pass. Determinism: a block is always handled
+// whole, so adam_update splits the range only at block boundaries, and any thread count and any
+// chunking whose chunks start on a block boundary (only the last may end inside one) give
+// bit-identical results for a given SIMD target.
+//
 // Thread safety: AdamStep is an immutable value; the update functions may run concurrently on
 // disjoint tensors. AdamGroup is not thread-safe (one owner advances it).
 #pragma once
@@ -52,6 +67,7 @@
 #include <vector>
 
 #include "tier/cpu_kernels.hpp"
+#include "tier/state_codec.hpp"
 #include "tier/status.hpp"
 
 namespace tier::cpu {
@@ -152,18 +168,27 @@ class AdamGroup {
 };
 
 // The tensors of one update; all have the same numel. `params`: fp32 (or bf16), updated in
-// place. `exp_avg`, `exp_avg_sq`: fp32, updated in place. `grads`: fp32, fp16 or bf16, read.
-// `out`: optional (data == nullptr for none), fp16 or bf16 (or fp32), receives the updated
-// params. Buffers must not overlap and must be aligned to their element size.
+// place. `exp_avg`, `exp_avg_sq`: the optimizer state, updated in place, in one of the families of
+// state_codec.hpp: both fp32, both bf16, or exp_avg kI8 with exp_avg_sq kU8 and their block
+// scales. `grads`: fp32, fp16 or bf16, read. `out`: optional (data == nullptr for none), fp16 or
+// bf16 (or fp32), receives the updated params. Buffers must not overlap and must be aligned to
+// their element size.
 struct AdamTensors {
   TensorRef params;
   TensorRef exp_avg;
   TensorRef exp_avg_sq;
   ConstTensorRef grads;
   TensorRef out;
+  // int8 state only (null otherwise): one fp32 scale per kStateBlock (256) elements of exp_avg
+  // and of exp_avg_sq, ceil(numel / 256) each, read and rewritten by the update. Block b covers
+  // elements [256b, 256b + 256) of this range: a chunk must start on a block boundary of the
+  // tensor, and only the tensor's last chunk may end inside a block.
+  float* exp_avg_scales = nullptr;
+  float* exp_avg_sq_scales = nullptr;
 };
 
-// Checks dtypes, lengths, alignment and overlap; the update functions call it.
+// Checks dtypes (state: one family), lengths, alignment, scales and overlap; the update functions
+// call it. kInvalidArgument naming the tensor or field.
 Status validate(const AdamTensors& t);
 
 // Updates one contiguous chunk on the calling thread with the step's kind (for pipelines that run it beside I/O).

@@ -2,19 +2,7 @@
 // roofline kernel with the same memory pattern.
 #include "tier/cpu_adam.hpp"
 
-#ifndef TIER_CPU_ADAM_PTRS_
-#define TIER_CPU_ADAM_PTRS_
-namespace tier::cpu::detail {
-// The five streams of one update, at the first element of a piece (same type for every target).
-struct AdamPtrs {
-  void* p;
-  float* m;
-  float* v;
-  const void* g;
-  void* out;
-};
-}  // namespace tier::cpu::detail
-#endif
+#include "cpu/cpu_adam_internal.hpp"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/cpu_adam.cpp"
@@ -295,6 +283,13 @@ Status run(const AdamStep* step, const AdamTensors& t, int threads) {
   detail::init_simd_once();
   TIER_RETURN_IF_ERROR(validate(t));
   TIER_ASSIGN_OR_RETURN(const int nthreads, detail::resolve_threads(threads));
+  if (detail::state_family(t) != StateDType::kF32) {
+    if (step == nullptr) {
+      return unsupported(str("adam roofline: ", state_dtype_name(detail::state_family(t)),
+                             " optimizer state is not supported; it measures fp32 state"));
+    }
+    return detail::adam_update_compressed(*step, t, nthreads);
+  }
   const int pk = detail::kind_of(t.params.dtype);
   const int gk = detail::kind_of(t.grads.dtype);
   const int ok = out_kind(t);
@@ -309,6 +304,10 @@ Status run(const AdamStep* step, const AdamTensors& t, int threads) {
 }
 
 }  // namespace
+
+void detail::adam_fp32_kernel(int pk, int gk, int ok, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
+  HWY_DYNAMIC_DISPATCH(Adam)(pk, gk, ok, c, a, n);
+}
 
 Status AdamHyperParams::validate() const {
   TIER_RETURN_IF_ERROR(check_finite(lr, "lr"));
@@ -461,16 +460,13 @@ Result<AdamStep> AdamGroup::begin_step(double grad_scale) {
 
 Status validate(const AdamTensors& t) {
   TIER_RETURN_IF_ERROR(detail::check_tensor(t.params, "adam params"));
-  TIER_RETURN_IF_ERROR(detail::check_tensor(t.exp_avg, "adam exp_avg"));
-  TIER_RETURN_IF_ERROR(detail::check_tensor(t.exp_avg_sq, "adam exp_avg_sq"));
   TIER_RETURN_IF_ERROR(detail::check_tensor(t.grads, "adam grads"));
   if (t.params.dtype != DType::kF32 && t.params.dtype != DType::kBF16) {
     return invalid_argument(
         str("adam params: dtype ", dtype_name(t.params.dtype), " is not supported; use fp32 (or bf16)"));
   }
-  if (t.exp_avg.dtype != DType::kF32 || t.exp_avg_sq.dtype != DType::kF32) {
-    return invalid_argument("adam: exp_avg and exp_avg_sq must be fp32");
-  }
+  // exp_avg / exp_avg_sq: fp32, bf16, or int8 / uint8 with scales (state_codec.hpp).
+  TIER_RETURN_IF_ERROR(detail::check_state(t));
   const std::uint64_t n = t.params.numel;
   auto same = [n](const ConstTensorRef& x, const char* what) -> Status {
     if (x.numel != n) return invalid_argument(str("adam ", what, ": ", x.numel, " elements but params have ", n));
@@ -538,6 +534,10 @@ Status lamb_accumulate_norms(const AdamStep& step, const AdamTensors& t, std::ui
   AdamTensors in = t;
   in.out = TensorRef{};
   TIER_RETURN_IF_ERROR(validate(in));
+  if (detail::state_family(in) != StateDType::kF32) {
+    return unsupported(str("lamb: ", state_dtype_name(detail::state_family(in)),
+                           " optimizer state is not supported yet; use fp32 state"));
+  }
   const std::uint64_t n = in.params.numel;
   if (offset > norms.numel() || n > norms.numel() - offset) {
     return invalid_argument(

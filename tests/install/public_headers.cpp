@@ -8,6 +8,7 @@
 #include "tier/log.hpp"
 #include "tier/loss_scaler.hpp"
 #include "tier/offloaded_optimizer.hpp"
+#include "tier/state_codec.hpp"
 #include "tier/stats.hpp"
 #include "tier/status.hpp"
 #include "tier/types.hpp"
