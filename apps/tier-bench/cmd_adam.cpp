@@ -12,6 +12,7 @@
 
 #include "cli.hpp"
 #include "tier/cpu_adam.hpp"
+#include "tier/state_codec.hpp"
 #include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/units.hpp"
@@ -33,6 +34,9 @@ struct AdamBenchOptions {
   bool heap = false;  // plain heap memory instead of the pinned, huge-page host arena
   bool progress = true;
   cpu::OptimizerKind kind = cpu::OptimizerKind::kAdam;  // --optimizer
+  // --state-dtype: how exp_avg and exp_avg_sq are stored for the timed update. The roofline
+  // always streams fp32 state; its bandwidth is converted to params/s at the compressed byte count.
+  cpu::StateDType state = cpu::StateDType::kF32;
 };
 
 struct AdamBenchResult {
@@ -40,7 +44,8 @@ struct AdamBenchResult {
   double best_params_per_second = 0;
   double roofline_params_per_second = 0;  // median over reps
   double best_roofline_params_per_second = 0;
-  double bytes_per_param = 0;  // bytes moved per parameter (reads + writes)
+  double bytes_per_param = 0;           // bytes moved per parameter (reads + writes) by the timed update
+  double roofline_bytes_per_param = 0;  // by the roofline pass (fp32 state)
   std::string simd;
   int threads = 0;
   std::uint64_t huge_page_bytes = 0;
@@ -60,8 +65,15 @@ class AdamBuffers {
     b.n_ = o.params;
     const std::uint64_t align = HostArena::kHugePage;
     auto round = [&](std::uint64_t bytes) { return (bytes + align - 1) / align * align; };
-    const std::uint64_t sizes[5] = {o.params * dtype_size(o.param), o.params * 4, o.params * 4,
-                                    o.params * dtype_size(o.grad), o.has_out ? o.params * dtype_size(o.out) : 0};
+    const bool packed = o.state != cpu::StateDType::kF32;
+    const DType md = cpu::exp_avg_dtype(o.state), vd = cpu::exp_avg_sq_dtype(o.state);
+    const std::uint64_t sizes[kStreams] = {o.params * dtype_size(o.param),
+                                           o.params * 4,
+                                           o.params * 4,
+                                           o.params * dtype_size(o.grad),
+                                           o.has_out ? o.params * dtype_size(o.out) : 0,
+                                           packed ? o.params * dtype_size(md) : 0,
+                                           packed ? o.params * dtype_size(vd) : 0};
     std::uint64_t total = 0;
     for (auto s : sizes) total += round(s);
     std::byte* base = nullptr;
@@ -75,13 +87,24 @@ class AdamBuffers {
       base = b.block_.data();
     }
     std::uint64_t off = 0;
-    for (int i = 0; i < 5; ++i) {
+    for (int i = 0; i < kStreams; ++i) {
       b.ptr_[i] = base + off;
       off += round(sizes[i]);
     }
     b.t_ = AdamTensors{TensorRef{b.ptr_[0], o.param, o.params}, TensorRef{b.ptr_[1], DType::kF32, o.params},
                        TensorRef{b.ptr_[2], DType::kF32, o.params}, cpu::ConstTensorRef(b.ptr_[3], o.grad, o.params),
                        o.has_out ? TensorRef{b.ptr_[4], o.out, o.params} : TensorRef{}};
+    b.packed_ = b.t_;
+    if (packed) {
+      b.packed_.exp_avg = TensorRef{b.ptr_[5], md, o.params};
+      b.packed_.exp_avg_sq = TensorRef{b.ptr_[6], vd, o.params};
+      const std::uint64_t ns = cpu::state_scale_count(o.state, o.params);
+      b.m_scales_.assign(ns, 0.0f);
+      b.v_scales_.assign(ns, 0.0f);
+      b.packed_.exp_avg_scales = ns ? b.m_scales_.data() : nullptr;
+      b.packed_.exp_avg_sq_scales = ns ? b.v_scales_.data() : nullptr;
+    }
+    b.state_ = o.state;
     return b;
   }
 
@@ -117,10 +140,21 @@ class AdamBuffers {
     }
     for (auto& th : pool) th.join();
     for (const auto& e : errors) TIER_RETURN_IF_ERROR(e);
+    if (state_ != cpu::StateDType::kF32) {
+      // The compressed state holds the same values, encoded.
+      TIER_RETURN_IF_ERROR(cpu::encode_state(cpu::StateMoment::kExpAvg,
+                                             cpu::ConstTensorRef(t_.exp_avg.data, DType::kF32, n_), packed_.exp_avg,
+                                             packed_.exp_avg_scales, threads));
+      TIER_RETURN_IF_ERROR(cpu::encode_state(cpu::StateMoment::kExpAvgSq,
+                                             cpu::ConstTensorRef(t_.exp_avg_sq.data, DType::kF32, n_),
+                                             packed_.exp_avg_sq, packed_.exp_avg_sq_scales, threads));
+    }
     return {};
   }
 
+  // The fp32-state tensors (the roofline's) and those the timed update runs on.
   const AdamTensors& tensors() const { return t_; }
+  const AdamTensors& update_tensors() const { return packed_; }
   const HostArena* arena() const { return arena_.get(); }
 
  private:
@@ -131,8 +165,11 @@ class AdamBuffers {
   std::unique_ptr<HostArena> arena_;
   HostBlock block_;
   std::unique_ptr<std::byte, FreeDeleter> heap_;
-  std::byte* ptr_[5] = {};
-  AdamTensors t_;
+  static constexpr int kStreams = 7;  // p, m, v (fp32), g, out, m, v (compressed)
+  std::byte* ptr_[kStreams] = {};
+  AdamTensors t_, packed_;
+  std::vector<float> m_scales_, v_scales_;
+  cpu::StateDType state_ = cpu::StateDType::kF32;
 };
 
 Result<AdamBenchResult> measure_adam(const AdamBenchOptions& o) {
@@ -150,15 +187,18 @@ Result<AdamBenchResult> measure_adam(const AdamBenchOptions& o) {
     r.huge_page_bytes = s.huge_page_bytes;
     r.locked = s.locked;
   }
-  r.bytes_per_param = 2.0 * dtype_size(o.param) + 8.0 * 2 + dtype_size(o.grad) + (o.has_out ? dtype_size(o.out) : 0);
+  r.roofline_bytes_per_param =
+      2.0 * dtype_size(o.param) + 8.0 * 2 + dtype_size(o.grad) + (o.has_out ? dtype_size(o.out) : 0);
+  // m and v read and written at their stored size (scales included).
+  r.bytes_per_param = r.roofline_bytes_per_param - 16.0 + 2.0 * cpu::state_bytes_per_element(o.state);
 
   cpu::AdamHyperParams hp = cpu::default_hyper_params(o.kind);
   hp.weight_decay = 0.01;
   TIER_ASSIGN_OR_RETURN(auto group, cpu::AdamGroup::create(hp));
   // Lamb: both passes (norms, then the update), as one offloaded step of a parameter makes them.
   auto update = [&](const cpu::AdamStep& st) {
-    return o.kind == cpu::OptimizerKind::kLamb ? cpu::lamb_update(st, buffers.tensors(), threads)
-                                               : cpu::adam_update(st, buffers.tensors(), threads);
+    return o.kind == cpu::OptimizerKind::kLamb ? cpu::lamb_update(st, buffers.update_tensors(), threads)
+                                               : cpu::adam_update(st, buffers.update_tensors(), threads);
   };
   const auto n = static_cast<double>(o.params);
   auto timed = [&](auto&& fn) -> Result<double> {
@@ -188,8 +228,10 @@ Result<AdamBenchResult> measure_adam(const AdamBenchOptions& o) {
   progress.finish();
   r.params_per_second = median(adam);
   r.best_params_per_second = *std::max_element(adam.begin(), adam.end());
-  r.roofline_params_per_second = median(roof);
-  r.best_roofline_params_per_second = *std::max_element(roof.begin(), roof.end());
+  // The roofline's bandwidth, in params/s at the timed update's byte count.
+  const double scale = r.roofline_bytes_per_param / r.bytes_per_param;
+  r.roofline_params_per_second = median(roof) * scale;
+  r.best_roofline_params_per_second = *std::max_element(roof.begin(), roof.end()) * scale;
   return r;
 }
 
@@ -207,12 +249,13 @@ int run_adam(Args& args) {
   auto reps = args.integer("reps", 5);
   auto memory = args.choice("memory", {"arena", "heap"}, "arena");
   auto kind = args.choice("optimizer", {"adam", "adagrad", "lion", "lamb"}, "adam");
+  auto state = args.choice("state-dtype", {"fp32", "bf16", "int8"}, "fp32");
   const std::string simd = args.get("simd", "auto");
   const bool json_out = args.flag("json");
   o.progress = !args.flag("quiet") && !json_out;
   Status s = args.finish();
   for (const Status& e : {params.status(), threads.status(), grad.status(), param.status(), out.status(), reps.status(),
-                          memory.status(), kind.status()}) {
+                          memory.status(), kind.status(), state.status()}) {
     if (s.ok() && !e.ok()) s = e;
   }
   if (s.ok() && (*threads < 0 || *threads > 4096))
@@ -231,6 +274,7 @@ int run_adam(Args& args) {
   if (o.has_out) o.out = parse_dtype(*out).value();
   o.reps = static_cast<int>(*reps);
   o.heap = *memory == "heap";
+  o.state = cpu::parse_state_dtype(*state).value();
   for (auto k : {cpu::OptimizerKind::kAdam, cpu::OptimizerKind::kAdagrad, cpu::OptimizerKind::kLion,
                  cpu::OptimizerKind::kLamb}) {
     if (*kind == cpu::optimizer_kind_name(k)) o.kind = k;
@@ -249,6 +293,7 @@ int run_adam(Args& args) {
                                 {"param_dtype", dtype_name(o.param)},
                                 {"grad_dtype", dtype_name(o.grad)},
                                 {"out_dtype", o.has_out ? dtype_name(o.out) : "none"},
+                                {"state_dtype", cpu::state_dtype_name(o.state)},
                                 {"simd_target", r->simd},
                                 {"memory", o.heap ? "heap" : "arena"},
                                 {"huge_page_bytes", r->huge_page_bytes},
@@ -264,10 +309,11 @@ int run_adam(Args& args) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("%s: %s params, params %s, grads %s, out %s, %d threads, SIMD %s, %s memory\n",
+  std::printf("%s: %s params, params %s, grads %s, out %s, state %s, %d threads, SIMD %s, %s memory\n",
               cpu::optimizer_kind_name(o.kind), (fmt(static_cast<double>(o.params) / 1e6, 0) + "M").c_str(),
-              dtype_name(o.param), dtype_name(o.grad), o.has_out ? dtype_name(o.out) : "none", r->threads,
-              r->simd.c_str(), o.heap ? "heap" : (r->locked ? "pinned arena" : "unpinned arena"));
+              dtype_name(o.param), dtype_name(o.grad), o.has_out ? dtype_name(o.out) : "none",
+              cpu::state_dtype_name(o.state), r->threads, r->simd.c_str(),
+              o.heap ? "heap" : (r->locked ? "pinned arena" : "unpinned arena"));
   Table t({"kernel", "params/s (median)", "best", "bandwidth", "vs roofline"});
   t.add({cpu::optimizer_kind_name(o.kind), rate_params(r->params_per_second), rate_params(r->best_params_per_second),
          format_rate(r->params_per_second * r->bytes_per_param), fmt(ratio, 3)});
@@ -285,6 +331,8 @@ const CommandRegistrar kRegister(
      "  --grad-dtype T        fp32 | fp16 | bf16 (default fp32)\n"
      "  --param-dtype T       fp32 | bf16 (default fp32)\n"
      "  --out-dtype T         none | fp16 | bf16: fused low-precision copy of the params (default none)\n"
+     "  --state-dtype T       fp32 | bf16 | int8: how m and v are stored (default fp32); the roofline is\n"
+     "                        converted to that byte count\n"
      "  --reps N              timed passes of each kernel; the median is reported (default 5)\n"
      "  --memory M            arena (pinned, huge pages; default) | heap\n"
      "  --simd T              force a SIMD target (e.g. AVX2; default auto)\n"
