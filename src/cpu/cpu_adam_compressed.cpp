@@ -365,20 +365,6 @@ Result<StateDType> family_of_moment(StateMoment m, DType d) {
                               formats_of(m), " (int8 state is exp_avg int8 with exp_avg_sq uint8)"));
 }
 
-// Null data, alignment and a plausible length of a state tensor (any of its formats).
-Status check_state_tensor(const ConstTensorRef& t, const char* what) {
-  if (t.numel > 0 && t.data == nullptr) return invalid_argument(str(what, ": null data for ", t.numel, " elements"));
-  const auto addr = reinterpret_cast<std::uintptr_t>(t.data);
-  if (addr % dtype_size(t.dtype) != 0) {
-    return invalid_argument(str(what, ": address 0x", std::hex, addr, std::dec, " is not aligned to its ",
-                                dtype_size(t.dtype), "-byte ", dtype_name(t.dtype), " elements"));
-  }
-  if (t.numel > (std::uint64_t{1} << 60) / dtype_size(t.dtype)) {
-    return invalid_argument(str(what, ": ", t.numel, " elements is not a plausible length"));
-  }
-  return {};
-}
-
 // The scales of an int8 moment (`int8`), or their absence otherwise.
 Status check_scales(const float* scales, bool int8, std::uint64_t numel, const char* what) {
   if (!int8) {
@@ -523,9 +509,9 @@ Status encode_state(StateMoment moment, ConstTensorRef in, TensorRef out, float*
   if (in.dtype != DType::kF32) {
     return invalid_argument(str("encode ", name, ": input dtype ", dtype_name(in.dtype), " is not fp32"));
   }
-  TIER_RETURN_IF_ERROR(check_state_tensor(in, str("encode ", name, " input").c_str()));
+  TIER_RETURN_IF_ERROR(detail::check_layout(in, str("encode ", name, " input").c_str()));
   TIER_ASSIGN_OR_RETURN(const StateDType fam, family_of_moment(moment, out.dtype));
-  TIER_RETURN_IF_ERROR(check_state_tensor(out, str("encode ", name, " output").c_str()));
+  TIER_RETURN_IF_ERROR(detail::check_layout(out, str("encode ", name, " output").c_str()));
   TIER_RETURN_IF_ERROR(
       check_scales(scales, fam == StateDType::kInt8, out.numel, str("encode ", name, " scales").c_str()));
   TIER_ASSIGN_OR_RETURN(const int nthreads, detail::resolve_threads(threads));
@@ -564,11 +550,11 @@ Status decode_state(StateMoment moment, ConstTensorRef in, const float* scales, 
   detail::init_simd_once();
   const char* name = state_moment_name(moment);
   TIER_ASSIGN_OR_RETURN(const StateDType fam, family_of_moment(moment, in.dtype));
-  TIER_RETURN_IF_ERROR(check_state_tensor(in, str("decode ", name, " input").c_str()));
+  TIER_RETURN_IF_ERROR(detail::check_layout(in, str("decode ", name, " input").c_str()));
   if (out.dtype != DType::kF32) {
     return invalid_argument(str("decode ", name, ": output dtype ", dtype_name(out.dtype), " is not fp32"));
   }
-  TIER_RETURN_IF_ERROR(check_state_tensor(out, str("decode ", name, " output").c_str()));
+  TIER_RETURN_IF_ERROR(detail::check_layout(out, str("decode ", name, " output").c_str()));
   TIER_RETURN_IF_ERROR(
       check_scales(scales, fam == StateDType::kInt8, in.numel, str("decode ", name, " scales").c_str()));
   TIER_ASSIGN_OR_RETURN(const int nthreads, detail::resolve_threads(threads));
@@ -605,8 +591,8 @@ Status check_state(const AdamTensors& t) {
                                 dtype_name(t.exp_avg_sq.dtype),
                                 "; both must be fp32, both bf16, or exp_avg int8 with exp_avg_sq uint8"));
   }
-  TIER_RETURN_IF_ERROR(check_state_tensor(t.exp_avg, "adam exp_avg"));
-  TIER_RETURN_IF_ERROR(check_state_tensor(t.exp_avg_sq, "adam exp_avg_sq"));
+  TIER_RETURN_IF_ERROR(detail::check_layout(t.exp_avg, "adam exp_avg"));
+  TIER_RETURN_IF_ERROR(detail::check_layout(t.exp_avg_sq, "adam exp_avg_sq"));
   const bool int8 = fm == StateDType::kInt8;
   TIER_RETURN_IF_ERROR(check_scales(t.exp_avg_scales, int8, t.exp_avg.numel, "adam exp_avg_scales"));
   TIER_RETURN_IF_ERROR(check_scales(t.exp_avg_sq_scales, int8, t.exp_avg_sq.numel, "adam exp_avg_sq_scales"));

@@ -58,6 +58,10 @@ Status check_tensor(const ConstTensorRef& t, const char* what) {
   if (!is_float_dtype(t.dtype)) {
     return invalid_argument(str(what, ": dtype ", dtype_name(t.dtype), " is not supported; use fp32, fp16 or bf16"));
   }
+  return check_layout(t, what);
+}
+
+Status check_layout(const ConstTensorRef& t, const char* what) {
   if (t.numel > 0 && t.data == nullptr) return invalid_argument(str(what, ": null data for ", t.numel, " elements"));
   const auto addr = reinterpret_cast<std::uintptr_t>(t.data);
   if (addr % dtype_size(t.dtype) != 0) {

@@ -22,7 +22,10 @@ void parallel_ranges(std::uint64_t n, int threads, std::uint64_t granule,
 
 // Checks that `t` holds fp32/fp16/bf16 data (when `float_only`), is aligned to its element size
 // and is non-null when it has elements. `what` names the tensor in the message.
+// A float tensor (fp32, fp16, bf16) with check_layout's properties.
 Status check_tensor(const ConstTensorRef& t, const char* what);
+// Any dtype: data for its elements, aligned to the element size, a plausible length.
+Status check_layout(const ConstTensorRef& t, const char* what);
 // True when the byte ranges of a and b intersect.
 bool overlaps(const ConstTensorRef& a, const ConstTensorRef& b) noexcept;
 

@@ -190,37 +190,9 @@ def test_refuses_what_it_does_not_run():
 # ------------------------------------------------------------------ Hugging Face Trainer
 
 
-def tiny_qwen2():
-    import transformers
-
-    cfg = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(cfg)
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=32, seq=16):
-        g = torch.Generator().manual_seed(3)
-        self.ids = torch.randint(0, 128, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def trainer_run(tmp_path, name, make_opt, max_steps, resume=None):
     import transformers
+    from test_hf_trainer import Tokens, make_model as tiny_qwen2
 
     model = tiny_qwen2()
     args = transformers.TrainingArguments(
@@ -240,7 +212,7 @@ def trainer_run(tmp_path, name, make_opt, max_steps, resume=None):
     )
     opt = make_opt(model) if make_opt is not None else None
     sched = transformers.get_cosine_schedule_with_warmup(opt, 1, max_steps) if opt is not None else None
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, sched))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, model
