@@ -101,7 +101,7 @@ class Counters {
   // adapter's "compute", the engine's "stalls", the optimizer's "optimizer"). At most
   // `max_events` are kept; later ones are counted as dropped (written in the file's metadata).
   void start_trace(std::size_t max_events = 1'000'000);
-  bool tracing() const noexcept { return tracing_.load(std::memory_order_relaxed); }
+  bool tracing() const noexcept { return tracing_.load(std::memory_order_acquire); }
   // A span [begin, end) named `name` on lane `lane`; `bytes` (0: none) goes into its args.
   void trace_span(const std::string& lane, const std::string& name, std::chrono::steady_clock::time_point begin,
                   std::chrono::steady_clock::time_point end, std::uint64_t bytes = 0);

@@ -150,7 +150,7 @@ void Counters::start_trace(std::size_t max_events) {
     std::lock_guard<std::mutex> tl(trace_->mu);
     trace_->max_events = max_events;
   }
-  tracing_.store(true);
+  tracing_.store(true, std::memory_order_release);  // after trace_ is set: tracing() readers see it
 }
 
 void Counters::trace_span(const std::string& lane, const std::string& name, Clock::time_point begin,
