@@ -148,7 +148,10 @@ TEST(EmulatedDevice, LatencyIsAddedToEveryCopy) {
   for (int i = 0; i < 3; ++i) last = *d->copy_to_device(*buf, static_cast<std::uint64_t>(i), &byte, 1);
   ASSERT_TRUE(last.wait().ok());
   EXPECT_GE(Clock::now() - t0, 45ms) << "three copies in a row, 15 ms each";
-  EXPECT_GE(c.snapshot().link(Link::kHostToDevice).busy_seconds, 0.045);
+  // Each copy's 15 ms are paced from the end of the one before, but a copy's transfer is counted
+  // from when the worker takes it up, microseconds later: the link's busy time may miss those
+  // gaps (17 us under ASan once), never a copy's latency.
+  EXPECT_GE(c.snapshot().link(Link::kHostToDevice).busy_seconds, 0.044);
 }
 
 TEST(EmulatedDevice, DirectionsRunAtTheSameTime) {
