@@ -166,7 +166,9 @@ struct Restored {
 
 Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, const std::string& path) {
   auto bad = [&](const std::string& what) { return data_loss(str("checkpoint ", path, ": ", what)); };
-  if (!m.is_object() || m.value("format", "") != "tier-optimizer-checkpoint") {
+  // Every field is type-checked before it is read: a damaged file must be an error, not an exception.
+  if (!m.is_object() || !m.contains("format") || !m["format"].is_string() ||
+      m["format"].get<std::string>() != "tier-optimizer-checkpoint") {
     return bad("the metadata is not a tier optimizer checkpoint's");
   }
   if (!m.contains("version") || !m["version"].is_number_unsigned() ||
