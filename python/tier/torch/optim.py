@@ -21,6 +21,11 @@ from .. import _tier
 _OUTPUT_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def _flat_fp32(t):
+    """A tensor's values as a flat, contiguous fp32 CPU tensor: what the native optimizer reads."""
+    return t.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+
+
 def _read_config(config):
     if config is None:
         return {}
@@ -116,7 +121,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pid = {}
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
-                master = p.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+                master = _flat_fp32(p)
                 self._pid[p] = self._native.add_partition(
                     p.numel(), gi, _OUTPUT_OF[p.dtype], master, f"param{len(self._pid)}"
                 )
@@ -137,7 +142,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _resync_changed(self):
         for p in self._params:
             if self._seen.get(p) != (p.data_ptr(), p._version):
-                master = p.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+                master = _flat_fp32(p)
                 self._native.write_state(self._pid[p], "master", master)
                 self._note_version(p)
 
@@ -273,11 +278,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             p, s = item
             pid = self._pid[p]
             for kind in ("exp_avg", "exp_avg_sq"):
-                self._native.write_state(pid, kind, s[kind].detach().to("cpu", torch.float32).contiguous().reshape(-1))
+                self._native.write_state(pid, kind, _flat_fp32(s[kind]))
             master = s.get("master")
             if master is None:
                 master = p.detach()  # torch's AdamW keeps no separate master: the parameter is it
-            self._native.write_state(pid, "master", master.to("cpu", torch.float32).contiguous().reshape(-1))
+            self._native.write_state(pid, "master", _flat_fp32(master))
             self._note_version(p)
         for mine, theirs in zip(self.param_groups, groups):
             for k, v in theirs.items():
