@@ -10,8 +10,8 @@
 //    Partitions are packed back to back into one flat element space, cut into *chunks* of
 //    `chunk_elements`; a chunk is the unit of I/O and of the pipeline, so thousands of small
 //    partitions cost a few large transfers, and a large one spans several chunks.
-//  - Each chunk's state (master, exp_avg, exp_avg_sq) is stored as one record of three 4 KiB-
-//    aligned sections in two swap extents (NVMe home): the *committed* slot and a *shadow* slot. A
+//  - Each chunk's state (master, exp_avg, exp_avg_sq, and for int8 state the moments' block
+//    scales) is stored as one record of 4 KiB-aligned sections in two swap extents (NVMe home): the *committed* slot and a *shadow* slot. A
 //    step reads the committed slots and writes the shadow slots; only when every write of the
 //    step has completed do the shadows become committed. A failed read or write therefore leaves
 //    the previous step's state intact, reports the error, and keeps the gradients so the step can
@@ -24,6 +24,10 @@
 //    Adam kernel, skips the update when a gradient is inf/nan (fp16 overflow; the dynamic loss
 //    scale is updated), and hands the updated low-precision params to the caller in the same pass:
 //    straight into a destination the caller names per partition, or piece by piece to a callback.
+//  - The moments are kept in the options' state_dtype (fp32, bf16 or block-int8, see
+//    tier/state_codec.hpp): the compressed bytes are what NVMe and host memory hold and move, and
+//    the update widens and narrows them inside the kernel. Master params are always fp32. With
+//    int8 state each partition starts on a 256-element boundary of the flat element space.
 //  - Checkpoints are streamed chunk by chunk to a file (write to a temporary name, fsync, rename)
 //    with per-record checksums, and loaded the same way; see docs/optimizer.md for the format.
 //
@@ -60,6 +64,7 @@
 #include "tier/cpu_adam.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/loss_scaler.hpp"
+#include "tier/state_codec.hpp"
 #include "tier/status.hpp"
 #include "tier/ext/swap_space.hpp"
 #include "tier/types.hpp"
@@ -106,9 +111,13 @@ struct OffloadedOptimizerOptions {
   nvme::SwapSpace* swap = nullptr;
   nvme::SwapSpaceOptions swap_options;
   // Elements the optimizer will hold at most (the sum of the partitions' numel). Needed when the
-  // optimizer creates the swap space (it sizes the files: 24 bytes per element, two slots of
-  // 12); also caps chunk_elements for small models. 0: unknown.
+  // optimizer creates the swap space (it sizes the files: two slots of a record per chunk, 24
+  // bytes per element with fp32 state); also caps chunk_elements for small models. 0: unknown.
   std::uint64_t max_elements = 0;
+  // int8 state: the most partitions that will be registered, to size the swap space for their
+  // 256-element alignment (up to 255 elements of gap each); 0: unknown (a slack of 1/16 of
+  // max_elements is reserved instead).
+  std::uint64_t max_partitions = 0;
 
   // Pinned buffers come from this arena (it must outlive the optimizer and have room for them);
   // null: the optimizer maps its own arena of exactly the buffers' size.
@@ -130,6 +139,10 @@ struct OffloadedOptimizerOptions {
   // filling and draining the pipeline stay a small part of a step.
   std::uint64_t chunk_elements = 0;
 
+  // The format of exp_avg and exp_avg_sq (tier.optimizer.state_dtype). bf16 halves the moments'
+  // bytes, int8 quarters them (2.03 bytes per element for both, scales included); not with Lamb,
+  // whose norms pass reads fp32 moments.
+  cpu::StateDType state_dtype = cpu::StateDType::kF32;
   // Parameter groups (at least one): hyper-parameters per group; add more with add_group().
   std::vector<cpu::AdamHyperParams> groups{cpu::AdamHyperParams{}};
   // Clip the global gradient norm to this (gradient_clipping); 0: off.
@@ -245,7 +258,11 @@ struct PassReport {
 struct OptimizerStats {
   StateHome home = StateHome::kNvme;
   std::uint64_t partitions = 0;
-  std::uint64_t elements = 0;
+  std::uint64_t elements = 0;  // the partitions' elements
+  cpu::StateDType state_dtype = cpu::StateDType::kF32;
+  // Bytes of one copy of every chunk record (what a step reads from NVMe and writes back): 12 per
+  // element for fp32 state, 8 for bf16, about 6 for int8, plus page rounding.
+  std::uint64_t record_bytes = 0;
   std::uint64_t chunks = 0;
   std::uint64_t chunk_elements = 0;
   unsigned buffer_count = 0;

@@ -3,10 +3,14 @@
 // File layout (little-endian; docs/optimizer.md has the full description):
 //   header  64 bytes: "TIEROPTC", version, header size, meta size, elements, partitions, meta crc,
 //                     header crc
-//   meta    JSON: groups (hyper-parameters, step counters), loss-scale state, partitions
-//   records one per piece of a partition within a saver's chunk, in flat element order:
-//           40-byte header ("TREC", partition, element offset, count, crc32c of each of the
-//           three sections, header crc) then master[count], exp_avg[count], exp_avg_sq[count]
+//   meta    JSON: groups (hyper-parameters, step counters), loss-scale state, partitions, the
+//           state dtype of the moments
+//   records one per piece of a partition within a saver's chunk, in partition order:
+//           48-byte header ("TREC", partition, element offset, count, crc32c of each of the five
+//           sections, header crc) then master[count] (fp32), exp_avg[count] and
+//           exp_avg_sq[count] in the state dtype, and for int8 state the fp32 scales of both,
+//           ceil(count / 256) each (a record starts on a 256-element block of its partition)
+//           (versions 1 and 2: a 40-byte header with three crcs, always fp32 moments)
 //   trailer 32 bytes: "TIERTAIL", record count, elements covered, crc32c chained over every
 //           record header, trailer crc
 // A file is written as "<path>.tmp", fsync'd and renamed over <path>, then the directory is
@@ -36,6 +40,7 @@ using detail::Chunk;
 using detail::crc32c;
 using detail::crc32c_extend;
 using detail::Partition;
+using detail::Section;
 using json = nlohmann::json;
 
 static_assert(std::endian::native == std::endian::little, "the checkpoint format is written little-endian");
@@ -46,11 +51,14 @@ constexpr char kFileMagic[8] = {'T', 'I', 'E', 'R', 'O', 'P', 'T', 'C'};
 constexpr char kRecordMagic[4] = {'T', 'R', 'E', 'C'};
 constexpr char kTrailerMagic[8] = {'T', 'I', 'E', 'R', 'T', 'A', 'I', 'L'};
 // Version 2 added each group's optimizer kind (and Lamb's coefficients); version 1 files are
-// still read, their groups as Adam.
-constexpr std::uint32_t kVersion = 2;
+// still read, their groups as Adam. Version 3 added the state dtype (compressed moments, kept as
+// they are) and the scales' sections; versions 1 and 2 are read as fp32 state.
+constexpr std::uint32_t kVersion = 3;
 constexpr std::uint32_t kOldestVersion = 1;
 constexpr std::size_t kHeaderBytes = 64;
-constexpr std::size_t kRecordBytes = 40;
+constexpr std::size_t kRecordBytesV2 = 40;
+constexpr std::size_t kRecordBytes = 48;
+constexpr int kSections = 5;
 constexpr std::size_t kTrailerBytes = 32;
 constexpr std::uint64_t kMaxMetaBytes = 1ull << 32;
 
@@ -146,6 +154,7 @@ json meta_json(const OffloadedOptimizer::Impl& im) {
           {"saved_chunk_elements", im.chunk_elems},
           {"gradient_accumulation_steps", im.opt.gradient_accumulation_steps},
           {"max_grad_norm", im.opt.max_grad_norm},
+          {"state_dtype", cpu::state_dtype_name(im.state_dtype())},
           {"groups", groups},
           {"loss_scale",
            {{"enabled", im.scaler->enabled()},
@@ -159,6 +168,7 @@ json meta_json(const OffloadedOptimizer::Impl& im) {
 
 // What load_checkpoint takes from the meta section once it is checked.
 struct Restored {
+  cpu::StateDType state_dtype = cpu::StateDType::kF32;
   std::vector<cpu::AdamHyperParams> hp;
   std::vector<std::int64_t> steps;
   LossScaleState scale;
@@ -204,6 +214,12 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
     }
   }
   Restored r;
+  if (m["version"].get<std::uint32_t>() >= 3) {
+    if (!m.contains("state_dtype") || !m["state_dtype"].is_string()) return bad("the state dtype is missing");
+    auto d = cpu::parse_state_dtype(m["state_dtype"].get<std::string>());
+    if (!d.ok()) return bad(str("unknown state dtype: ", d.status().message()));
+    r.state_dtype = *d;
+  }
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const json& j = groups[g];
     auto num = [&](const char* k) { return j.contains(k) && j[k].is_number(); };
@@ -257,38 +273,30 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
   return r;
 }
 
-// Reads the records back in flat element order, section by section into chunk layouts, checking
-// every record's checksums once its last element is read.
+// Reads the records back in partition order into chunk layouts, checking every record's
+// checksums once its last element is read. A file whose state dtype is the optimizer's is copied
+// as it is; another is decoded to fp32 and encoded into the optimizer's format, one partition
+// piece at a time.
 class RecordReader {
  public:
   RecordReader(const OffloadedOptimizer::Impl& im, int fd, std::string path, std::uint64_t data_start,
-               std::uint64_t file_size)
-      : im_(im), fd_(fd), path_(std::move(path)), pos_(data_start), size_(file_size) {}
+               std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype)
+      : im_(im),
+        fd_(fd),
+        path_(std::move(path)),
+        pos_(data_start),
+        size_(file_size),
+        header_bytes_(version >= 3 ? kRecordBytes : kRecordBytesV2),
+        file_(file_dtype),
+        convert_(file_dtype != im.state_dtype()) {}
 
-  // Fills chunk c's elements into `base` (laid out with c's stride).
-  Status fill(const Chunk& c, float* base) {
-    std::uint64_t filled = 0;
-    while (filled < c.numel) {
-      if (!have_) TIER_RETURN_IF_ERROR(next_record());
-      const std::uint64_t t = std::min(count_ - consumed_, c.numel - filled);
-      for (int s = 0; s < 3; ++s) {
-        float* dst = OffloadedOptimizer::Impl::section(base, c, static_cast<StateKind>(s)) + filled;
-        TIER_RETURN_IF_ERROR(read_exact(fd_, dst, t * 4, payload_ + (s * count_ + consumed_) * 4, path_));
-        run_[s] = crc32c_extend(run_[s], dst, t * 4);
-      }
-      consumed_ += t;
-      filled += t;
-      expect_ += t;
-      if (consumed_ == count_) {
-        have_ = false;
-        for (int s = 0; s < 3; ++s) {
-          if (run_[s] != crc_[s]) {
-            return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_, ", elements [",
-                                 offset_, ", ", offset_ + count_, ")) fails its ",
-                                 state_kind_name(static_cast<StateKind>(s)), " checksum; the file is corrupt"));
-          }
-        }
-      }
+  // Fills chunk c's partition pieces into `base` (laid out with c's layout).
+  Status fill(const Chunk& c, void* base) {
+    for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+      const Partition& p = im_.parts[pid];
+      const std::uint64_t a = std::max(p.start, c.start);
+      const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
+      if (a < e) TIER_RETURN_IF_ERROR(piece(c, base, a - c.start, e - a));
     }
     return {};
   }
@@ -304,7 +312,7 @@ class RecordReader {
     if (std::memcmp(t, kTrailerMagic, 8) != 0 || get<std::uint32_t>(t, 28) != crc32c(t, 28)) {
       return data_loss(str("checkpoint ", path_, ": the trailer at byte ", pos_, " is damaged or missing"));
     }
-    if (get<std::uint64_t>(t, 8) != records_ || get<std::uint64_t>(t, 16) != expect_ ||
+    if (get<std::uint64_t>(t, 8) != records_ || get<std::uint64_t>(t, 16) != covered_ ||
         get<std::uint32_t>(t, 24) != chain_) {
       return data_loss(str("checkpoint ", path_, ": the trailer does not match the records read (",
                            get<std::uint64_t>(t, 8), " records claimed, ", records_, " read)"));
@@ -317,37 +325,167 @@ class RecordReader {
   }
 
  private:
+  static constexpr std::uint64_t B = cpu::kStateBlock;
+
+  // n elements of the next partition piece into chunk elements [ca, ca + n).
+  Status piece(const Chunk& c, void* base, std::uint64_t ca, std::uint64_t n) {
+    const cpu::StateDType mine = im_.state_dtype();
+    if (convert_ && scratch_.size() < 2 * n) scratch_.resize(2 * n);
+    std::uint64_t got = 0;
+    while (got < n) {
+      if (!have_) TIER_RETURN_IF_ERROR(next_record());
+      const std::uint64_t t = std::min(count_ - consumed_, n - got);
+      const std::uint64_t at = ca + got;
+      TIER_RETURN_IF_ERROR(section(0, 0, consumed_ * 4, t * 4, OffloadedOptimizer::Impl::master(base, c) + at));
+      for (int mo = 0; mo < 2; ++mo) {
+        const auto kind = mo == 0 ? Section::kExpAvg : Section::kExpAvgSq;
+        const DType fd = mo == 0 ? cpu::exp_avg_dtype(file_) : cpu::exp_avg_sq_dtype(file_);
+        const std::size_t es = dtype_size(fd);
+        if (!convert_) {
+          std::byte* dst = OffloadedOptimizer::Impl::section(base, c, kind) + at * es;
+          TIER_RETURN_IF_ERROR(section(1 + mo, moment_offset(mo), consumed_ * es, t * es, dst));
+          if (file_ == cpu::StateDType::kInt8) {
+            if (consumed_ % B != 0 || at % B != 0) {
+              return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_,
+                                   ") is not cut on int8 blocks; the file is corrupt"));
+            }
+            auto* sc = reinterpret_cast<float*>(OffloadedOptimizer::Impl::section(
+                           base, c, mo == 0 ? Section::kExpAvgScales : Section::kExpAvgSqScales)) +
+                       at / B;
+            const std::uint64_t k = consumed_ / B;
+            std::memcpy(sc, scales_[mo].data() + k, (cpu::state_scale_count(file_, consumed_ + t) - k) * 4);
+          }
+        } else {
+          TIER_RETURN_IF_ERROR(moment_fp32(mo, fd, t, scratch_.data() + mo * n + got));
+        }
+      }
+      consumed_ += t;
+      got += t;
+      if (consumed_ == count_) TIER_RETURN_IF_ERROR(end_record());
+    }
+    if (!convert_) return {};
+    // Into the optimizer's format: the piece starts on a block (the optimizer's own layout).
+    for (int mo = 0; mo < 2; ++mo) {
+      const auto kind = mo == 0 ? Section::kExpAvg : Section::kExpAvgSq;
+      const DType md = mo == 0 ? cpu::exp_avg_dtype(mine) : cpu::exp_avg_sq_dtype(mine);
+      float* sc = nullptr;
+      if (mine == cpu::StateDType::kInt8) {
+        sc = reinterpret_cast<float*>(OffloadedOptimizer::Impl::section(
+                 base, c, mo == 0 ? Section::kExpAvgScales : Section::kExpAvgSqScales)) +
+             ca / B;
+      }
+      Status s = cpu::encode_state(mo == 0 ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq,
+                                   cpu::ConstTensorRef(scratch_.data() + mo * n, DType::kF32, n),
+                                   cpu::TensorRef{OffloadedOptimizer::Impl::section(base, c, kind) + ca * dtype_size(md),
+                                                  md, n},
+                                   sc);
+      if (!s.ok()) {
+        return s.with_context(str("checkpoint ", path_, ": converting its ", cpu::state_dtype_name(file_),
+                                  " state to ", cpu::state_dtype_name(mine)));
+      }
+    }
+    return {};
+  }
+
+  // Byte offset in the payload of section 1 (exp_avg) or 2 (exp_avg_sq).
+  std::uint64_t moment_offset(int mo) const {
+    return count_ * 4 + (mo == 1 ? count_ * dtype_size(cpu::exp_avg_dtype(file_)) : 0);
+  }
+
+  // Reads `bytes` of section s at `off` bytes past the section's start (`sec_at` past the
+  // payload's) into dst and extends that section's running checksum.
+  Status section(int s, std::uint64_t sec_at, std::uint64_t off, std::uint64_t bytes, void* dst) {
+    TIER_RETURN_IF_ERROR(read_exact(fd_, dst, bytes, payload_ + sec_at + off, path_));
+    run_[s] = crc32c_extend(run_[s], dst, bytes);
+    return {};
+  }
+
+  // t elements of a moment of the file from the record's element consumed_, as fp32 into dst.
+  Status moment_fp32(int mo, DType fd, std::uint64_t t, float* dst) {
+    const std::size_t es = dtype_size(fd);
+    if (fd == DType::kF32) return section(1 + mo, moment_offset(mo), consumed_ * 4, t * 4, dst);
+    bytes_.resize(t * es);
+    TIER_RETURN_IF_ERROR(section(1 + mo, moment_offset(mo), consumed_ * es, t * es, bytes_.data()));
+    const auto moment = mo == 0 ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq;
+    if (file_ != cpu::StateDType::kInt8) {
+      return cpu::decode_state(moment, cpu::ConstTensorRef(bytes_.data(), fd, t), nullptr,
+                               cpu::TensorRef{dst, DType::kF32, t});
+    }
+    // Block piece by block piece, each with its block's scale.
+    for (std::uint64_t i = 0; i < t;) {
+      const std::uint64_t e = consumed_ + i;
+      const std::uint64_t len = std::min(t - i, B - e % B);
+      TIER_RETURN_IF_ERROR(cpu::decode_state(moment, cpu::ConstTensorRef(bytes_.data() + i * es, fd, len),
+                                             scales_[mo].data() + e / B, cpu::TensorRef{dst + i, DType::kF32, len}));
+      i += len;
+    }
+    return {};
+  }
+
+  Status end_record() {
+    have_ = false;
+    const int n = header_bytes_ == kRecordBytes ? kSections : 3;
+    for (int s = 0; s < n; ++s) {
+      if (run_[s] != crc_[s]) {
+        static const char* const names[kSections] = {"master", "exp_avg", "exp_avg_sq", "exp_avg scales",
+                                                     "exp_avg_sq scales"};
+        return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_, ", elements [",
+                             offset_, ", ", offset_ + count_, ")) fails its ", names[s],
+                             " checksum; the file is corrupt"));
+      }
+    }
+    exp_off_ += count_;
+    covered_ += count_;
+    if (exp_off_ == im_.parts[exp_pid_].numel) {
+      ++exp_pid_;
+      exp_off_ = 0;
+    }
+    return {};
+  }
+
   Status next_record() {
-    if (pos_ + kRecordBytes + kTrailerBytes > size_) {
-      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", expect_, " of ",
-                           im_.elements, "; it is truncated"));
+    if (pos_ + header_bytes_ + kTrailerBytes > size_) {
+      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", exp_off_,
+                           " of partition ", exp_pid_, "; it is truncated"));
     }
     std::uint8_t h[kRecordBytes];
-    TIER_RETURN_IF_ERROR(read_exact(fd_, h, kRecordBytes, pos_, path_));
-    if (std::memcmp(h, kRecordMagic, 4) != 0 || get<std::uint32_t>(h, 36) != crc32c(h, 36)) {
+    TIER_RETURN_IF_ERROR(read_exact(fd_, h, header_bytes_, pos_, path_));
+    const std::size_t crc_at = header_bytes_ - 4;
+    if (std::memcmp(h, kRecordMagic, 4) != 0 || get<std::uint32_t>(h, crc_at) != crc32c(h, crc_at)) {
       return data_loss(str("checkpoint ", path_, ": record ", records_, " at byte ", pos_,
                            " has a damaged header; the file is corrupt"));
     }
     pid_ = get<std::uint32_t>(h, 4);
     offset_ = get<std::uint64_t>(h, 8);
     count_ = get<std::uint64_t>(h, 16);
-    for (int s = 0; s < 3; ++s) crc_[s] = get<std::uint32_t>(h, 24 + 4 * s);
-    if (pid_ >= im_.parts.size() || count_ == 0 || offset_ > im_.parts[pid_].numel ||
-        count_ > im_.parts[pid_].numel - offset_ || im_.parts[pid_].start + offset_ != expect_) {
+    const int nsec = header_bytes_ == kRecordBytes ? kSections : 3;
+    for (int s = 0; s < nsec; ++s) crc_[s] = get<std::uint32_t>(h, 24 + 4 * s);
+    if (pid_ >= im_.parts.size() || pid_ != exp_pid_ || offset_ != exp_off_ || count_ == 0 || count_ > im_.parts[pid_].numel - offset_) {
       return data_loss(str("checkpoint ", path_, ": record ", records_, " (partition ", pid_, ", elements [", offset_,
-                           ", ", offset_ + count_, ")) is not the next piece of the state (element ", expect_, ")"));
+                           ", ", offset_ + count_, ")) is not the next piece of the state (partition ", exp_pid_,
+                           " from element ", exp_off_, ")"));
     }
-    payload_ = pos_ + kRecordBytes;
-    pos_ = payload_ + 12 * count_;
+    const std::uint64_t nscales = cpu::state_scale_count(file_, count_);
+    payload_ = pos_ + header_bytes_;
+    pos_ = payload_ + count_ * 4 + cpu::state_bytes(file_, count_);
     if (pos_ + kTrailerBytes > size_) {
       return data_loss(
           str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
     }
-    chain_ = crc32c_extend(chain_, h, kRecordBytes);
+    chain_ = crc32c_extend(chain_, h, header_bytes_);
     ++records_;
     consumed_ = 0;
-    run_[0] = run_[1] = run_[2] = 0;
+    for (auto& r : run_) r = 0;
     have_ = true;
+    if (nscales) {
+      // The scales are read whole (1/64 of the codes), so a piece may start anywhere in a record.
+      const std::uint64_t at = payload_ + count_ * 4 + count_ * 2;
+      for (int mo = 0; mo < 2; ++mo) {
+        scales_[mo].resize(nscales);
+        TIER_RETURN_IF_ERROR(read_exact(fd_, scales_[mo].data(), nscales * 4, at + mo * nscales * 4, path_));
+        run_[3 + mo] = crc32c(scales_[mo].data(), nscales * 4);
+      }
+    }
     return {};
   }
 
@@ -356,12 +494,19 @@ class RecordReader {
   std::string path_;
   std::uint64_t pos_;
   std::uint64_t size_;
+  std::size_t header_bytes_;
+  cpu::StateDType file_;
+  bool convert_;
   bool have_ = false;
   std::uint32_t pid_ = 0;
   std::uint64_t offset_ = 0, count_ = 0, consumed_ = 0, payload_ = 0;
-  std::uint32_t crc_[3] = {}, run_[3] = {};
-  std::uint64_t expect_ = 0, records_ = 0;
+  std::uint32_t crc_[kSections] = {}, run_[kSections] = {};
+  PartitionId exp_pid_ = 0;
+  std::uint64_t exp_off_ = 0, covered_ = 0, records_ = 0;
   std::uint32_t chain_ = 0;
+  std::vector<float> scales_[2];
+  std::vector<float> scratch_;
+  std::vector<std::byte> bytes_;
 };
 
 }  // namespace
@@ -389,7 +534,7 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   put<std::uint32_t>(header, 8, kVersion);
   put<std::uint32_t>(header, 12, kHeaderBytes);
   put<std::uint64_t>(header, 16, meta.size());
-  put<std::uint64_t>(header, 24, im.elements);
+  put<std::uint64_t>(header, 24, im.numel_total);
   put<std::uint64_t>(header, 32, im.parts.size());
   put<std::uint32_t>(header, 40, crc32c(meta.data(), meta.size()));
   put<std::uint32_t>(header, 60, crc32c(header, 60));
@@ -398,25 +543,33 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
 
   std::uint64_t records = 0, covered = 0;
   std::uint32_t chain = 0;
-  // One record per partition piece of the chunk, its three sections written from where they lie.
+  // One record per partition piece of the chunk, its sections written from where they lie.
+  const cpu::StateDType sd = im.state_dtype();
+  const std::size_t elem_bytes[kSections] = {4, dtype_size(cpu::exp_avg_dtype(sd)),
+                                             dtype_size(cpu::exp_avg_sq_dtype(sd)), 0, 0};
   auto write_chunk = [&](const Chunk& c, float* base) -> Status {
     for (PartitionId pid = c.first; pid <= c.last; ++pid) {
       const Partition& p = im.parts[pid];
       const std::uint64_t a = std::max(p.start, c.start);
       const std::uint64_t n = std::min(p.start + p.numel, c.start + c.numel) - a;
-      float* sec[3];
+      const std::uint64_t ca = a - c.start;  // on a block boundary for int8 state
+      const std::uint64_t nscales = cpu::state_scale_count(sd, n);
+      iovec v[1 + kSections];
       std::uint8_t h[kRecordBytes] = {};
       std::memcpy(h, kRecordMagic, 4);
       put<std::uint32_t>(h, 4, pid);
       put<std::uint64_t>(h, 8, a - p.start);
       put<std::uint64_t>(h, 16, n);
-      for (int s = 0; s < 3; ++s) {
-        sec[s] = Impl::section(base, c, static_cast<StateKind>(s)) + (a - c.start);
-        put<std::uint32_t>(h, 24 + 4 * s, crc32c(sec[s], n * 4));
+      for (int s = 0; s < kSections; ++s) {
+        std::byte* at = Impl::section(base, c, static_cast<Section>(s));
+        const std::uint64_t bytes = s < 3 ? n * elem_bytes[s] : nscales * 4;
+        at += s < 3 ? ca * elem_bytes[s] : ca / cpu::kStateBlock * 4;
+        put<std::uint32_t>(h, 24 + 4 * s, crc32c(at, bytes));
+        v[1 + s] = {at, bytes};
       }
-      put<std::uint32_t>(h, 36, crc32c(h, 36));
-      iovec v[4] = {{h, kRecordBytes}, {sec[0], n * 4}, {sec[1], n * 4}, {sec[2], n * 4}};
-      TIER_RETURN_IF_ERROR(write_all(f.fd, v, 4, tmp));
+      put<std::uint32_t>(h, 44, crc32c(h, 44));
+      v[0] = {h, kRecordBytes};
+      TIER_RETURN_IF_ERROR(write_all(f.fd, v, nscales ? 1 + kSections : 4, tmp));
       chain = crc32c_extend(chain, h, kRecordBytes);
       ++records;
       covered += n;
@@ -494,16 +647,17 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   }
   const json m = json::parse(meta, nullptr, /*allow_exceptions=*/false);
   if (m.is_discarded()) return data_loss(str("checkpoint ", path, ": the metadata is not valid JSON"));
-  if (get<std::uint64_t>(header, 24) != im.elements) {
+  if (get<std::uint64_t>(header, 24) != im.numel_total) {
     return invalid_argument(str("checkpoint ", path, " holds ", get<std::uint64_t>(header, 24),
-                                " elements but this optimizer has ", im.elements, "; it belongs to another model"));
+                                " elements but this optimizer has ", im.numel_total, "; it belongs to another model"));
   }
   TIER_ASSIGN_OR_RETURN(Restored restored, check_meta(im, m, path));
   const std::uint64_t data_start = kHeaderBytes + meta_bytes;
+  const std::uint32_t version = get<std::uint32_t>(header, 8);
 
   if (im.nvme()) {
     // Into the shadow slots; switched over only when every record and the trailer checked out.
-    RecordReader rd(im, f.fd, path, data_start, size);
+    RecordReader rd(im, f.fd, path, data_start, size, version, restored.state_dtype);
     TIER_RETURN_IF_ERROR(detail::run_pipeline(
         *im.swap, im.chunks, im.bufs, false, true,
         [&](std::size_t i, Buffer& b) { return rd.fill(im.chunks[i], b.state); }, nullptr));
@@ -512,11 +666,11 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   } else {
     // Verify the whole file through a buffer first, then copy into the state.
     {
-      RecordReader check(im, f.fd, path, data_start, size);
+      RecordReader check(im, f.fd, path, data_start, size, version, restored.state_dtype);
       for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
       TIER_RETURN_IF_ERROR(check.finish());
     }
-    RecordReader rd(im, f.fd, path, data_start, size);
+    RecordReader rd(im, f.fd, path, data_start, size, version, restored.state_dtype);
     Status s;
     for (const Chunk& c : im.chunks) {
       s = rd.fill(c, c.host.get());

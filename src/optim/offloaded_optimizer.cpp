@@ -23,7 +23,9 @@ namespace tier::optim {
 
 using detail::Buffer;
 using detail::Chunk;
+using detail::ChunkLayout;
 using detail::Partition;
+using detail::Section;
 
 namespace {
 
@@ -34,8 +36,12 @@ constexpr std::uint64_t kDefaultBufferBytes = 256ull << 20;
 // elements.
 constexpr std::uint64_t kMinChunks = 64;
 constexpr std::uint64_t kMinAutoChunk = 256 * 1024;
-// Pinned bytes per element of a buffer: 12 of state, 4 of low-precision staging.
-constexpr std::uint64_t kBufferBytesPerElement = 16;
+// Pinned bytes of a buffer of `ce` elements: the chunk record (16 bytes per element for fp32
+// state, 12 for bf16, about 10 for int8, with page rounding), then 4 bytes of low-precision
+// staging per element.
+std::uint64_t buffer_bytes_for(std::uint64_t ce, cpu::StateDType d) {
+  return detail::round_up(ChunkLayout::of(ce, d).bytes + ce * 4, 4096);
+}
 // Elements per piece handed to one update thread.
 constexpr std::uint64_t kUpdateGranule = 32 * 1024;
 // Partitions without a gradient are updated with zeros taken from this many at a time.
@@ -48,6 +54,12 @@ double since(Clock::time_point t0) {
 const float* zero_grads() {
   static const std::vector<float> zeros(kZeroSlice, 0.0f);
   return zeros.data();
+}
+
+// Memory for a chunk record of `bytes` (host home, scratch).
+detail::FloatPtr alloc_floats(std::uint64_t count);
+detail::FloatPtr alloc_record(std::uint64_t bytes) {
+  return alloc_floats((bytes + 3) / 4);
 }
 
 detail::FloatPtr alloc_floats(std::uint64_t count) {
@@ -122,6 +134,22 @@ PartitionId OffloadedOptimizer::Impl::partition_at(const Chunk& c, std::uint64_t
   return static_cast<PartitionId>((it - parts.begin()) - 1);
 }
 
+cpu::AdamTensors OffloadedOptimizer::Impl::state_at(void* base, const Chunk& c, std::uint64_t a,
+                                                   std::uint64_t n) const {
+  const cpu::StateDType d = state_dtype();
+  const DType md = cpu::exp_avg_dtype(d);
+  const DType vd = cpu::exp_avg_sq_dtype(d);
+  cpu::AdamTensors t;
+  t.params = {master(base, c) + a, DType::kF32, n};
+  t.exp_avg = {section(base, c, Section::kExpAvg) + a * dtype_size(md), md, n};
+  t.exp_avg_sq = {section(base, c, Section::kExpAvgSq) + a * dtype_size(vd), vd, n};
+  if (d == cpu::StateDType::kInt8) {
+    t.exp_avg_scales = reinterpret_cast<float*>(section(base, c, Section::kExpAvgScales)) + a / cpu::kStateBlock;
+    t.exp_avg_sq_scales = reinterpret_cast<float*>(section(base, c, Section::kExpAvgSqScales)) + a / cpu::kStateBlock;
+  }
+  return t;
+}
+
 void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int64_t nvme_delta) const {
   if (!opt.counters) return;
   if (host_delta) opt.counters->add_resident(Tier::kHost, host_delta);
@@ -137,9 +165,6 @@ void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int
 static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base, std::byte* staging,
                            const std::vector<cpu::AdamStep>& steps, const std::vector<void*>& dest,
                            const std::vector<cpu::AdamStep>& part_steps = {}) {
-  float* P = OffloadedOptimizer::Impl::section(base, c, StateKind::kMaster);
-  float* M = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvg);
-  float* V = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvgSq);
   std::mutex mu;
   Status first_error;
   im.workers->for_ranges(c.numel, kUpdateGranule, [&](std::uint64_t b, std::uint64_t e) {
@@ -148,6 +173,14 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
     PartitionId pid = im.partition_at(c, flat);
     while (flat < end) {
       const Partition& p = im.parts[pid];
+      // int8 alignment gaps belong to no partition: skip to the next partition's first element.
+      if (flat < p.start) flat = p.start;
+      if (flat >= end) break;
+      if (flat >= p.start + p.numel) {
+        if (pid == c.last) break;
+        ++pid;
+        continue;
+      }
       const std::uint64_t n = std::min(p.start + p.numel, end) - flat;
       if (!im.skipping.empty() && im.skipping[pid]) {
         flat += n;
@@ -173,20 +206,18 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
       Status s;
       if (p.grad != nullptr) {
         const std::size_t gs = dtype_size(p.grad_dtype);
-        s = cpu::adam_update_chunk(
-            st, {{P + ci, DType::kF32, n},
-                 {M + ci, DType::kF32, n},
-                 {V + ci, DType::kF32, n},
-                 cpu::ConstTensorRef(static_cast<const std::byte*>(p.grad) + pi * gs, p.grad_dtype, n),
-                 out ? cpu::TensorRef{out, od, n} : cpu::TensorRef{}});
+        cpu::AdamTensors t = im.state_at(base, c, ci, n);
+        t.grads = cpu::ConstTensorRef(static_cast<const std::byte*>(p.grad) + pi * gs, p.grad_dtype, n);
+        if (out) t.out = cpu::TensorRef{out, od, n};
+        s = cpu::adam_update_chunk(st, t);
       } else {
+        // kZeroSlice is a multiple of the int8 block: every slice starts on a block boundary.
         for (std::uint64_t k = 0; k < n && s.ok(); k += kZeroSlice) {
           const std::uint64_t m = std::min(kZeroSlice, n - k);
-          s = cpu::adam_update_chunk(st, {{P + ci + k, DType::kF32, m},
-                                          {M + ci + k, DType::kF32, m},
-                                          {V + ci + k, DType::kF32, m},
-                                          cpu::ConstTensorRef(zero_grads(), DType::kF32, m),
-                                          out ? cpu::TensorRef{out + k * os, od, m} : cpu::TensorRef{}});
+          cpu::AdamTensors t = im.state_at(base, c, ci + k, m);
+          t.grads = cpu::ConstTensorRef(zero_grads(), DType::kF32, m);
+          if (out) t.out = cpu::TensorRef{out + k * os, od, m};
+          s = cpu::adam_update_chunk(st, t);
         }
       }
       if (!s.ok()) {
@@ -208,9 +239,6 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
 static Status lamb_norms_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base,
                                const std::vector<cpu::AdamStep>& steps,
                                std::vector<std::unique_ptr<cpu::LambNorms>>& norms) {
-  float* P = OffloadedOptimizer::Impl::section(base, c, StateKind::kMaster);
-  float* M = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvg);
-  float* V = OffloadedOptimizer::Impl::section(base, c, StateKind::kExpAvgSq);
   for (PartitionId pid = c.first; pid <= c.last; ++pid) {
     if (!norms[pid] || (!im.skipping.empty() && im.skipping[pid])) continue;
     const Partition& p = im.parts[pid];
@@ -223,24 +251,15 @@ static Status lamb_norms_chunk(const OffloadedOptimizer::Impl& im, const Chunk& 
     Status s;
     if (p.grad != nullptr) {
       const std::size_t gs = dtype_size(p.grad_dtype);
-      s = cpu::lamb_accumulate_norms(
-          st,
-          {{P + ci, DType::kF32, n},
-           {M + ci, DType::kF32, n},
-           {V + ci, DType::kF32, n},
-           cpu::ConstTensorRef(static_cast<const std::byte*>(p.grad) + pi * gs, p.grad_dtype, n),
-           {}},
-          pi, *norms[pid], im.opt.threads);
+      cpu::AdamTensors t = im.state_at(base, c, ci, n);
+      t.grads = cpu::ConstTensorRef(static_cast<const std::byte*>(p.grad) + pi * gs, p.grad_dtype, n);
+      s = cpu::lamb_accumulate_norms(st, t, pi, *norms[pid], im.opt.threads);
     } else {
       for (std::uint64_t k = 0; k < n && s.ok(); k += kZeroSlice) {
         const std::uint64_t m = std::min(kZeroSlice, n - k);
-        s = cpu::lamb_accumulate_norms(st,
-                                       {{P + ci + k, DType::kF32, m},
-                                        {M + ci + k, DType::kF32, m},
-                                        {V + ci + k, DType::kF32, m},
-                                        cpu::ConstTensorRef(zero_grads(), DType::kF32, m),
-                                        {}},
-                                       pi + k, *norms[pid], im.opt.threads);
+        cpu::AdamTensors t = im.state_at(base, c, ci + k, m);
+        t.grads = cpu::ConstTensorRef(zero_grads(), DType::kF32, m);
+        s = cpu::lamb_accumulate_norms(st, t, pi + k, *norms[pid], im.opt.threads);
       }
     }
     if (!s.ok()) return s.with_context(partition_label(pid, p));
@@ -291,6 +310,19 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
         str("optimizer: gradient_accumulation_steps ", o.gradient_accumulation_steps, " must be at least 1"));
   }
   if (o.threads < 0) return invalid_argument(str("optimizer: threads ", o.threads, " is negative; 0 means all cores"));
+  if (o.state_dtype != cpu::StateDType::kF32 && o.state_dtype != cpu::StateDType::kBF16 &&
+      o.state_dtype != cpu::StateDType::kInt8) {
+    return invalid_argument("optimizer: unknown state dtype (tier.optimizer.state_dtype: fp32, bf16 or int8)");
+  }
+  if (o.state_dtype != cpu::StateDType::kF32) {
+    for (std::size_t g = 0; g < o.groups.size(); ++g) {
+      if (o.groups[g].kind == cpu::OptimizerKind::kLamb) {
+        return invalid_argument(str("optimizer: parameter group ", g, " is Lamb, which needs fp32 moments; ",
+                                    "tier.optimizer.state_dtype is ", cpu::state_dtype_name(o.state_dtype),
+                                    " (use fp32, or another optimizer)"));
+      }
+    }
+  }
   if (o.home == StateHome::kNvme && o.swap == nullptr) {
     if (o.max_elements == 0) {
       return invalid_argument(
@@ -314,14 +346,19 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   im->scaler = std::make_unique<LossScaler>(scaler);
 
   // Chunk size: what the buffer budget allows, capped by the model size when known.
+  const cpu::StateDType sd = o.state_dtype;
   std::uint64_t ce = o.chunk_elements;
   if (ce == 0) {
     const std::uint64_t budget = o.buffer_bytes ? o.buffer_bytes : kDefaultBufferBytes;
-    ce = budget / o.buffer_count / kBufferBytesPerElement / detail::kSectionAlign * detail::kSectionAlign;
+    // The largest multiple of 1024 whose buffers fit the budget (a first guess from the bytes
+    // per element, walked down past the sections' page rounding).
+    const std::uint64_t per_element = static_cast<std::uint64_t>(4 + cpu::state_bytes_per_element(sd) + 4 + 0.5);
+    ce = budget / o.buffer_count / per_element / detail::kSectionAlign * detail::kSectionAlign;
+    while (ce > 0 && buffer_bytes_for(ce, sd) * o.buffer_count > budget) ce -= detail::kSectionAlign;
     if (ce == 0) {
       return invalid_argument(str("optimizer: buffer_bytes ", o.buffer_bytes, " leaves no room for ", o.buffer_count,
                                   " buffers of at least ", detail::kSectionAlign, " elements (",
-                                  detail::kSectionAlign * kBufferBytesPerElement * o.buffer_count,
+                                  buffer_bytes_for(detail::kSectionAlign, sd) * o.buffer_count,
                                   " bytes); raise tier.optimizer.buffer_bytes"));
     }
     if (o.max_elements) {
@@ -332,17 +369,17 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
           kMinAutoChunk, detail::round_up((o.max_elements + kMinChunks - 1) / kMinChunks, detail::kSectionAlign));
       ce = std::min({ce, spread, detail::round_up(o.max_elements, detail::kSectionAlign)});
     }
-  } else if (o.buffer_bytes && ce * kBufferBytesPerElement * o.buffer_count > o.buffer_bytes) {
+  } else if (o.buffer_bytes && buffer_bytes_for(ce, sd) * o.buffer_count > o.buffer_bytes) {
     return invalid_argument(str("optimizer: ", o.buffer_count, " buffers of ", ce, " elements need ",
-                                format_bytes(ce * kBufferBytesPerElement * o.buffer_count),
+                                format_bytes(buffer_bytes_for(ce, sd) * o.buffer_count),
                                 " of pinned memory but buffer_bytes allows ", format_bytes(o.buffer_bytes),
                                 "; lower chunk_elements or buffer_count, or raise buffer_bytes"));
   }
   im->chunk_elems = ce;
 
   // Pinned buffers.
-  const std::uint64_t state_bytes = 3 * ce * sizeof(float);
-  const std::uint64_t buf_bytes = detail::round_up(state_bytes + ce * 4, 4096);
+  const std::uint64_t state_bytes = ChunkLayout::of(ce, sd).bytes;
+  const std::uint64_t buf_bytes = buffer_bytes_for(ce, sd);
   const std::uint64_t align = buf_bytes >= HostArena::kHugePage ? HostArena::kHugePage : 4096;
   im->arena = o.arena;
   if (im->arena == nullptr && !o.pinned_source) {
@@ -387,7 +424,13 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
       // Both slots of every chunk; a striped extent may put one stripe unit more than its share
       // on a path, and small extents go whole to one path, so leave a chunk of slack per path.
       const std::uint64_t n_paths = so.paths.size();
-      const std::uint64_t chunks = (o.max_elements + ce - 1) / ce;
+      // int8 state: room for the partitions' alignment gaps too.
+      std::uint64_t gaps = 0;
+      if (sd == cpu::StateDType::kInt8) {
+        gaps = o.max_partitions ? o.max_partitions * (cpu::kStateBlock - 1) : o.max_elements / 16;
+      }
+      const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
+      im->capacity = chunks * ce;
       const std::uint64_t unit = so.stripe_unit ? so.stripe_unit : so.block_size;
       const std::uint64_t per_extent = detail::round_up(state_bytes, unit * n_paths) / n_paths;
       so.bytes_per_path = 2 * chunks * per_extent + 2 * detail::round_up(state_bytes, unit);
@@ -419,6 +462,7 @@ Status open_chunk(OffloadedOptimizer::Impl& im, PartitionId first) {
   Chunk c;
   c.start = im.elements;
   c.stride = im.chunk_elems;
+  c.layout = ChunkLayout::of(c.stride, im.state_dtype());
   c.first = c.last = first;
   if (im.nvme()) {
     Buffer& b = im.bufs[im.chunks.size() % im.bufs.size()];
@@ -433,7 +477,7 @@ Status open_chunk(OffloadedOptimizer::Impl& im, PartitionId first) {
     }
     im.open_base = b.state;
   } else {
-    c.host = alloc_floats(3 * c.stride);
+    c.host = alloc_record(c.bytes());
     if (!c.host) {
       return resource_exhausted(
           str("optimizer: no host memory for a chunk of ", format_bytes(c.bytes()), " (host home)"));
@@ -441,7 +485,9 @@ Status open_chunk(OffloadedOptimizer::Impl& im, PartitionId first) {
     im.open_base = c.host.get();
     im.report_resident(static_cast<std::int64_t>(c.bytes()), 0);
   }
-  std::memset(im.open_base + c.stride, 0, 2 * c.stride * sizeof(float));
+  // Zero moments (and zero int8 scales, which decode to zero moments) in every format.
+  const std::uint64_t after_master = c.layout.offset[static_cast<int>(Section::kExpAvg)];
+  std::memset(reinterpret_cast<std::byte*>(im.open_base) + after_master, 0, c.bytes() - after_master);
   im.chunks.push_back(std::move(c));
   im.chunk_open = true;
   im.open_fill = 0;
@@ -453,19 +499,28 @@ Status close_chunk(OffloadedOptimizer::Impl& im) {
   c.numel = im.open_fill;
   im.chunk_open = false;
   if (!im.nvme()) return {};
-  // A short last chunk is stored compactly: its sections move down to its own stride.
+  // A short last chunk is stored compactly: its sections move down to its own stride's layout
+  // (every offset only decreases, so moving them in order never overwrites one not yet moved).
   const std::uint64_t stride = detail::round_up(c.numel, detail::kSectionAlign);
   if (stride < c.stride) {
-    std::memmove(im.open_base + stride, im.open_base + c.stride, c.numel * sizeof(float));
-    std::memmove(im.open_base + 2 * stride, im.open_base + 2 * c.stride, c.numel * sizeof(float));
+    const ChunkLayout small = ChunkLayout::of(stride, im.state_dtype());
+    const cpu::StateDType d = im.state_dtype();
+    const std::uint64_t used[5] = {0, c.numel * dtype_size(cpu::exp_avg_dtype(d)),
+                                   c.numel * dtype_size(cpu::exp_avg_sq_dtype(d)),
+                                   cpu::state_scale_count(d, c.numel) * 4, cpu::state_scale_count(d, c.numel) * 4};
+    auto* base = reinterpret_cast<std::byte*>(im.open_base);
+    for (int s = 1; s < 5; ++s) {
+      if (used[s]) std::memmove(base + small.offset[s], base + c.layout.offset[s], used[s]);
+    }
     c.stride = stride;
+    c.layout = small;
   }
   for (auto& slot : c.slot) {
     auto e = im.swap->allocate(c.bytes());
     if (!e.ok()) {
       im.poisoned = e.status().with_context(
           str("optimizer: swap space for chunk ", im.chunks.size() - 1, " (", format_bytes(c.bytes()),
-              " x 2 slots; the state needs 24 bytes per element; give a larger swap space or max_elements)"));
+              " x 2 slots; give a larger swap space or max_elements)"));
       return im.poisoned;
     }
     slot = std::move(e).value();
@@ -498,10 +553,26 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
     return invalid_argument(str("optimizer: partition '", spec.name, "' has an implausible ", spec.numel, " elements"));
   }
   if (im.parts.size() >= 0xFFFFFFFFull) return resource_exhausted("optimizer: too many partitions");
-  if (im.own_swap && im.elements + spec.numel > im.opt.max_elements) {
+  // int8 state: the partition starts on a block boundary (its blocks then never straddle another
+  // partition, and chunk boundaries fall on its block boundaries). The gap stays zero.
+  const std::uint64_t gap = im.state_dtype() == cpu::StateDType::kInt8
+                                ? detail::round_up(im.elements, cpu::kStateBlock) - im.elements
+                                : 0;
+  if (im.own_swap && (im.numel_total + spec.numel > im.opt.max_elements ||
+                      im.elements + gap + spec.numel > im.capacity)) {
     return resource_exhausted(str("optimizer: partition '", spec.name, "' (", spec.numel, " elements) would bring the ",
-                                  "state to ", im.elements + spec.numel, " elements, more than max_elements ",
-                                  im.opt.max_elements, " the swap space was sized for"));
+                                  "state to ", im.numel_total + spec.numel, " elements (",
+                                  im.elements + gap + spec.numel, " with the int8 alignment gaps), more than ",
+                                  "max_elements ", im.opt.max_elements, " (", im.capacity,
+                                  ") the swap space was sized for",
+                                  gap ? "; give max_partitions for int8 state" : ""));
+  }
+  if (gap) {
+    // elements is not on a chunk boundary (those are multiples of 256), so a chunk is open.
+    std::memset(im.open_base + im.open_fill, 0, gap * sizeof(float));
+    im.open_fill += gap;
+    im.elements += gap;
+    if (im.open_fill == im.chunk_elems) TIER_RETURN_IF_ERROR(close_chunk(im));
   }
   const auto id = static_cast<PartitionId>(im.parts.size());
   Partition p;
@@ -511,6 +582,7 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
   p.output = spec.output;
   p.name = spec.name;
   im.parts.push_back(std::move(p));
+  im.numel_total += spec.numel;
 
   std::uint64_t done = 0;
   while (done < spec.numel) {
@@ -549,7 +621,7 @@ Status OffloadedOptimizer::finish_registration() {
   im.registered = true;
   if (im.opt.counters) {
     im.opt.counters->set_metric("optim.partitions", static_cast<double>(im.parts.size()));
-    im.opt.counters->set_metric("optim.elements", static_cast<double>(im.elements));
+    im.opt.counters->set_metric("optim.elements", static_cast<double>(im.numel_total));
     im.opt.counters->set_metric("optim.chunks", static_cast<double>(im.chunks.size()));
   }
   return {};
@@ -557,6 +629,10 @@ Status OffloadedOptimizer::finish_registration() {
 
 Result<int> OffloadedOptimizer::add_group(const cpu::AdamHyperParams& hp) {
   Impl& im = *impl_;
+  if (hp.kind == cpu::OptimizerKind::kLamb && im.state_dtype() != cpu::StateDType::kF32) {
+    return invalid_argument(str("optimizer add_group: Lamb needs fp32 moments; the state dtype is ",
+                                cpu::state_dtype_name(im.state_dtype())));
+  }
   TIER_ASSIGN_OR_RETURN(cpu::AdamGroup g, cpu::AdamGroup::create(hp));
   // A new group starts at the step the others are at, so that its bias correction matches.
   if (!im.groups.empty()) TIER_RETURN_IF_ERROR(g.set_step(im.groups[0].step()));
@@ -1039,24 +1115,126 @@ Status for_pieces(const OffloadedOptimizer::Impl& im, PartitionId id, std::uint6
 
 }  // namespace
 
+namespace {
+
+cpu::StateMoment moment_of(StateKind kind) {
+  return kind == StateKind::kExpAvg ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq;
+}
+
+// The section, element dtype and (int8) scales of one state array of chunk c at `base`.
+struct StateView {
+  std::byte* data;
+  DType dtype;
+  float* scales;
+};
+StateView view_of(const OffloadedOptimizer::Impl& im, void* base, const Chunk& c, StateKind kind) {
+  if (kind == StateKind::kMaster) return {OffloadedOptimizer::Impl::section(base, c, Section::kMaster), DType::kF32, nullptr};
+  const cpu::StateDType d = im.state_dtype();
+  const bool m = kind == StateKind::kExpAvg;
+  float* scales = nullptr;
+  if (d == cpu::StateDType::kInt8) {
+    scales = reinterpret_cast<float*>(
+        OffloadedOptimizer::Impl::section(base, c, m ? Section::kExpAvgScales : Section::kExpAvgSqScales));
+  }
+  return {OffloadedOptimizer::Impl::section(base, c, m ? Section::kExpAvg : Section::kExpAvgSq),
+          m ? cpu::exp_avg_dtype(d) : cpu::exp_avg_sq_dtype(d), scales};
+}
+
+// Elements [a, a + n) of a state array of chunk c (laid out at `base`) as fp32 into dst.
+Status decode_piece(const OffloadedOptimizer::Impl& im, void* base, const Chunk& c, StateKind kind, std::uint64_t a,
+                    std::uint64_t n, float* dst) {
+  const StateView v = view_of(im, base, c, kind);
+  const std::size_t es = dtype_size(v.dtype);
+  if (v.dtype == DType::kF32) {
+    std::memcpy(dst, v.data + a * 4, n * 4);
+    return {};
+  }
+  if (v.scales == nullptr) {
+    return cpu::decode_state(moment_of(kind), cpu::ConstTensorRef(v.data + a * es, v.dtype, n), nullptr,
+                             cpu::TensorRef{dst, DType::kF32, n});
+  }
+  // int8: block by block from the block holding element a (each element uses its block's scale).
+  constexpr std::uint64_t B = cpu::kStateBlock;
+  float tmp[B];
+  for (std::uint64_t b = a / B * B; b < a + n; b += B) {
+    const std::uint64_t hi = std::min(a + n, b + B);
+    TIER_RETURN_IF_ERROR(cpu::decode_state(moment_of(kind), cpu::ConstTensorRef(v.data + b * es, v.dtype, hi - b),
+                                           v.scales + b / B, cpu::TensorRef{tmp, DType::kF32, hi - b}));
+    const std::uint64_t lo = std::max(a, b);
+    std::memcpy(dst + (lo - a), tmp + (lo - b), (hi - lo) * 4);
+  }
+  return {};
+}
+
+// Overwrites elements [a, a + n) of a state array of chunk c (laid out at `base`) with fp32 src,
+// encoding into the state dtype. `limit` is the end (chunk element) of the partition piece that
+// holds them: an int8 block is re-encoded whole, from its start up to the block's end or limit.
+// The values must be encodable (check_encodable).
+Status encode_piece(const OffloadedOptimizer::Impl& im, void* base, const Chunk& c, StateKind kind, std::uint64_t a,
+                    std::uint64_t n, std::uint64_t limit, const float* src) {
+  const StateView v = view_of(im, base, c, kind);
+  const std::size_t es = dtype_size(v.dtype);
+  if (v.dtype == DType::kF32) {
+    std::memcpy(v.data + a * 4, src, n * 4);
+    return {};
+  }
+  if (v.scales == nullptr) {
+    return cpu::encode_state(moment_of(kind), cpu::ConstTensorRef(src, DType::kF32, n),
+                             cpu::TensorRef{v.data + a * es, v.dtype, n}, nullptr);
+  }
+  constexpr std::uint64_t B = cpu::kStateBlock;
+  float tmp[B];
+  for (std::uint64_t b = a / B * B; b < a + n; b += B) {
+    const std::uint64_t hi = std::min(limit, b + B);
+    TIER_RETURN_IF_ERROR(cpu::decode_state(moment_of(kind), cpu::ConstTensorRef(v.data + b * es, v.dtype, hi - b),
+                                           v.scales + b / B, cpu::TensorRef{tmp, DType::kF32, hi - b}));
+    const std::uint64_t lo = std::max(a, b);
+    const std::uint64_t e = std::min(a + n, hi);
+    std::memcpy(tmp + (lo - b), src + (lo - a), (e - lo) * 4);
+    TIER_RETURN_IF_ERROR(cpu::encode_state(moment_of(kind), cpu::ConstTensorRef(tmp, DType::kF32, hi - b),
+                                           cpu::TensorRef{v.data + b * es, v.dtype, hi - b}, v.scales + b / B));
+  }
+  return {};
+}
+
+// Compressed moments take finite values, and exp_avg_sq no negative ones: checked over the whole
+// source before anything is written.
+Status check_encodable(const OffloadedOptimizer::Impl& im, StateKind kind, const float* src, std::uint64_t n) {
+  if (kind == StateKind::kMaster || im.state_dtype() == cpu::StateDType::kF32) return {};
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(src[i]) || (kind == StateKind::kExpAvgSq && src[i] < 0)) {
+      return invalid_argument(str("optimizer write_state: ", state_kind_name(kind), " element ", i, " is ", src[i],
+                                  "; ", cpu::state_dtype_name(im.state_dtype()),
+                                  " state takes finite values (and no negative exp_avg_sq); nothing was written"));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 Status OffloadedOptimizer::read_state(PartitionId id, StateKind kind, float* dst, std::uint64_t offset,
                                       std::uint64_t count) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("read_state"));
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "read_state"));
   if (count > 0 && dst == nullptr) return invalid_argument("optimizer read_state: null destination");
+  const bool raw = kind == StateKind::kMaster || im.state_dtype() == cpu::StateDType::kF32;
   return for_pieces(im, id, offset, count,
                     [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
                       const Chunk& c = im.chunks[ci];
-                      if (!im.nvme()) {
-                        std::memcpy(dst + done, Impl::section(c.host.get(), c, kind) + a, n * sizeof(float));
-                        return {};
+                      if (!im.nvme()) return decode_piece(im, c.host.get(), c, kind, a, n, dst + done);
+                      auto* bounce = reinterpret_cast<std::byte*>(im.bufs[0].state);
+                      if (!raw) {
+                        // Compressed moments: the whole record (int8 needs the scales too).
+                        Status s = im.swap->read(c.slot[c.committed], bounce, c.bytes()).wait();
+                        if (!s.ok()) return s.with_context(str("optimizer read_state of chunk ", ci));
+                        return decode_piece(im, bounce, c, kind, a, n, dst + done);
                       }
                       // An aligned window of the committed slot around the elements.
-                      const std::uint64_t at = (static_cast<std::uint64_t>(kind) * c.stride + a) * sizeof(float);
+                      const std::uint64_t at = c.layout.offset[static_cast<int>(kind)] + a * sizeof(float);
                       const std::uint64_t lo = at / 4096 * 4096;
                       const std::uint64_t hi = std::min(c.bytes(), detail::round_up(at + n * sizeof(float), 4096));
-                      auto* bounce = reinterpret_cast<std::byte*>(im.bufs[0].state);
                       Status s = im.swap->read(c.slot[c.committed], bounce, hi - lo, lo).wait();
                       if (!s.ok()) return s.with_context(str("optimizer read_state of chunk ", ci));
                       std::memcpy(dst + done, bounce + (at - lo), n * sizeof(float));
@@ -1070,18 +1248,18 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
   TIER_RETURN_IF_ERROR(im.usable("write_state"));
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "write_state"));
   if (count > 0 && src == nullptr) return invalid_argument("optimizer write_state: null source");
+  TIER_RETURN_IF_ERROR(check_encodable(im, kind, src, count));
+  const Partition& p = im.parts[id];
   return for_pieces(
       im, id, offset, count, [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
         Chunk& c = im.chunks[ci];
-        if (!im.nvme()) {
-          std::memcpy(Impl::section(c.host.get(), c, kind) + a, src + done, n * sizeof(float));
-          return {};
-        }
+        const std::uint64_t limit = std::min(p.start + p.numel, c.start + c.numel) - c.start;
+        if (!im.nvme()) return encode_piece(im, c.host.get(), c, kind, a, n, limit, src + done);
         // Read the whole chunk, patch it, write it to the shadow slot, switch over.
         float* buf = im.bufs[0].state;
         Status s = im.swap->read(c.slot[c.committed], buf, c.bytes()).wait();
         if (!s.ok()) return s.with_context(str("optimizer write_state: reading chunk ", ci));
-        std::memcpy(Impl::section(buf, c, kind) + a, src + done, n * sizeof(float));
+        TIER_RETURN_IF_ERROR(encode_piece(im, buf, c, kind, a, n, limit, src + done));
         s = im.swap->write(c.slot[1 - c.committed], buf, c.bytes()).wait();
         if (!s.ok()) {
           return s.with_context(str("optimizer write_state: writing chunk ", ci, " (its previous content is intact)"));
@@ -1143,7 +1321,7 @@ Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
   r.seconds = since(t0);
   r.bytes_read = ps.read.bytes;
   r.bytes_written = ps.write.bytes;
-  r.elements = im.elements;
+  r.elements = im.numel_total;
   return r;
 }
 
@@ -1160,7 +1338,8 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   // the whole state when smaller), so the pass streams from memory as the step does; the slots
   // hold sane values (params ~1, zero moments), touched once before timing.
   const std::uint64_t ce = im.chunk_elems;
-  const std::uint64_t slot_floats = 4 * ce;  // three sections and the staging
+  const std::uint64_t record_floats = ChunkLayout::of(ce, im.state_dtype()).bytes / 4;
+  const std::uint64_t slot_floats = record_floats + ce;  // a record and the staging
   const std::uint64_t slots = std::max<std::uint64_t>(
       1, std::min<std::uint64_t>(im.chunks.size(), ((256ull << 20) + slot_floats * 4 - 1) / (slot_floats * 4)));
   detail::FloatPtr scratch = alloc_floats(slots * slot_floats);
@@ -1171,19 +1350,19 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   for (std::uint64_t k = 0; k < slots; ++k) {
     float* base = scratch.get() + k * slot_floats;
     for (std::uint64_t i = 0; i < ce; ++i) base[i] = 1.0f + static_cast<float>(i % 1000) * 1e-3f;
-    std::memset(base + ce, 0, 3 * ce * sizeof(float));
+    std::memset(base + ce, 0, (slot_floats - ce) * sizeof(float));
   }
   const std::vector<void*> no_dest;
   const auto t0 = Clock::now();
   for (std::size_t i = 0; i < im.chunks.size(); ++i) {
-    // The chunk's own stride, inside the slot (stride <= chunk_elems).
+    // The chunk's own layout, inside the slot (stride <= chunk_elems).
     float* base = scratch.get() + (i % slots) * slot_floats;
     TIER_RETURN_IF_ERROR(
-        update_chunk(im, im.chunks[i], base, reinterpret_cast<std::byte*>(base + 3 * ce), steps, no_dest));
+        update_chunk(im, im.chunks[i], base, reinterpret_cast<std::byte*>(base + record_floats), steps, no_dest));
   }
   PassReport r;
   r.seconds = since(t0);
-  r.elements = im.elements;
+  r.elements = im.numel_total;
   return r;
 }
 
@@ -1192,13 +1371,15 @@ OptimizerStats OffloadedOptimizer::stats() const {
   OptimizerStats s;
   s.home = im.opt.home;
   s.partitions = im.parts.size();
-  s.elements = im.elements;
+  s.elements = im.numel_total;
+  s.state_dtype = im.state_dtype();
   s.chunks = im.chunks.size();
   s.chunk_elements = im.chunk_elems;
   s.buffer_count = static_cast<unsigned>(im.bufs.size());
   for (const Buffer& b : im.bufs) s.pinned_bytes += b.mem.bytes;
   s.accumulator_bytes = im.accumulator_bytes.load();
   for (const Chunk& c : im.chunks) {
+    s.record_bytes += c.bytes();
     if (c.host) s.host_state_bytes += c.bytes();
     if (c.slot[0]) s.nvme_bytes += c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes();
   }

@@ -13,6 +13,7 @@
 #include "optim/workers.hpp"
 #include "tier/ext/host_arena.hpp"
 #include "tier/offloaded_optimizer.hpp"
+#include "tier/state_codec.hpp"
 
 namespace tier::optim::detail {
 
@@ -46,23 +47,47 @@ struct Partition {
   double sumsq = 0;
 };
 
-// One chunk of the flat element space: [start, start + numel), stored as three sections (master,
-// exp_avg, exp_avg_sq) of `stride` elements each.
+// The sections of a chunk record of `stride` elements, as byte offsets: master (fp32), exp_avg and
+// exp_avg_sq in the state dtype, then (int8 only) one fp32 scale per 256 elements of each. Every
+// section starts on a 4 KiB boundary. With fp32 state this is three sections of stride floats
+// (the layout of format versions 1 and 2).
+enum class Section : std::uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kExpAvgScales = 3, kExpAvgSqScales = 4 };
+struct ChunkLayout {
+  std::uint64_t offset[5] = {};
+  std::uint64_t bytes = 0;
+  static ChunkLayout of(std::uint64_t stride, cpu::StateDType d) {
+    ChunkLayout l;
+    const std::uint64_t sizes[5] = {stride * 4, stride * dtype_size(cpu::exp_avg_dtype(d)),
+                                    stride * dtype_size(cpu::exp_avg_sq_dtype(d)),
+                                    cpu::state_scale_count(d, stride) * 4, cpu::state_scale_count(d, stride) * 4};
+    for (int s = 0; s < 5; ++s) {
+      l.offset[s] = l.bytes;
+      l.bytes += (sizes[s] + 4095) / 4096 * 4096;
+    }
+    return l;
+  }
+};
+
+// One chunk of the flat element space: [start, start + numel), stored as a record of `stride`
+// elements laid out by ChunkLayout. With int8 state every partition starts on a 256-element
+// boundary of the flat space (the gaps belong to no partition), so that quantization blocks never
+// straddle two partitions and chunk boundaries (multiples of 1024) fall on block boundaries.
 struct Chunk {
   std::uint64_t start = 0;
   std::uint64_t numel = 0;
   std::uint64_t stride = 0;
+  ChunkLayout layout;
   PartitionId first = 0;  // partitions [first, last] intersect the chunk
   PartitionId last = 0;
   nvme::SwapExtent slot[2];  // NVMe home
   int committed = 0;         // which slot holds the committed state
-  FloatPtr host;             // host home: the three sections
+  FloatPtr host;             // host home: the record
 
-  std::uint64_t bytes() const noexcept { return 3 * stride * sizeof(float); }
+  std::uint64_t bytes() const noexcept { return layout.bytes; }
 };
 
-// A pipeline buffer: one chunk's three sections, then the low-precision staging (4 bytes per
-// element, so any mix of output dtypes fits at the element's own offset).
+// A pipeline buffer: one chunk's record, then the low-precision staging (4 bytes per element, so
+// any mix of output dtypes fits at the element's own offset).
 struct Buffer {
   PinnedRegion mem;  // from the optimizer's arena (keep: the HostBlock) or options.pinned_source
   float* state = nullptr;
@@ -96,6 +121,8 @@ struct OffloadedOptimizer::Impl {
   std::vector<detail::Partition> parts;
   std::vector<detail::Chunk> chunks;
   std::uint64_t elements = 0;
+  std::uint64_t numel_total = 0;  // the partitions' elements (elements less the int8 alignment gaps)
+  std::uint64_t capacity = 0;     // own swap space: the elements (gaps included) it was sized for
   std::vector<cpu::AdamGroup> groups;
   std::unique_ptr<LossScaler> scaler;
 
@@ -120,10 +147,17 @@ struct OffloadedOptimizer::Impl {
   bool nvme() const noexcept { return opt.home == StateHome::kNvme; }
   Status usable(const char* what, bool loading = false) const;
   PartitionId partition_at(const detail::Chunk& c, std::uint64_t flat) const;
-  // Elements of chunk c's section `kind` in memory laid out like a chunk record.
-  static float* section(float* base, const detail::Chunk& c, StateKind kind) {
-    return base + static_cast<std::uint64_t>(kind) * c.stride;
+  cpu::StateDType state_dtype() const noexcept { return opt.state_dtype; }
+  // A section of chunk c in memory laid out like its record.
+  static std::byte* section(void* base, const detail::Chunk& c, detail::Section s) {
+    return static_cast<std::byte*>(base) + c.layout.offset[static_cast<int>(s)];
   }
+  static float* master(void* base, const detail::Chunk& c) {
+    return reinterpret_cast<float*>(section(base, c, detail::Section::kMaster));
+  }
+  // The state tensors of chunk elements [a, a + n) (a on a block boundary for int8): master,
+  // moments in the state dtype and, for int8, their scales.
+  cpu::AdamTensors state_at(void* base, const detail::Chunk& c, std::uint64_t a, std::uint64_t n) const;
   void report_resident(std::int64_t host_delta, std::int64_t nvme_delta) const;
 };
 

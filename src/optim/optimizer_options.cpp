@@ -17,6 +17,11 @@ Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const E
   o.buffer_count = static_cast<unsigned>(std::max(1, oo.buffer_count));
   o.buffer_bytes = config.tier.optimizer.buffer_bytes;
   o.chunk_elements = config.tier.optimizer.chunk_elements;
+  switch (config.tier.optimizer.state_dtype) {
+    case OptimizerStateDType::kFp32: o.state_dtype = cpu::StateDType::kF32; break;
+    case OptimizerStateDType::kBf16: o.state_dtype = cpu::StateDType::kBF16; break;
+    case OptimizerStateDType::kInt8: o.state_dtype = cpu::StateDType::kInt8; break;
+  }
   // zero_optimization.sub_group_size bounds the elements one optimizer pass handles at a time.
   const std::uint64_t cap = std::max<std::uint64_t>(
       detail::kSectionAlign, config.sub_group_size / detail::kSectionAlign * detail::kSectionAlign);
@@ -54,6 +59,11 @@ Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const E
   hp.max_coeff = config.optimizer.max_coeff;
   hp.min_coeff = config.optimizer.min_coeff;
   o.groups = {hp};
+  if (hp.kind == cpu::OptimizerKind::kLamb && o.state_dtype != cpu::StateDType::kF32) {
+    return invalid_argument(str("optimizer: tier.optimizer.state_dtype ", cpu::state_dtype_name(o.state_dtype),
+                                " is not supported with optimizer.type Lamb (its norms pass needs fp32 moments); ",
+                                "use fp32"));
+  }
   o.max_grad_norm = config.gradient_clipping;
   o.loss_scale = LossScaleOptions::from_config(config.fp16);
   o.gradient_accumulation_steps = config.gradient_accumulation_steps;

@@ -20,6 +20,7 @@
 #include "tier/ext/host_arena.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/ext/swap_space.hpp"
+#include "tier/state_codec.hpp"
 
 namespace tier::optim::test {
 
@@ -88,10 +89,13 @@ inline std::uint64_t grad_seed(std::uint64_t step, int micro, std::size_t part) 
 }
 
 // The in-RAM reference: whole partitions, cpu::adam_update, the documented norm and grad_scale.
+// With compressed state (`sd` bf16 or int8) the moments are kept in that format, blocks counted
+// from each partition's first element; exp_avg() and exp_avg_sq() give them decoded.
 class Reference {
  public:
-  Reference(std::vector<PartDesc> model, std::vector<cpu::AdamHyperParams> groups, std::uint64_t seed)
-      : model_(std::move(model)) {
+  Reference(std::vector<PartDesc> model, std::vector<cpu::AdamHyperParams> groups, std::uint64_t seed,
+            cpu::StateDType sd = cpu::StateDType::kF32)
+      : model_(std::move(model)), sd_(sd) {
     for (const auto& hp : groups) groups_.push_back(cpu::AdamGroup::create(hp).value());
     for (std::size_t i = 0; i < model_.size(); ++i) {
       p_.push_back(initial_values(model_[i].numel, seed + i));
@@ -100,6 +104,11 @@ class Reference {
       out_.emplace_back(model_[i].numel * 4 + 4, 0);
       acc_.emplace_back(model_[i].numel, 0.0f);
       count_.push_back(0);
+      const std::uint64_t n = model_[i].numel;
+      mc_.emplace_back(n * dtype_size(cpu::exp_avg_dtype(sd)) + 4, 0);
+      vc_.emplace_back(n * dtype_size(cpu::exp_avg_sq_dtype(sd)) + 4, 0);
+      ms_.emplace_back(cpu::state_scale_count(sd, n) + 1, 0.0f);
+      vs_.emplace_back(cpu::state_scale_count(sd, n) + 1, 0.0f);
     }
   }
 
@@ -145,15 +154,32 @@ class Reference {
       cpu::TensorRef out{};
       if (model_[i].output != ParamOutput::kNone) out = {out_[i].data(), param_output_dtype(model_[i].output), n};
       const cpu::AdamStep& st = steps[static_cast<std::size_t>(model_[i].group)];
-      const cpu::AdamTensors t{{p_[i].data(), DType::kF32, n},
-                               {m_[i].data(), DType::kF32, n},
-                               {v_[i].data(), DType::kF32, n},
-                               cpu::ConstTensorRef(g, DType::kF32, n),
-                               out};
+      cpu::AdamTensors t{{p_[i].data(), DType::kF32, n},
+                         {m_[i].data(), DType::kF32, n},
+                         {v_[i].data(), DType::kF32, n},
+                         cpu::ConstTensorRef(g, DType::kF32, n),
+                         out};
+      if (sd_ != cpu::StateDType::kF32) {
+        t.exp_avg = {mc_[i].data(), cpu::exp_avg_dtype(sd_), n};
+        t.exp_avg_sq = {vc_[i].data(), cpu::exp_avg_sq_dtype(sd_), n};
+        if (sd_ == cpu::StateDType::kInt8) {
+          t.exp_avg_scales = ms_[i].data();
+          t.exp_avg_sq_scales = vs_[i].data();
+        }
+      }
       // Lamb: both passes over the whole partition in RAM.
       const Status s =
           st.hyper_params().kind == cpu::OptimizerKind::kLamb ? cpu::lamb_update(st, t, 1) : cpu::adam_update(st, t, 1);
       EXPECT_TRUE(s.ok()) << s;
+      if (sd_ != cpu::StateDType::kF32) {
+        const bool q = sd_ == cpu::StateDType::kInt8;
+        EXPECT_TRUE(cpu::decode_state(cpu::StateMoment::kExpAvg, t.exp_avg, q ? ms_[i].data() : nullptr,
+                                      {m_[i].data(), DType::kF32, n})
+                        .ok());
+        EXPECT_TRUE(cpu::decode_state(cpu::StateMoment::kExpAvgSq, t.exp_avg_sq, q ? vs_[i].data() : nullptr,
+                                      {v_[i].data(), DType::kF32, n})
+                        .ok());
+      }
     }
     clear();
     return true;
@@ -172,8 +198,10 @@ class Reference {
 
  private:
   std::vector<PartDesc> model_;
+  cpu::StateDType sd_;
   std::vector<cpu::AdamGroup> groups_;
-  std::vector<std::vector<float>> p_, m_, v_, acc_;
+  std::vector<std::vector<float>> p_, m_, v_, acc_, ms_, vs_;
+  std::vector<std::vector<std::uint8_t>> mc_, vc_;
   std::vector<std::vector<std::uint8_t>> out_;
   std::vector<int> count_;
 };

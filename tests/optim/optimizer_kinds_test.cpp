@@ -180,8 +180,9 @@ TEST_P(OptimizerKinds, LambStepFailingInEitherPassKeepsTheStateAndRetries) {
 
 INSTANTIATE_TEST_SUITE_P(Homes, OptimizerKinds, testing::ValuesIn(test::all_homes()), test::home_name);
 
-// Rewrites a version 2 checkpoint as version 1 wrote it: no kind or coefficients in the groups
-// (blanked to JSON whitespace, so that nothing moves), version 1, checksums redone.
+// Rewrites a checkpoint of fp32 state as version 1 wrote it: no kind or coefficients in the
+// groups and no state dtype (blanked to JSON whitespace), version 1, records with 40-byte headers
+// (three section checksums; an fp32 payload is the same), checksums and the trailer's chain redone.
 void make_version_1(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -197,20 +198,42 @@ void make_version_1(const std::string& file) {
       for (std::size_t k = at; k < end; ++k) meta[k] = ' ';
     }
   };
+  ASSERT_NE(meta.find("\"state_dtype\":\"fp32\""), std::string::npos) << meta;
   blank_key("kind");
   blank_key("max_coeff");
   blank_key("min_coeff");
-  const std::size_t v = meta.find("\"version\":2");
+  blank_key("state_dtype");
+  const std::size_t v = meta.find("\"version\":3");
   ASSERT_NE(v, std::string::npos) << meta;
   meta[v + 10] = '1';
-  bytes.replace(64, meta_size, meta);
+  std::string out = bytes.substr(0, 64) + meta;
   const std::uint32_t one = 1, meta_crc = detail::crc32c(meta.data(), meta.size());
-  std::memcpy(bytes.data() + 8, &one, 4);
-  std::memcpy(bytes.data() + 40, &meta_crc, 4);
-  const std::uint32_t header_crc = detail::crc32c(bytes.data(), 60);
-  std::memcpy(bytes.data() + 60, &header_crc, 4);
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::memcpy(out.data() + 8, &one, 4);
+  std::memcpy(out.data() + 40, &meta_crc, 4);
+  const std::uint32_t header_crc = detail::crc32c(out.data(), 60);
+  std::memcpy(out.data() + 60, &header_crc, 4);
+  std::size_t pos = 64 + meta_size;
+  std::uint32_t chain = 0;
+  while (pos + 32 < bytes.size()) {
+    ASSERT_EQ(bytes.compare(pos, 4, "TREC"), 0) << "record at byte " << pos;
+    std::uint64_t count = 0;
+    std::memcpy(&count, bytes.data() + pos + 16, 8);
+    std::string h = bytes.substr(pos, 36);
+    const std::uint32_t crc = detail::crc32c(h.data(), 36);
+    h.append(reinterpret_cast<const char*>(&crc), 4);
+    chain = detail::crc32c_extend(chain, h.data(), h.size());
+    out += h;
+    out += bytes.substr(pos + 48, 12 * count);
+    pos += 48 + 12 * count;
+  }
+  std::string trailer = bytes.substr(pos, 32);
+  ASSERT_EQ(trailer.size(), 32u);
+  std::memcpy(trailer.data() + 24, &chain, 4);
+  const std::uint32_t tcrc = detail::crc32c(trailer.data(), 28);
+  std::memcpy(trailer.data() + 28, &tcrc, 4);
+  out += trailer;
+  std::ofstream o(file, std::ios::binary | std::ios::trunc);
+  o.write(out.data(), static_cast<std::streamsize>(out.size()));
 }
 
 TEST(OptimizerKindsCheckpoint, Version1CheckpointLoadsAsAdam) {
