@@ -492,10 +492,11 @@ NB_MODULE(_tier, m) {
   nb::class_<PyOptimizer>(m, "Optimizer", "The offloaded Adam/AdamW optimizer (state on NVMe or in host memory).")
       .def_static(
           "create",
-          [](const EngineConfig& cfg, std::uint64_t max_elements, nb::object engine) {
+          [](const EngineConfig& cfg, std::uint64_t max_elements, nb::object engine, std::uint64_t max_partitions) {
             Engine* e = engine.is_none() ? nullptr : &nb::cast<Engine&>(engine);
             auto options =
                 unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, e ? &e->counters() : nullptr));
+            options.max_partitions = max_partitions;
             if (e != nullptr) {
               // The pipeline buffers count against the engine's host budget (the engine outlives
               // the optimizer: PyOptimizer keeps a reference and drops the optimizer first).
@@ -516,7 +517,7 @@ NB_MODULE(_tier, m) {
             out.engine_ref = engine;
             return out;
           },
-          "config"_a, "max_elements"_a, "engine"_a = nb::none())
+          "config"_a, "max_elements"_a, "engine"_a = nb::none(), "max_partitions"_a = 0)
       .def(
           "add_partition",
           [](PyOptimizer& o, std::uint64_t numel, int group, const std::string& output, nb::handle initial,
@@ -754,6 +755,8 @@ NB_MODULE(_tier, m) {
              d["home"] = optim::state_home_name(st.home);
              d["partitions"] = st.partitions;
              d["elements"] = st.elements;
+             d["state_dtype"] = cpu::state_dtype_name(st.state_dtype);
+             d["record_bytes"] = st.record_bytes;
              d["chunks"] = st.chunks;
              d["chunk_elements"] = st.chunk_elements;
              d["buffer_count"] = st.buffer_count;

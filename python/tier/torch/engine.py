@@ -546,7 +546,12 @@ class TierEngine(torch.nn.Module):
         opt_cfg = dict(cfg, gradient_accumulation_steps=1)
         opt_cfg.pop("train_batch_size", None)
         opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
-        self.optimizer = _tier.Optimizer.create(opt_config, trainable_numel, self.native)
+        self.optimizer = _tier.Optimizer.create(
+            opt_config,
+            trainable_numel,
+            self.native,
+            max_partitions=sum(1 for s in self._slots if s.trainable),
+        )
         groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):

@@ -112,7 +112,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         total = sum(p.numel() for p in self._params)
         if total == 0:
             raise ValueError("OffloadedAdamW got no parameters with elements")
-        self._native = _tier.Optimizer.create(_tier.Config.from_json(json.dumps(cfg)), total)
+        self._native = _tier.Optimizer.create(
+            _tier.Config.from_json(json.dumps(cfg)), total, max_partitions=len(self._params)
+        )
         for gi, g in enumerate(self.param_groups):
             if gi > 0:
                 self._native.add_group(
