@@ -29,6 +29,7 @@
 #include "read_reference.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/offloaded_optimizer.hpp"
+#include "tier/state_codec.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"
 
@@ -50,6 +51,7 @@ struct StepBenchSpec {
   std::uint64_t chunk_elements = 0;
   DType grad = DType::kBF16;
   ParamOutput out = ParamOutput::kBF16;
+  cpu::StateDType state_dtype = cpu::StateDType::kF32;
   IoEngineKind engine = IoEngineKind::kAuto;
   std::uint64_t block_size = 1 << 20;
   unsigned queue_depth = 32;
@@ -69,7 +71,7 @@ struct StepBenchResult {
   std::string engine;
   bool direct = false;
   std::uint64_t partitions = 0;
-  std::uint64_t state_bytes = 0;  // 12 bytes per parameter
+  std::uint64_t state_bytes = 0;  // the chunk records: 12 bytes per parameter with fp32 moments
   std::uint64_t max_rss_bytes = 0;
   std::uint64_t swap_requests = 0;
   ReadReference io_reference;       // outside tier, best of 2
@@ -108,12 +110,15 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   StepBenchResult res;
   const auto sizes = partition_sizes(spec.params);
   res.partitions = sizes.size();
-  res.state_bytes = 12 * spec.params;
+  const double bytes_per_param = 4 + cpu::state_bytes_per_element(spec.state_dtype);
+  res.state_bytes = static_cast<std::uint64_t>(bytes_per_param * static_cast<double>(spec.params));
 
   Counters counters;
   OffloadedOptimizerOptions o;
   o.home = spec.host ? optim::StateHome::kHost : optim::StateHome::kNvme;
   o.max_elements = spec.params;
+  o.max_partitions = sizes.size();
+  o.state_dtype = spec.state_dtype;
   o.buffer_count = spec.buffer_count;
   o.buffer_bytes = spec.buffer_bytes;
   o.chunk_elements = spec.chunk_elements;
@@ -152,13 +157,14 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
       ps.output = spec.out;
       ps.initial = pattern.data() + (i * 977) % kPattern;
       TIER_RETURN_IF_ERROR(opt->add_partition(ps).status());
-      done += 12 * sizes[i];
+      done += static_cast<std::uint64_t>(bytes_per_param * static_cast<double>(sizes[i]));
       prog.update(done);
     }
     TIER_RETURN_IF_ERROR(opt->finish_registration());
     prog.finish();
     res.register_seconds = seconds_since(t0);
   }
+  res.state_bytes = opt->stats().record_bytes;  // exact, the sections' page rounding included
   pattern = {};
   pattern.shrink_to_fit();
 
@@ -294,7 +300,7 @@ int run_step(Args& args) {
   auto take = [&](auto r, auto& into) { take_option(s, std::move(r), into); };
   take(args.count("params", 100'000'000), spec.params);
   spec.paths = split_list(args.get("nvme", ""));
-  std::string home = "nvme", grad = "bf16", out = "bf16", engine = "auto";
+  std::string home = "nvme", grad = "bf16", out = "bf16", engine = "auto", state_dtype = "fp32";
   take(args.choice("home", {"nvme", "host"}, "nvme"), home);
   take(args.integer("steps", 3), spec.steps);
   take(args.integer("buffer-count", 8), spec.buffer_count);
@@ -302,6 +308,7 @@ int run_step(Args& args) {
   take(args.count("chunk-elements", 0), spec.chunk_elements);
   take(args.choice("grad-dtype", {"fp32", "fp16", "bf16"}, "bf16"), grad);
   take(args.choice("out-dtype", {"none", "fp16", "bf16", "fp32"}, "bf16"), out);
+  take(args.choice("state-dtype", {"fp32", "bf16", "int8"}, "fp32"), state_dtype);
   take(args.choice("engine", {"auto", "uring", "aio", "posix"}, "auto"), engine);
   take(args.size("block-size", 1 << 20), spec.block_size);
   take(args.integer("queue-depth", 32), spec.queue_depth);
@@ -313,6 +320,7 @@ int run_step(Args& args) {
   if (Status f = args.finish(); s.ok() && !f.ok()) s = f;
   spec.host = home == "host";
   spec.grad = parse_dtype(grad).value();
+  spec.state_dtype = cpu::parse_state_dtype(state_dtype).value();
   spec.out = out == "none"   ? ParamOutput::kNone
              : out == "fp16" ? ParamOutput::kF16
              : out == "fp32" ? ParamOutput::kF32
@@ -343,7 +351,10 @@ int run_step(Args& args) {
                                 {"nvme_path_is_tmpfs", !spec.host && !in_memory_paths(spec.paths).empty()},
                                 {"engine", r->engine},
                                 {"direct", r->direct},
+                                {"state_dtype", cpu::state_dtype_name(spec.state_dtype)},
                                 {"state_bytes", r->state_bytes},
+                                {"bytes_per_param_io", static_cast<double>(m.read.bytes + m.write.bytes) /
+                                                           static_cast<double>(spec.params)},
                                 {"chunk_elements", r->stats.chunk_elements},
                                 {"chunks", r->stats.chunks},
                                 {"buffer_count", r->stats.buffer_count},
@@ -383,7 +394,8 @@ int run_step(Args& args) {
   const std::string where =
       spec.host ? std::string("host home") : str("nvme ", r->engine, r->direct ? " O_DIRECT" : " buffered");
   std::printf("%s\n", str("optimizer step: ", fmt(static_cast<double>(spec.params) / 1e6, 0), "M params (",
-                          r->partitions, " partitions, ", format_bytes(r->state_bytes), " of fp32 state), ", where,
+                          r->partitions, " partitions, ", format_bytes(r->state_bytes), " of state with ",
+                          cpu::state_dtype_name(spec.state_dtype), " moments), ", where,
                           ", ", r->stats.chunks, " chunks x ", r->stats.chunk_elements, " elements, ",
                           r->stats.buffer_count, " buffers, ", format_bytes(r->stats.pinned_bytes), " pinned")
                           .c_str());
@@ -411,7 +423,9 @@ int run_step(Args& args) {
   if (!spec.host)
     t.add({"step / max(io reference, compute)", fmt(ref_ratio, 3), "", "the I/O bound from outside tier"});
   t.print();
-  std::printf("gradient intake %s per step; peak RSS %s\n", format_seconds(r->intake_seconds).c_str(),
+  std::printf("gradient intake %s per step; NVMe traffic %s bytes per parameter per step; peak RSS %s\n",
+              format_seconds(r->intake_seconds).c_str(),
+              fmt(static_cast<double>(m.read.bytes + m.write.bytes) / static_cast<double>(spec.params), 2).c_str(),
               format_bytes(r->max_rss_bytes).c_str());
   if (!spec.host) warn_in_memory_paths(spec.paths);
   return 0;
@@ -428,6 +442,7 @@ const CommandRegistrar kRegister(
      "  --chunk-elements N    elements per chunk (default: from the buffers and the model size)\n"
      "  --grad-dtype T        fp32 | fp16 | bf16 (default bf16)\n"
      "  --out-dtype T         none | fp16 | bf16 | fp32: the params' low-precision copy (default bf16)\n"
+     "  --state-dtype T       fp32 | bf16 | int8: the format of Adam's moments (default fp32)\n"
      "  --engine E            auto|uring|aio|posix (default auto)\n"
      "  --block-size N        bytes per request (default 1M)\n"
      "  --queue-depth N       requests in flight per I/O thread (default 32)\n"
