@@ -50,7 +50,10 @@
 // (two calls for the same partition must not overlap); nothing else may run concurrently with
 // add_grad() or with any other member. Every other member is called by one thread at a time.
 // step() runs its own I/O threads (the swap space's) and a oneTBB arena of `threads` threads; the
-// StepOptions callbacks run on the thread that called step().
+// StepOptions callbacks run on the thread that called step(). Between start_overlapped_step()
+// and finish_overlapped_step() the pass's own thread runs beside the caller's, which may call
+// add_grad() and declare_grad() (and cancel_overlapped_step(), clear_grads()) but nothing else;
+// the pass's StepOptions callbacks run on the pass's thread.
 #pragma once
 
 #include <cstddef>
@@ -245,6 +248,14 @@ struct StepReport {
   std::uint64_t chunks = 0;
   std::uint64_t late_norm_partitions = 0;  // accumulated grads whose norm was computed at step()
   std::uint64_t zero_grad_partitions = 0;  // partitions that got no gradient (updated with zeros)
+  // Overlapped steps (start_overlapped_step): whether this step was one, the chunks its
+  // speculative pass updated before the gradients were all in (of `chunks`), whether the
+  // speculation was discarded and the step redone serially (clipping, an overflow or an error),
+  // and why.
+  bool overlapped = false;
+  std::uint64_t speculated_chunks = 0;
+  bool redone = false;
+  std::string redo_reason;
 };
 
 // Bytes and timings of a diagnostic pass (measure_io_seconds / measure_update_seconds).
@@ -323,6 +334,35 @@ class OffloadedOptimizer {
   // read or write, with the previous state intact and the gradients kept (call step() again, or
   // clear_grads()); an on_output error (the step was applied, see StepOptions).
   Result<StepReport> step(const StepOptions& options = {});
+
+  // ------------------------------------------------------------------ the step overlapped with backward
+  // (tier.optimizer.overlap = "exact"; NVMe home.) Starts this accumulation boundary's step before
+  // its gradients are in: a thread walks the chunks in reverse registration order (the order in
+  // which backward finishes gradients) and updates each as soon as every partition in it has its
+  // final gradient (the last micro-step's add_grad, or declare_grad), speculating that the step
+  // is neither clipped nor skipped: the gradients are unscaled by the loss scale only. Everything
+  // goes to the shadow slots; nothing is committed. Gradients keep arriving through add_grad /
+  // declare_grad (from any one thread; see the thread-safety note) while it runs; `options` are
+  // used as step() would use them, their callbacks on the pass's thread. The pass stops early
+  // once the gradients so far make clipping certain (their norm alone exceeds max_grad_norm) or
+  // show an overflow. Errors: kFailedPrecondition (host home, which updates in place and could
+  // not redo; Lamb; an overlapped step already running; before finish_registration()).
+  Status start_overlapped_step(const StepOptions& options);
+  // Every gradient of the step is in: computes the global norm exactly as step() does and
+  // validates the speculation. When the step is not clipped and no gradient overflowed, the
+  // pass finishes the remaining chunks and the step commits: the result is bit for bit step()'s.
+  // Otherwise the speculative shadows are dropped and step() runs with the same options (the
+  // clipped update, or the skip of an overflow, after which the params the pass had delivered
+  // are delivered again from the committed masters). StepReport::overlapped, speculated_chunks,
+  // redone and redo_reason say which. Errors: step()'s; kFailedPrecondition without a start.
+  Result<StepReport> finish_overlapped_step();
+  // Drops an overlapped step in flight (its thread is stopped and joined, nothing is committed,
+  // the step counters are restored); the gradients are kept. No-op without one. Also done by
+  // clear_grads() and the destructor.
+  void cancel_overlapped_step() noexcept;
+  bool overlapped_step_running() const noexcept;
+  // Chunks the running overlapped pass has taken up so far (0 without one).
+  std::uint64_t overlapped_chunks_taken() const;
 
   // ------------------------------------------------------------------ hyper-parameters
   std::size_t group_count() const noexcept;

@@ -31,9 +31,11 @@ struct BusyClock {
 
 class Pipeline : public std::enable_shared_from_this<Pipeline> {
  public:
-  Pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write)
+  Pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
+           const std::vector<std::size_t>* order)
       : swap_(swap),
         chunks_(chunks),
+        order_(order),
         bufs_(bufs),
         read_(read),
         write_(write),
@@ -69,7 +71,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
         if (!error_.ok() || (read_ && read_state_[i] != 1)) break;
       }
       const auto t1 = Clock::now();
-      Status s = process(i, b);
+      Status s = process(at(i), b);
       update_busy += seconds_between(t1, Clock::now());
       ++updates_;
       if (!s.ok()) {
@@ -129,15 +131,18 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
     (is_read ? read_clock_ : write_clock_).stop(now);
   }
 
+  // The chunk at position k of the sequence.
+  std::size_t at(std::size_t k) const { return order_ ? (*order_)[k] : k; }
+
   void issue_read(std::size_t k) {
-    const Chunk& c = chunks_[k];
+    const Chunk& c = chunks_[at(k)];
     Buffer& b = bufs_[k % bufs_.size()];
     nvme::IoFuture f = swap_.read(c.slot[c.committed], b.state, c.bytes());
     f.on_complete([self = shared_from_this(), k](const Status& s) { self->read_done(k, s); });
   }
 
   void issue_write(std::size_t i) {
-    const Chunk& c = chunks_[i];
+    const Chunk& c = chunks_[at(i)];
     Buffer& b = bufs_[i % bufs_.size()];
     nvme::IoFuture f = swap_.write(c.slot[1 - c.committed], b.state, c.bytes());
     f.on_complete([self = shared_from_this(), i](const Status& s) { self->write_done(i, s); });
@@ -148,11 +153,11 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
     release_locked(true);
     if (s.ok()) {
       read_state_[k] = 1;
-      read_bytes_ += chunks_[k].bytes();
+      read_bytes_ += chunks_[at(k)].bytes();
       ++reads_;
     } else {
       read_state_[k] = 2;
-      if (error_.ok()) error_ = s.with_context(str("reading chunk ", k, " of ", chunks_.size()));
+      if (error_.ok()) error_ = s.with_context(str("reading chunk ", at(k), " of ", chunks_.size()));
     }
     cv_.notify_all();
   }
@@ -163,10 +168,10 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (s.ok()) {
-        write_bytes_ += chunks_[i].bytes();
+        write_bytes_ += chunks_[at(i)].bytes();
         ++writes_;
       } else if (error_.ok()) {
-        error_ = s.with_context(str("writing chunk ", i, " of ", chunks_.size()));
+        error_ = s.with_context(str("writing chunk ", at(i), " of ", chunks_.size()));
       }
       buf_free_[i % nb] = 1;
       // Released before the next read is reserved (in one critical section, so run() never sees
@@ -184,6 +189,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 
   nvme::SwapSpace& swap_;
   std::vector<Chunk>& chunks_;
+  const std::vector<std::size_t>* order_;
   std::vector<Buffer>& bufs_;
   const bool read_, write_;
 
@@ -201,9 +207,11 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 }  // namespace
 
 Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
-                    const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats) {
+                    const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
+                    const std::vector<std::size_t>* order) {
   if (bufs.empty()) return internal_error("optimizer pipeline: no buffers");
-  auto p = std::make_shared<Pipeline>(swap, chunks, bufs, read, write);
+  if (order && order->size() != chunks.size()) return internal_error("optimizer pipeline: a partial chunk order");
+  auto p = std::make_shared<Pipeline>(swap, chunks, bufs, read, write, order);
   return p->run(process, stats);
 }
 

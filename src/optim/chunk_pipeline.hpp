@@ -25,8 +25,10 @@ struct PipelineStats {
   unsigned max_in_flight = 0;
 };
 
-// process(i, buffer) handles chunk i in `buffer` (laid out with chunk i's stride).
+// process(i, buffer) handles chunk i in `buffer` (laid out with chunk i's stride). `order`, when
+// given, is the sequence of chunk indices to go through instead of 0, 1, ... (e.g. reversed).
 Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
-                    const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats);
+                    const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
+                    const std::vector<std::size_t>* order = nullptr);
 
 }  // namespace tier::optim::detail

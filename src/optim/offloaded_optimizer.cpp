@@ -274,6 +274,17 @@ OffloadedOptimizer::OffloadedOptimizer(std::unique_ptr<Impl> impl) : impl_(std::
 OffloadedOptimizer::~OffloadedOptimizer() {
   if (!impl_) return;
   Impl& im = *impl_;
+  if (im.overlap) {
+    // Stopped without delivering anything again: the caller's destinations may be gone.
+    {
+      std::lock_guard<std::mutex> lk(im.overlap->mu);
+      im.overlap->abort = true;
+      im.overlap->all_in = true;
+    }
+    im.overlap->cv.notify_all();
+    im.overlap->thread.join();
+    im.overlap.reset();
+  }
   for (Buffer& b : im.bufs) {
     if (b.pending.valid()) b.pending.wait().ignore();
   }
@@ -705,6 +716,7 @@ Status OffloadedOptimizer::add_grad(PartitionId id, cpu::ConstTensorRef grad, Gr
     }
   }
   if (p.contributions++ == 0) ++im.with_grads;
+  if (final) im.note_ready(id);
   return {};
 }
 
@@ -731,11 +743,13 @@ Status OffloadedOptimizer::declare_grad(PartitionId id, double sumsq) {
   p.norm_known = true;
   p.contributions = im.opt.gradient_accumulation_steps;
   ++im.with_grads;
+  im.note_ready(id);
   return {};
 }
 
 void OffloadedOptimizer::clear_grads() noexcept {
   Impl& im = *impl_;
+  cancel_overlapped_step();
   for (Partition& p : im.parts) {
     p.grad = nullptr;
     p.declared = false;
@@ -752,14 +766,62 @@ std::uint64_t OffloadedOptimizer::partitions_with_grads() const noexcept {
 
 // ------------------------------------------------------------------------------------ the step
 
-Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
-  Impl& im = *impl_;
+namespace {
+
+// Counters and the timeline after a step.
+void publish_step(const OffloadedOptimizer::Impl& im, StepReport& r, Clock::time_point t0) {
+  r.step = im.groups[0].step();
+  r.seconds = since(t0);
+  if (Counters* c = im.opt.counters) {
+    c->add_metric("optim.steps", 1);
+    if (!r.applied) c->add_metric("optim.steps_skipped", 1);
+    if (r.overlapped) c->add_metric("optim.overlapped_steps", 1);
+    if (r.redone) c->add_metric("optim.redone_steps", 1);
+    c->set_metric("optim.step_seconds", r.seconds);
+    c->set_metric("optim.read_busy_seconds", r.read.busy_seconds);
+    c->set_metric("optim.write_busy_seconds", r.write.busy_seconds);
+    c->set_metric("optim.update_seconds", r.update.busy_seconds);
+    c->set_metric("optim.update_wait_seconds", r.update_wait_seconds);
+    c->set_metric("optim.grad_norm", r.grad_norm);
+    c->set_metric("optim.loss_scale", r.next_loss_scale);
+    c->trace_span("optimizer",
+                  str("optimizer step ", r.step, r.applied ? "" : " (skipped)", r.overlapped ? " (overlapped)" : ""),
+                  t0, Clock::now(), r.read.bytes + r.write.bytes);
+  }
+}
+
+// An overlapped pass: waits until every partition of chunk c has its final gradient, all
+// gradients are in, or the pass is aborted; false when aborted. Counts the chunks updated before
+// all gradients were in.
+bool wait_for_chunk(detail::Overlap& ov, const Chunk& c, std::uint64_t* speculated) {
+  std::unique_lock<std::mutex> lk(ov.mu);
+  ov.cv.wait(lk, [&] {
+    if (ov.abort || ov.all_in) return true;
+    for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+      if (!ov.ready[pid]) return false;
+    }
+    return true;
+  });
+  if (!ov.abort && !ov.all_in) {
+    ++*speculated;
+    ++ov.speculated;
+  }
+  return !ov.abort;
+}
+
+// The step, serial (spec null) or as an overlapped pass (see start_overlapped_step): the pass
+// walks the chunks in reverse, waits for each chunk's gradients, assumes no clipping and no
+// overflow, and commits nothing.
+Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& options,
+                            detail::Overlap* spec) {
   TIER_RETURN_IF_ERROR(im.usable("step"));
   struct SkipScope {  // the partitions left untouched, for this step only
     std::vector<std::uint8_t>& v;
     ~SkipScope() { v.clear(); }
   } skip_scope{im.skipping};
-  if (options.skip_missing_grads) {
+  // (An overlapped pass's skipping vector is sized by start_overlapped_step and filled by
+  // finish_overlapped_step when every gradient is in.)
+  if (options.skip_missing_grads && !spec) {
     im.skipping.assign(im.parts.size(), 0);
     for (std::size_t i = 0; i < im.parts.size(); ++i) im.skipping[i] = im.parts[i].contributions == 0 ? 1 : 0;
   }
@@ -769,7 +831,7 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
 
   // The global norm from the per-partition sums taken at intake, in partition order.
   double total = 0;
-  for (std::size_t i = 0; i < im.parts.size(); ++i) {
+  for (std::size_t i = 0; i < im.parts.size() && !spec; ++i) {
     Partition& p = im.parts[i];
     if (p.contributions == 0) {
       ++r.zero_grad_partitions;
@@ -790,29 +852,13 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   r.overflow = !std::isfinite(total);
   r.grad_norm = std::sqrt(total) / scale;
 
-  auto publish = [&] {
-    r.step = im.groups[0].step();
-    r.seconds = since(t0);
-    if (Counters* c = im.opt.counters) {
-      c->add_metric("optim.steps", 1);
-      if (!r.applied) c->add_metric("optim.steps_skipped", 1);
-      c->set_metric("optim.step_seconds", r.seconds);
-      c->set_metric("optim.read_busy_seconds", r.read.busy_seconds);
-      c->set_metric("optim.write_busy_seconds", r.write.busy_seconds);
-      c->set_metric("optim.update_seconds", r.update.busy_seconds);
-      c->set_metric("optim.update_wait_seconds", r.update_wait_seconds);
-      c->set_metric("optim.grad_norm", r.grad_norm);
-      c->set_metric("optim.loss_scale", r.next_loss_scale);
-      c->trace_span("optimizer", str("optimizer step ", r.step, r.applied ? "" : " (skipped)"), t0, Clock::now(),
-                    r.read.bytes + r.write.bytes);
-    }
-  };
+  auto publish = [&] { publish_step(im, r, t0); };
 
-  if (r.overflow && (im.opt.skip_non_finite || im.scaler->enabled())) {
+  if (!spec && r.overflow && (im.opt.skip_non_finite || im.scaler->enabled())) {
     r.applied = false;
     r.next_loss_scale = im.scaler->update(true);
     ++im.steps_skipped;
-    clear_grads();
+    self.clear_grads();
     if (!im.scaler->enabled()) {
       log_once("optim.non_finite", LogLevel::kWarn,
                "optimizer: a gradient is inf/nan; the step is skipped (reported in StepReport::overflow)");
@@ -821,7 +867,9 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     return r;
   }
 
-  const float clip = im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(r.grad_norm, im.opt.max_grad_norm) : 1.0f;
+  // An overlapped pass speculates: no clipping (validated by finish_overlapped_step).
+  const float clip =
+      !spec && im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(r.grad_norm, im.opt.max_grad_norm) : 1.0f;
   r.clip_coefficient = clip;
   const double grad_scale = static_cast<double>(clip) / scale;
 
@@ -840,10 +888,12 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
   };
 
-  // Declared gradients are fetched before a partition's first chunk and handed back after its last.
-  bool any_declared = false;
-  for (const Partition& p : im.parts) any_declared = any_declared || p.declared;
-  if (any_declared && !options.grad_source) {
+  // Declared gradients are fetched before a partition's first chunk and handed back after its last
+  // (an overlapped pass, which goes in reverse, hands them back after their first).
+  bool any_declared = spec != nullptr;  // a pass cannot know yet: it looks at each chunk's
+  for (std::size_t i = 0; i < im.parts.size() && !spec; ++i) any_declared = any_declared || im.parts[i].declared;
+  std::vector<std::uint8_t> fetched(im.parts.size(), 0);
+  if (!spec && any_declared && !options.grad_source) {
     rollback();
     return failed_precondition(
         "optimizer step: gradients were declared (declare_grad) but StepOptions::grad_source is not set");
@@ -852,6 +902,11 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
     for (PartitionId pid = c.first; pid <= c.last; ++pid) {
       Partition& p = im.parts[pid];
       if (!p.declared || p.grad != nullptr) continue;
+      if (!options.grad_source) {
+        return failed_precondition(
+            "optimizer step: gradients were declared (declare_grad) but StepOptions::grad_source is not set");
+      }
+      fetched[pid] = 1;
       auto g = options.grad_source(pid);
       if (!g.ok()) return g.status().with_context(str("the gradient of ", partition_label(pid, p)));
       const cpu::ConstTensorRef ref = *g;
@@ -867,9 +922,12 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   };
   auto return_grads = [&](const Chunk* c) {
     for (PartitionId pid = c ? c->first : 0; pid < (c ? c->last + 1 : im.parts.size()); ++pid) {
+      if (!fetched[pid]) continue;
       Partition& p = im.parts[pid];
       if (!p.declared || p.grad == nullptr) continue;
-      if (c && p.start + p.numel > c->start + c->numel) continue;  // continues in the next chunk
+      // The partition continues in the next chunk of the walk.
+      if (c && (spec ? p.start < c->start : p.start + p.numel > c->start + c->numel)) continue;
+      fetched[pid] = 0;
       p.grad = nullptr;
       if (options.grad_done) options.grad_done(pid);
     }
@@ -952,9 +1010,15 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
     const Chunk& c = im.chunks[i];
     drain(pending[b]);  // the staging is about to be overwritten
+    if (spec && !wait_for_chunk(*spec, c, &r.speculated_chunks)) {
+      return cancelled("the overlapped step's speculation was stopped");
+    }
     if (any_declared) TIER_RETURN_IF_ERROR(fetch_grads(c));
     TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
     updated_any = true;
+    if (spec) {
+      for (PartitionId pid = c.first; pid <= c.last; ++pid) spec->touched[pid] = 1;
+    }
     if (any_declared) return_grads(&c);
     if (!options.on_output || !sink_error.ok()) return {};
     const auto ts = Clock::now();
@@ -975,9 +1039,19 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   Status st;
   if (im.nvme()) {
     detail::PipelineStats ps;
+    std::vector<std::size_t> reverse;
+    if (spec) {
+      for (std::size_t i = im.chunks.size(); i-- > 0;) reverse.push_back(i);
+    }
+    // Buffers are taken in the walk's order: position k uses buffer k % B.
+    std::size_t position = 0;
     st = detail::run_pipeline(
         *im.swap, im.chunks, im.bufs, true, true,
-        [&](std::size_t i, Buffer& b) { return process(i, i % im.bufs.size(), b.state, b.staging); }, &ps);
+        [&](std::size_t i, Buffer& b) {
+          const std::size_t k = position++;
+          return process(i, k % im.bufs.size(), b.state, b.staging);
+        },
+        &ps, spec ? &reverse : nullptr);
     r.read = ps.read;
     r.write = ps.write;
     r.update = ps.update;
@@ -1001,6 +1075,16 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   for (auto& fs : pending) drain(fs);
   r.output_seconds = output_seconds;
   if (any_declared) return_grads(nullptr);  // after a failure: what is still held
+  if (spec) {
+    // Nothing is committed here: finish_overlapped_step validates and commits, or redoes. A
+    // delivery error fails the pass, so that the serial redo reports it as step() does.
+    if (st.ok() && !sink_error.ok()) st = sink_error;
+    if (!st.ok()) {
+      rollback();
+      return st;
+    }
+    return r;
+  }
   if (!st.ok()) {
     rollback();
     ++im.steps_failed;
@@ -1017,7 +1101,7 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
   for (Chunk& c : im.chunks) c.committed ^= 1;
   r.applied = true;
   r.next_loss_scale = im.scaler->update(false);
-  clear_grads();
+  self.clear_grads();
   publish();
   if (!sink_error.ok()) {
     return sink_error.with_context(str("optimizer step ", r.step,
@@ -1025,6 +1109,236 @@ Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
                                        "were not delivered (read_params() has them)"));
   }
   return r;
+}
+
+// Delivers again, from the committed masters, the params of the partitions an abandoned overlapped
+// pass had delivered (to their destination, or through on_output).
+Status restore_outputs(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& o,
+                       const std::vector<std::uint8_t>& touched) {
+  std::vector<float> tmp;
+  for (PartitionId pid = 0; pid < touched.size(); ++pid) {
+    const Partition& p = im.parts[pid];
+    if (!touched[pid] || p.output == ParamOutput::kNone) continue;
+    void* d = o.destination ? o.destination(pid) : nullptr;
+    if (d != nullptr) {
+      TIER_RETURN_IF_ERROR(self.read_params(pid, param_output_dtype(p.output), d));
+      continue;
+    }
+    if (!o.on_output) continue;
+    std::byte* staging = im.bufs[0].staging;  // read_state bounces through the state part only
+    for (std::uint64_t off = 0; off < p.numel; off += im.chunk_elems) {
+      const std::uint64_t n = std::min(im.chunk_elems, p.numel - off);
+      tmp.resize(n);
+      TIER_RETURN_IF_ERROR(self.read_state(pid, StateKind::kMaster, tmp.data(), off, n));
+      TIER_RETURN_IF_ERROR(cpu::convert(cpu::ConstTensorRef(tmp.data(), DType::kF32, n),
+                                        cpu::TensorRef{staging, param_output_dtype(p.output), n}));
+      std::vector<nvme::IoFuture> pending;
+      OutputChunk oc{pid, off, n, p.output, staging, &pending};
+      Status s = o.on_output(oc);
+      for (const nvme::IoFuture& f : pending) {
+        Status w = f.wait();
+        if (s.ok()) s = w;
+      }
+      TIER_RETURN_IF_ERROR(s.with_context(str("delivering the params of ", partition_label(pid, p), " again")));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<StepReport> OffloadedOptimizer::step(const StepOptions& options) {
+  if (impl_->overlap) {
+    return failed_precondition(
+        "optimizer step: an overlapped step is running; finish_overlapped_step() or cancel_overlapped_step() first");
+  }
+  return run_step(*this, *impl_, options, nullptr);
+}
+
+// ------------------------------------------------------------------------------------ the overlapped step
+
+void OffloadedOptimizer::Impl::note_ready(PartitionId id) {
+  detail::Overlap* ov = overlap.get();
+  if (ov == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lk(ov->mu);
+    if (ov->ready[id]) return;
+    ov->ready[id] = 1;
+    ov->ready_sumsq += parts[id].sumsq;
+    // The sum only grows: once it alone makes the step clipped or skipped, speculation is futile.
+    if (!ov->abort && !std::isfinite(ov->ready_sumsq)) {
+      ov->abort = true;
+      ov->abort_reason = "a gradient is inf or nan (the step is skipped)";
+    } else if (!ov->abort && opt.max_grad_norm > 0 &&
+               cpu::clip_coefficient(std::sqrt(ov->ready_sumsq) / ov->scale, opt.max_grad_norm) < 1.0f) {
+      ov->abort = true;
+      ov->abort_reason = "the gradient norm exceeds gradient_clipping (the step is clipped)";
+    }
+  }
+  ov->cv.notify_all();
+}
+
+Status OffloadedOptimizer::start_overlapped_step(const StepOptions& options) {
+  Impl& im = *impl_;
+  TIER_RETURN_IF_ERROR(im.usable("start_overlapped_step"));
+  if (im.overlap) {
+    return failed_precondition("optimizer start_overlapped_step: one is already running; finish or cancel it first");
+  }
+  if (!im.nvme()) {
+    return failed_precondition(
+        "optimizer start_overlapped_step: the state is in host memory and updated in place, so a speculative "
+        "update could not be redone; overlap needs the NVMe home (use step())");
+  }
+  for (const cpu::AdamGroup& g : im.groups) {
+    if (g.hyper_params().kind == cpu::OptimizerKind::kLamb) {
+      return failed_precondition(
+          "optimizer start_overlapped_step: Lamb needs every gradient for its trust ratios before any update "
+          "(use step())");
+    }
+  }
+  auto ov = std::make_unique<detail::Overlap>();
+  const std::size_t n = im.parts.size();
+  ov->ready.assign(n, 0);
+  ov->touched.assign(n, 0);
+  ov->scale = im.scaler->scale();
+  ov->options = options;
+  for (const cpu::AdamGroup& g : im.groups) ov->old_steps.push_back(g.step());
+  if (options.skip_missing_grads) im.skipping.assign(n, 0);
+  im.overlap = std::move(ov);
+  // Gradients already final (declared before the start) count at once.
+  for (PartitionId pid = 0; pid < n; ++pid) {
+    const Partition& p = im.parts[pid];
+    if (p.contributions == im.opt.gradient_accumulation_steps && p.norm_known) im.note_ready(pid);
+  }
+  detail::Overlap* raw = im.overlap.get();
+  raw->thread = std::thread([this, raw] {
+    Result<StepReport> r = run_step(*this, *impl_, raw->options, raw);
+    std::lock_guard<std::mutex> lk(raw->mu);
+    raw->result = std::move(r);
+  });
+  return {};
+}
+
+bool OffloadedOptimizer::overlapped_step_running() const noexcept {
+  return impl_->overlap != nullptr;
+}
+
+std::uint64_t OffloadedOptimizer::overlapped_chunks_taken() const {
+  detail::Overlap* ov = impl_->overlap.get();
+  if (ov == nullptr) return 0;
+  std::lock_guard<std::mutex> lk(ov->mu);
+  return ov->speculated;
+}
+
+Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
+  Impl& im = *impl_;
+  if (!im.overlap) {
+    return failed_precondition("optimizer finish_overlapped_step: no overlapped step was started");
+  }
+  const auto t0 = Clock::now();
+  detail::Overlap& ov = *im.overlap;
+  // The global norm exactly as step() takes it (partitions in order, late norms for those with
+  // fewer gradients than accumulation steps: the pass has not touched them, they are not ready).
+  double total = 0;
+  Status norm_error;
+  for (std::size_t i = 0; i < im.parts.size(); ++i) {
+    Partition& p = im.parts[i];
+    if (p.contributions == 0) continue;
+    if (!p.norm_known) {
+      auto s = detail::sum_of_squares(cpu::ConstTensorRef(p.grad, p.grad_dtype, p.numel), im.workers.get());
+      if (!s.ok()) {
+        norm_error = s.status();
+        break;
+      }
+      p.sumsq = *s;
+      p.norm_known = true;
+    }
+    total += p.sumsq;
+  }
+  const bool overflow = !std::isfinite(total);
+  const double norm = std::sqrt(total) / ov.scale;
+  const float clip = im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(norm, im.opt.max_grad_norm) : 1.0f;
+  bool valid = norm_error.ok() && !overflow && clip == 1.0f;
+  {
+    std::lock_guard<std::mutex> lk(ov.mu);
+    if (ov.options.skip_missing_grads) {
+      for (std::size_t i = 0; i < im.parts.size(); ++i) {
+        if (im.parts[i].contributions == 0) im.skipping[i] = 1;
+      }
+    }
+    ov.all_in = true;
+    if (!valid && !ov.abort) {
+      ov.abort = true;
+      ov.abort_reason = !norm_error.ok() ? "the gradient norm could not be taken"
+                        : overflow       ? "a gradient is inf or nan (the step is skipped)"
+                                         : "the gradient norm exceeds gradient_clipping (the step is clipped)";
+    }
+    valid = valid && !ov.abort;
+  }
+  ov.cv.notify_all();
+  ov.thread.join();
+  // From here on add_grad and declare_grad no longer wake anyone.
+  std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
+  Result<StepReport> pass = std::move(held->result);
+  if (!norm_error.ok()) return norm_error;
+  if (valid && pass.ok()) {
+    StepReport r = *pass;
+    for (Chunk& c : im.chunks) c.committed ^= 1;
+    r.applied = true;
+    r.overflow = false;
+    r.grad_norm = norm;
+    r.clip_coefficient = 1;
+    r.loss_scale = held->scale;
+    r.next_loss_scale = im.scaler->update(false);
+    r.overlapped = true;
+    clear_grads();
+    publish_step(im, r, t0);
+    r.seconds = since(t0);  // what the caller waited for after the last gradient
+    return r;
+  }
+  // The speculation is dropped: the shadows it wrote are overwritten by the redo, which reads the
+  // committed slots as any step does.
+  const std::string reason = pass.ok() || pass.status().code() == StatusCode::kCancelled
+                                 ? std::string(held->abort_reason)
+                                 : str("the speculative pass failed: ", pass.status().to_string());
+  const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : 0;
+  for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+  if (overflow) {
+    // The skipped step must leave the params as they were: deliver the committed ones again.
+    TIER_RETURN_IF_ERROR(restore_outputs(*this, im, held->options, held->touched));
+  }
+  Result<StepReport> r = run_step(*this, im, held->options, nullptr);
+  if (r.ok()) {
+    r->overlapped = true;
+    r->redone = true;
+    r->redo_reason = reason;
+    r->speculated_chunks = speculated;
+    if (Counters* c = im.opt.counters) c->add_metric("optim.redone_steps", 1);
+  }
+  return r;
+}
+
+void OffloadedOptimizer::cancel_overlapped_step() noexcept {
+  Impl& im = *impl_;
+  if (!im.overlap) return;
+  detail::Overlap& ov = *im.overlap;
+  {
+    std::lock_guard<std::mutex> lk(ov.mu);
+    ov.abort = true;
+    ov.abort_reason = "cancelled";
+    ov.all_in = true;
+  }
+  ov.cv.notify_all();
+  ov.thread.join();
+  std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
+  for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+  // The params the pass delivered are not the committed state's: deliver those again.
+  Status s = restore_outputs(*this, im, held->options, held->touched);
+  if (!s.ok()) {
+    log(LogLevel::kError, str("optimizer: cancelling an overlapped step: ", s.to_string(),
+                              "; the params it delivered may be ahead of the optimizer state (read_params() has "
+                              "the committed ones)"));
+  }
 }
 
 // ------------------------------------------------------------------------------------ hyper-parameters

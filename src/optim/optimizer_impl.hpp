@@ -3,11 +3,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "optim/workers.hpp"
@@ -95,6 +97,25 @@ struct Buffer {
   nvme::IoFuture pending;  // registration / write_state: the write still using the buffer
 };
 
+// An overlapped step in flight (OffloadedOptimizer::start_overlapped_step): its thread, the
+// readiness of each partition's gradient, and what the validation needs.
+struct Overlap {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::uint8_t> ready;  // per partition: its final gradient is in (under mu)
+  double ready_sumsq = 0;           // over the ready partitions, for the early abort (under mu)
+  bool all_in = false;              // no more gradients will come (under mu)
+  bool abort = false;               // stop before the next chunk (under mu)
+  const char* abort_reason = "";    // (under mu)
+  double scale = 1;                 // the loss scale the gradients carry
+  StepOptions options;
+  std::vector<std::uint8_t> touched;  // per partition: updated by the pass (its thread only)
+  std::vector<std::int64_t> old_steps;
+  std::uint64_t speculated = 0;  // chunks taken before all gradients were in (under mu)
+  Result<StepReport> result{Status(StatusCode::kInternal, "the overlapped pass has not ended")};
+  std::thread thread;
+};
+
 }  // namespace tier::optim::detail
 
 namespace tier::optim {
@@ -138,6 +159,11 @@ struct OffloadedOptimizer::Impl {
   // Set when the host-resident state was left half-updated (a failed load after verification, a
   // step that failed mid-way): everything but load_checkpoint reports it; a good load clears it.
   Status state_invalid;
+
+  // The overlapped step in flight, if any (see start_overlapped_step).
+  std::unique_ptr<detail::Overlap> overlap;
+  // add_grad / declare_grad: partition `id` has its final gradient; wakes an overlapped pass.
+  void note_ready(PartitionId id);
 
   std::atomic<std::uint64_t> with_grads{0};
   std::atomic<std::uint64_t> accumulator_bytes{0};

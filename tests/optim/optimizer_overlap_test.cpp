@@ -1,0 +1,281 @@
+// The step overlapped with backward (start_overlapped_step / finish_overlapped_step): with
+// gradients arriving while its pass runs, in backward's order, the result is bit for bit the
+// serial step's, whether the speculation holds (no clipping), is redone (clipping), or the step
+// is skipped (fp16 overflow, the params delivered again from the committed masters); with
+// accumulation and declared gradients; cancelled, nothing changes. Host home and Lamb are
+// refused.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "optim/optim_test_util.hpp"
+
+namespace tier::optim {
+namespace {
+
+using test::Home;
+using test::Reference;
+using test::Rig;
+
+OffloadedOptimizerOptions opts(double max_norm, int gas = 1) {
+  OffloadedOptimizerOptions o;
+  o.groups = test::three_groups();
+  o.chunk_elements = 4096;
+  o.buffer_count = 3;
+  o.max_grad_norm = max_norm;
+  o.gradient_accumulation_steps = gas;
+  return o;
+}
+
+std::vector<Home> nvme_homes() {
+  std::vector<Home> h;
+  for (const Home& x : test::all_homes()) {
+    if (x.home == StateHome::kNvme) h.push_back(x);
+  }
+  return h;
+}
+
+class Overlap : public testing::TestWithParam<Home> {
+ protected:
+  void SetUp() override {
+    const std::string why = test::home_unavailable(GetParam());
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+// The gradients of one micro-step, made once for both optimizers.
+std::vector<std::vector<std::uint8_t>> grads_for(const Reference& ref, std::uint64_t step, int micro, float scale) {
+  std::vector<std::vector<std::uint8_t>> g;
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    g.push_back(test::make_grad(ref.model()[i].numel, DType::kBF16, test::grad_seed(step, micro, i), scale));
+  }
+  return g;
+}
+
+Status give(OffloadedOptimizer& opt, const Reference& ref, const std::vector<std::vector<std::uint8_t>>& g,
+            std::size_t i) {
+  return opt.add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g[i].data(), DType::kBF16, ref.model()[i].numel));
+}
+
+// Waits (bounded) until the running pass has taken `n` chunks.
+void wait_taken(const OffloadedOptimizer& opt, std::uint64_t n) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (opt.overlapped_chunks_taken() < n && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Runs `steps` steps on a serial and an overlapped optimizer with the same gradients (fed to the
+// overlapped one in reverse partition order after the start, as backward finishes them) and
+// checks after each that their state and delivered params are identical. Returns the reports of
+// the overlapped steps.
+std::vector<StepReport> run_both(const Home& home, const OffloadedOptimizerOptions& o, int steps, float grad_scale,
+                                 bool wait_for_speculation) {
+  Reference ref(test::mixed_model(), o.groups, 11);
+  auto serial = test::make_rig(home, o, ref);
+  auto over = test::make_rig(home, o, ref);
+  std::vector<StepReport> reports;
+  test::Outputs out_serial(ref.model()), out_over(ref.model());
+  for (int step = 1; step <= steps; ++step) {
+    StepOptions ss, so;
+    ss.destination = [&](PartitionId id) -> void* { return out_serial.data[id].data(); };
+    so.destination = [&](PartitionId id) -> void* { return out_over.data[id].data(); };
+    for (int micro = 0; micro < o.gradient_accumulation_steps; ++micro) {
+      const auto g = grads_for(ref, step, micro, grad_scale);
+      const bool boundary = micro + 1 == o.gradient_accumulation_steps;
+      if (boundary) {
+        EXPECT_TRUE(over->opt().start_overlapped_step(so).ok());
+      }
+      for (std::size_t i = ref.model().size(); i-- > 0;) {
+        EXPECT_TRUE(give(serial->opt(), ref, g, i).ok());
+        EXPECT_TRUE(give(over->opt(), ref, g, i).ok());
+      }
+    }
+    if (wait_for_speculation) wait_taken(over->opt(), over->opt().stats().chunks);
+    auto a = serial->opt().step(ss);
+    auto b = over->opt().finish_overlapped_step();
+    EXPECT_TRUE(a.ok()) << a.status();
+    EXPECT_TRUE(b.ok()) << b.status();
+    if (!a.ok() || !b.ok()) return reports;
+    EXPECT_EQ(a->applied, b->applied);
+    EXPECT_EQ(a->grad_norm, b->grad_norm);
+    EXPECT_EQ(a->clip_coefficient, b->clip_coefficient);
+    EXPECT_TRUE(b->overlapped);
+    reports.push_back(*b);
+    for (std::size_t i = 0; i < ref.model().size(); ++i) {
+      const std::uint64_t n = ref.model()[i].numel;
+      for (StateKind k : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        std::vector<float> x(n), y(n);
+        EXPECT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), k, x.data(), 0, n).ok());
+        EXPECT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), k, y.data(), 0, n).ok());
+        EXPECT_TRUE(test::same_bits(y.data(), x.data(), n, str("step ", step, " partition ", i, " ", state_kind_name(k))));
+      }
+      const std::size_t bytes = n * param_output_size(ref.model()[i].output);
+      EXPECT_EQ(std::memcmp(out_over.data[i].data(), out_serial.data[i].data(), bytes), 0)
+          << "step " << step << ": params of partition " << i;
+    }
+  }
+  return reports;
+}
+
+TEST_P(Overlap, UnclippedStepsCommitTheSpeculationBitForBit) {
+  const auto reports = run_both(GetParam(), opts(1e6), 3, 1e-2f, true);
+  ASSERT_EQ(reports.size(), 3u);
+  for (const StepReport& r : reports) {
+    EXPECT_FALSE(r.redone) << r.redo_reason;
+    EXPECT_EQ(r.speculated_chunks, r.chunks);  // every chunk was updated before finish
+  }
+}
+
+TEST_P(Overlap, ClippedStepsAreRedoneAndMatchTheSerialStep) {
+  const auto reports = run_both(GetParam(), opts(0.05), 3, 1e-2f, false);
+  ASSERT_EQ(reports.size(), 3u);
+  for (const StepReport& r : reports) {
+    EXPECT_TRUE(r.redone);
+    EXPECT_NE(r.redo_reason.find("gradient_clipping"), std::string::npos) << r.redo_reason;
+    EXPECT_LT(r.clip_coefficient, 1.0);
+  }
+}
+
+TEST_P(Overlap, AccumulatedGradientsMatchTheSerialStep) {
+  const auto reports = run_both(GetParam(), opts(0, 3), 2, 1e-2f, true);
+  ASSERT_EQ(reports.size(), 2u);
+  for (const StepReport& r : reports) EXPECT_FALSE(r.redone) << r.redo_reason;
+}
+
+TEST_P(Overlap, AnOverflowSkipsTheStepAndDeliversTheCommittedParamsAgain) {
+  OffloadedOptimizerOptions o = opts(0);
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 1024;
+  Reference ref(test::mixed_model(), o.groups, 11);
+  auto rig = test::make_rig(GetParam(), o, ref);
+  OffloadedOptimizer& opt = rig->opt();
+  test::Outputs out(ref.model());
+  StepOptions so;
+  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  // One good step, so that the params differ from the initial masters' conversion.
+  auto g = grads_for(ref, 1, 0, 1.0f);
+  ASSERT_TRUE(opt.start_overlapped_step(so).ok());
+  for (std::size_t i = ref.model().size(); i-- > 0;) ASSERT_TRUE(give(opt, ref, g, i).ok());
+  auto first = opt.finish_overlapped_step();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(first->applied);
+  const auto committed = out.data;
+  std::vector<std::vector<float>> master(ref.model().size());
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    master[i].resize(ref.model()[i].numel);
+    ASSERT_TRUE(opt.read_state(static_cast<PartitionId>(i), StateKind::kMaster, master[i].data(), 0,
+                               ref.model()[i].numel)
+                    .ok());
+  }
+  // The second step's last gradient (partition 0, what backward finishes last) overflows, after
+  // the pass has updated and delivered every other chunk.
+  g = grads_for(ref, 2, 0, 1.0f);
+  std::vector<std::uint8_t> inf(g[0].size());
+  const float infinity = std::numeric_limits<float>::infinity();
+  ASSERT_TRUE(cpu::convert(cpu::ConstTensorRef(&infinity, DType::kF32, 1), cpu::TensorRef{inf.data(), DType::kBF16, 1}).ok());
+  g[0] = inf;
+  ASSERT_TRUE(opt.start_overlapped_step(so).ok());
+  for (std::size_t i = ref.model().size(); i-- > 1;) ASSERT_TRUE(give(opt, ref, g, i).ok());
+  wait_taken(opt, opt.stats().chunks - 1);  // the first chunk holds partition 0
+  EXPECT_GT(opt.overlapped_chunks_taken(), 0u);
+  ASSERT_TRUE(give(opt, ref, g, 0).ok());
+  auto second = opt.finish_overlapped_step();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_FALSE(second->applied);
+  EXPECT_TRUE(second->overflow);
+  EXPECT_TRUE(second->redone);
+  EXPECT_LE(second->next_loss_scale, second->loss_scale);
+  EXPECT_EQ(*opt.group_step(0), 1);
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    const std::uint64_t n = ref.model()[i].numel;
+    std::vector<float> now(n);
+    ASSERT_TRUE(opt.read_state(static_cast<PartitionId>(i), StateKind::kMaster, now.data(), 0, n).ok());
+    ASSERT_TRUE(test::same_bits(now.data(), master[i].data(), n, str("master ", i, " after the skipped step")));
+    const std::size_t bytes = n * param_output_size(ref.model()[i].output);
+    EXPECT_EQ(std::memcmp(out.data[i].data(), committed[i].data(), bytes), 0) << "params of partition " << i;
+  }
+}
+
+TEST_P(Overlap, DeclaredGradientsComeThroughTheGradSource) {
+  Reference ref(test::mixed_model(), test::three_groups(), 11);
+  OffloadedOptimizerOptions o = opts(0);
+  auto serial = test::make_rig(GetParam(), o, ref);
+  auto over = test::make_rig(GetParam(), o, ref);
+  const auto g = grads_for(ref, 1, 0, 1e-2f);
+  StepOptions so;
+  int fetched = 0, done = 0;
+  so.grad_source = [&](PartitionId id) -> Result<cpu::ConstTensorRef> {
+    ++fetched;
+    return cpu::ConstTensorRef(g[id].data(), DType::kBF16, ref.model()[id].numel);
+  };
+  so.grad_done = [&](PartitionId) { ++done; };
+  ASSERT_TRUE(over->opt().start_overlapped_step(so).ok());
+  for (std::size_t i = ref.model().size(); i-- > 0;) {
+    const auto sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g[i].data(), DType::kBF16, ref.model()[i].numel));
+    ASSERT_TRUE(over->opt().declare_grad(static_cast<PartitionId>(i), *sumsq).ok());
+    ASSERT_TRUE(give(serial->opt(), ref, g, i).ok());
+  }
+  auto b = over->opt().finish_overlapped_step();
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE(serial->opt().step().ok());
+  EXPECT_EQ(fetched, static_cast<int>(ref.model().size()));
+  EXPECT_EQ(done, fetched);
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    const std::uint64_t n = ref.model()[i].numel;
+    std::vector<float> x(n), y(n);
+    ASSERT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, x.data(), 0, n).ok());
+    ASSERT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, y.data(), 0, n).ok());
+    ASSERT_TRUE(test::same_bits(y.data(), x.data(), n, str("master ", i)));
+  }
+}
+
+TEST_P(Overlap, ACancelledStepChangesNothing) {
+  Reference ref(test::mixed_model(), test::three_groups(), 11);
+  auto rig = test::make_rig(GetParam(), opts(0), ref);
+  OffloadedOptimizer& opt = rig->opt();
+  test::Outputs out(ref.model());
+  StepOptions so;
+  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  // Params as the committed state has them.
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    if (ref.model()[i].output == ParamOutput::kNone) continue;
+    ASSERT_TRUE(opt.read_params(static_cast<PartitionId>(i), param_output_dtype(ref.model()[i].output),
+                                out.data[i].data())
+                    .ok());
+  }
+  const auto before = out.data;
+  const auto g = grads_for(ref, 1, 0, 1e-2f);
+  ASSERT_TRUE(opt.start_overlapped_step(so).ok());
+  EXPECT_EQ(opt.step().status().code(), StatusCode::kFailedPrecondition);  // one step at a time
+  for (std::size_t i = ref.model().size(); i-- > 5;) ASSERT_TRUE(give(opt, ref, g, i).ok());
+  wait_taken(opt, 1);
+  EXPECT_GT(opt.overlapped_chunks_taken(), 0u);
+  opt.clear_grads();  // cancels
+  EXPECT_FALSE(opt.overlapped_step_running());
+  EXPECT_EQ(*opt.group_step(0), 0);
+  EXPECT_TRUE(test::state_matches(opt, ref));  // the reference has taken no step
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    const std::size_t bytes = ref.model()[i].numel * param_output_size(ref.model()[i].output);
+    EXPECT_EQ(std::memcmp(out.data[i].data(), before[i].data(), bytes), 0) << "params of partition " << i;
+  }
+  // A serial step afterwards is the reference's first.
+  test::feed(opt, ref, 1, 1, DType::kBF16, GradMode::kCopy);
+  ASSERT_TRUE(ref.step(1.0, 0));
+  ASSERT_TRUE(opt.step().ok());
+  EXPECT_TRUE(test::state_matches(opt, ref));
+}
+
+INSTANTIATE_TEST_SUITE_P(Homes, Overlap, testing::ValuesIn(nvme_homes()), test::home_name);
+
+TEST(OverlapOptions, HostHomeAndLambAreRefused) {
+  const Home host{"host", StateHome::kHost, IoEngineKind::kAuto, false};
+  Reference ref(test::mixed_model(), test::three_groups(), 11);
+  auto rig = test::make_rig(host, opts(0), ref);
+  EXPECT_EQ(rig->opt().start_overlapped_step({}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rig->opt().finish_overlapped_step().status().code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace tier::optim
