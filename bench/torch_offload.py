@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Time per step of a small Llama with full NVMe offload through tier.torch versus the same model
-trained in memory with torch.optim.AdamW, measured in one run, plus tier's stall fraction.
+trained in memory with torch.optim.AdamW, measured in one run, plus tier's stall fraction; tier
+runs twice, with the optimizer overlapped with backward (tier.optimizer.overlap "exact", the
+default) and after it ("serial"), and the optimizer's NVMe traffic is set beside the disk's
+mixed read/write rate measured outside tier (tier-bench step's plain pread/pwrite reference).
 
-    python bench/torch_offload.py [--steps 8] [--hidden 256] [--layers 4] [--json]
+    python bench/torch_offload.py [--steps 8] [--hidden 256] [--layers 4] [--clip 1.0] [--json]
 
 Uses the installed package (pip install .) or, failing that, the in-tree build in build/python.
 """
@@ -11,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,12 +54,15 @@ def run_baseline(args, data):
     return times[1:]  # the first step pays for allocation
 
 
-def run_tier(args, data, swap):
+def run_tier(args, data, swap, overlap):
     model = ex.make_model(args)
     args.swap_dir = swap
     args.gas = 1
-    engine, *_ = tier.torch.initialize(model, ex.default_config(args, model))
-    times = []
+    cfg = ex.default_config(args, model)
+    cfg["gradient_clipping"] = args.clip
+    cfg["tier"]["optimizer"] = {"overlap": overlap}
+    engine, *_ = tier.torch.initialize(model, cfg)
+    times, reports = [], []
     before = None
     for i, ids in enumerate(batches(args, data, args.steps + 1)):
         if i == 1:
@@ -64,14 +71,33 @@ def run_tier(args, data, swap):
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
-        engine.step()
+        reports.append(engine.step())
         times.append(time.perf_counter() - t0)
     after = engine.stats()
     stall = after["metrics"]["engine.stall_seconds"] - before["metrics"]["engine.stall_seconds"]
     moved = {k: after["links"][k]["bytes"] - before["links"][k]["bytes"] for k in after["links"]}
     timers = {k: v - timers_before[k] for k, v in engine.timers().items()}
-    engine.close()
-    return times[1:], stall, moved, after, timers
+    engine.destroy()
+    return {"times": times[1:], "stall": stall, "moved": moved, "stats": after, "timers": timers,
+            "reports": reports[1:]}
+
+
+def mixed_rate(swap, params):
+    """The disk's rate for reads and writes mixed 1:1, measured outside tier's pipeline: tier-bench
+    step's reference pass (plain pread/pwrite, 1 MiB requests, 32 in flight) on a state of the
+    model's size in the same directory. None without a tier-bench binary."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    bench = os.environ.get("TIER_BENCH") or os.path.join(root, "build", "bin", "tier-bench")
+    if not os.access(bench, os.X_OK):
+        return None
+    out = subprocess.run(
+        [bench, "step", "--params", str(max(params, 1 << 22)), "--nvme", swap, "--steps", "1", "--json"],
+        capture_output=True, text=True, timeout=3600,
+    )
+    if out.returncode != 0:
+        print(f"torch_offload.py: tier-bench step failed: {out.stderr[-500:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout)["io_reference_bytes_per_second"]
 
 
 def main():
@@ -85,25 +111,48 @@ def main():
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-fraction", type=float, default=0.4)
+    p.add_argument("--device-budget", type=int, default=0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.steps = max(2, args.steps)
     data = ex.corpus_bytes(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
     swap = tempfile.mkdtemp(prefix="tier-bench-torch-", dir=os.environ.get("TIER_BENCH_DIR", "."))
+    params = sum(p.numel() for p in ex.make_model(args).parameters())
     try:
         base = run_baseline(args, data)
-        tier_times, stall, moved, stats, timers = run_tier(args, data, swap)
+        exact = run_tier(args, data, swap, "exact")
+        serial = run_tier(args, data, swap, "serial")
+        rate = mixed_rate(swap, params)
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    tier_times, stats = exact["times"], exact["stats"]
+    opt_bytes = med([r["read_bytes"] + r["write_bytes"] for r in exact["reports"]])
+    io_bound = opt_bytes / rate if rate else None
+    serial_opt = serial["timers"].get("step", 0) / len(serial["times"])
+    reports = exact["reports"]
     result = {
-        "parameters": sum(p.numel() for p in ex.make_model(args).parameters()),
+        "parameters": params,
         "baseline_step_seconds": med(base),
         "tier_step_seconds": med(tier_times),
         "ratio": med(tier_times) / med(base),
-        "stall_fraction": stall / sum(tier_times),
-        "bytes_per_step": {k: v / len(tier_times) for k, v in moved.items()},
-        "tier_seconds_per_step": {k: v / len(tier_times) for k, v in timers.items()},
+        "serial_step_seconds": med(serial["times"]),
+        "serial_over_exact": med(serial["times"]) / med(tier_times),
+        "optimizer_bytes_per_step": opt_bytes,
+        "mixed_rw_bytes_per_second": rate,
+        "optimizer_io_bound_seconds": io_bound,
+        "ratio_to_bound": med(tier_times) / max(med(base), io_bound or 0),
+        # How much of the serial run's optimizer wait the overlap removed from the step.
+        "optimizer_hidden_fraction": (med(serial["times"]) - med(tier_times)) / serial_opt if serial_opt else None,
+        "redone_fraction": sum(1 for r in reports if r["redone"]) / len(reports),
+        "redo_reasons": sorted({r["redo_reason"] for r in reports if r["redone"]}),
+        # Chunks the pass updated before backward had finished, of all chunks of the exact run's steps.
+        "speculated_chunk_fraction": sum(r["speculated_chunks"] for r in reports) / max(1, sum(r["chunks"] for r in reports)),
+        "stall_fraction": exact["stall"] / sum(tier_times),
+        "bytes_per_step": {k: v / len(tier_times) for k, v in exact["moved"].items()},
+        "tier_seconds_per_step": {k: v / len(tier_times) for k, v in exact["timers"].items()},
+        "serial_seconds_per_step": {k: v / len(serial["times"]) for k, v in serial["timers"].items()},
         "device": stats["info"].get("device"),
         "io_engine": stats["info"].get("io_engine"),
         "device_budget": stats["tiers"]["device"]["budget_bytes"],
@@ -115,6 +164,14 @@ def main():
         print(f"in-memory PyTorch AdamW : {result['baseline_step_seconds'] * 1e3:8.1f} ms/step (median)")
         print(f"tier, params+optimizer on NVMe: {result['tier_step_seconds'] * 1e3:8.1f} ms/step (median)")
         print(f"ratio tier / baseline   : {result['ratio']:.2f}")
+        print(f"tier, overlap serial    : {result['serial_step_seconds'] * 1e3:8.1f} ms/step (median); "
+              f"serial / exact {result['serial_over_exact']:.2f}")
+        if result["optimizer_io_bound_seconds"] is not None:
+            print(f"optimizer I/O bound     : {result['optimizer_io_bound_seconds'] * 1e3:8.1f} ms "
+                  f"({result['optimizer_bytes_per_step'] / 2**20:.1f} MiB at "
+                  f"{result['mixed_rw_bytes_per_second'] / 2**20:.0f} MiB/s mixed r/w, outside tier); "
+                  f"step / max(baseline, bound) {result['ratio_to_bound']:.2f}")
+        print(f"steps redone (clipping/overflow): {result['redone_fraction']:.2f} {result['redo_reasons']}")
         split = result["tier_seconds_per_step"]
         print("tier time per step      : " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()))
         moved = result["bytes_per_step"]

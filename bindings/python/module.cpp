@@ -137,48 +137,96 @@ optim::ParamOutput output_of(const std::string& s) {
 }
 
 // Writes the updated low-precision params of each partition into its engine tensor: a host write
-// lease per partition, opened at its first piece and released after its last (pieces arrive in
-// order), so the host holds at most one parameter's worth beyond the optimizer's own buffers.
+// lease per partition, opened at its first piece and released once every element has come. Pieces
+// of a partition may come in any order and interleaved with other partitions' (an overlapped
+// step walks the chunks in reverse), so a partition's lease stays open until it is complete;
+// only partitions that span the chunk being walked are open at a time.
 class EngineParamSink {
  public:
-  EngineParamSink(Engine& e, const std::vector<std::int64_t>& tensors, const optim::OffloadedOptimizer& opt)
-      : engine_(e), tensors_(tensors), opt_(opt) {}
+  EngineParamSink(Engine& e, std::vector<std::int64_t> tensors, const optim::OffloadedOptimizer& opt)
+      : engine_(e), tensors_(std::move(tensors)), opt_(opt) {}
 
   Status on_output(const optim::OutputChunk& c) {
     if (c.partition >= tensors_.size() || tensors_[c.partition] < 0) return Status::Ok();
-    if (!open_ || current_ != c.partition) {
-      TIER_RETURN_IF_ERROR(close());
+    auto it = open_.find(c.partition);
+    if (it == open_.end()) {
+      Open o;
       TIER_ASSIGN_OR_RETURN(
-          lease_, engine_.acquire_now(static_cast<TensorId>(tensors_[c.partition]), Tier::kHost, Access::kWrite));
-      open_ = true;
-      current_ = c.partition;
-      written_ = 0;
+          o.lease, engine_.acquire_now(static_cast<TensorId>(tensors_[c.partition]), Tier::kHost, Access::kWrite));
+      it = open_.emplace(c.partition, std::move(o)).first;
     }
+    Open& o = it->second;
     const std::size_t esize = optim::param_output_size(c.dtype);
-    if ((c.offset + c.numel) * esize > lease_.bytes()) {
+    if ((c.offset + c.numel) * esize > o.lease.bytes()) {
       return internal_error(str("partition ", c.partition, ": output past the end of its tensor"));
     }
-    std::memcpy(static_cast<char*>(lease_.data()) + c.offset * esize, c.data, c.numel * esize);
-    written_ += c.numel;
-    if (written_ == opt_.partition_numel(c.partition)) return close();
+    std::memcpy(static_cast<char*>(o.lease.data()) + c.offset * esize, c.data, c.numel * esize);
+    o.written += c.numel;
+    if (o.written >= opt_.partition_numel(c.partition)) {
+      Status s = o.lease.release();
+      open_.erase(it);
+      return s;
+    }
     return Status::Ok();
   }
 
   Status close() {
-    if (!open_) return Status::Ok();
-    open_ = false;
-    return lease_.release();
+    Status first;
+    for (auto& [pid, o] : open_) {
+      Status s = o.lease.release();
+      if (first.ok()) first = s;
+    }
+    open_.clear();
+    return first;
   }
 
  private:
+  struct Open {
+    Lease lease;
+    std::uint64_t written = 0;
+  };
   Engine& engine_;
-  const std::vector<std::int64_t>& tensors_;
+  std::vector<std::int64_t> tensors_;
   const optim::OffloadedOptimizer& opt_;
-  Lease lease_;
-  bool open_ = false;
-  optim::PartitionId current_ = 0;
-  std::uint64_t written_ = 0;
+  std::unordered_map<optim::PartitionId, Open> open_;
 };
+
+// An overlapped step's callbacks and what they hold between start_overlap_into and
+// finish_overlap (the pass calls them on its own thread).
+struct OverlapContext {
+  OverlapContext(Engine& e, std::vector<std::int64_t> tensors, std::vector<std::int64_t> grads,
+                 const optim::OffloadedOptimizer& opt)
+      : engine(e), sink(e, std::move(tensors), opt), grad_tensors(std::move(grads)) {}
+  Engine& engine;
+  EngineParamSink sink;
+  std::vector<std::int64_t> grad_tensors;
+  std::unordered_map<optim::PartitionId, Lease> grad_leases;
+};
+
+// step_into's options: outputs into the engine's param tensors; declared gradients read from their
+// engine tensors, one read lease per partition while the step needs it.
+optim::StepOptions engine_step_options(OverlapContext& ctx) {
+  optim::StepOptions so;
+  so.on_output = [&ctx](const optim::OutputChunk& c) { return ctx.sink.on_output(c); };
+  so.grad_source = [&ctx](optim::PartitionId id) -> Result<cpu::ConstTensorRef> {
+    if (id >= ctx.grad_tensors.size() || ctx.grad_tensors[id] < 0) {
+      return invalid_argument(str("partition ", id, " has a declared gradient but no gradient tensor"));
+    }
+    const auto tid = static_cast<TensorId>(ctx.grad_tensors[id]);
+    TIER_ASSIGN_OR_RETURN(TensorInfo info, ctx.engine.info(tid));
+    TIER_ASSIGN_OR_RETURN(Lease lease, ctx.engine.acquire_now(tid, Tier::kHost, Access::kRead));
+    const void* data = lease.data();
+    ctx.grad_leases[id] = std::move(lease);
+    return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
+  };
+  so.grad_done = [&ctx](optim::PartitionId id) {
+    auto it = ctx.grad_leases.find(id);
+    if (it == ctx.grad_leases.end()) return;
+    it->second.release().ignore();  // a read lease: nothing to write back
+    ctx.grad_leases.erase(it);
+  };
+  return so;
+}
 
 nb::dict report_dict(const optim::StepReport& r) {
   nb::dict d;
@@ -198,18 +246,30 @@ nb::dict report_dict(const optim::StepReport& r) {
   d["io_busy_seconds"] = r.io_busy_seconds;
   d["update_wait_seconds"] = r.update_wait_seconds;
   d["output_seconds"] = r.output_seconds;
+  d["overlapped"] = r.overlapped;
+  d["speculated_chunks"] = r.speculated_chunks;
+  d["redone"] = r.redone;
+  d["redo_reason"] = r.redo_reason;
   d["chunks"] = r.chunks;
   return d;
 }
 
+struct OverlapContext;
+
 struct PyOptimizer {
   nb::object engine_ref;  // the engine whose Counters the optimizer reports into: must outlive `opt`
   std::unique_ptr<optim::OffloadedOptimizer> opt;
+  // An overlapped step's callbacks (start_overlap_into .. finish_overlap): dropped after `opt`'s
+  // pass has stopped.
+  std::shared_ptr<OverlapContext> overlap;
 
   PyOptimizer() = default;
   PyOptimizer(PyOptimizer&&) = default;
   PyOptimizer& operator=(PyOptimizer&&) = default;
-  ~PyOptimizer() { opt.reset(); }
+  ~PyOptimizer() {
+    opt.reset();
+    overlap.reset();
+  }
 
   optim::OffloadedOptimizer& get() {
     if (!opt) raise(failed_precondition("the optimizer was closed"));
@@ -603,34 +663,14 @@ NB_MODULE(_tier, m) {
           "step_into",
           [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
              const std::vector<std::int64_t>& grad_tensors) {
-            EngineParamSink sink(engine, tensors, o.get());
-            optim::StepOptions so;
-            so.on_output = [&](const optim::OutputChunk& c) { return sink.on_output(c); };
-            // Declared gradients are read from their engine tensors, one lease per partition.
-            std::unordered_map<optim::PartitionId, Lease> grad_leases;
-            so.grad_source = [&](optim::PartitionId id) -> Result<cpu::ConstTensorRef> {
-              if (id >= grad_tensors.size() || grad_tensors[id] < 0) {
-                return invalid_argument(str("partition ", id, " has a declared gradient but no gradient tensor"));
-              }
-              const auto tid = static_cast<TensorId>(grad_tensors[id]);
-              TIER_ASSIGN_OR_RETURN(TensorInfo info, engine.info(tid));
-              TIER_ASSIGN_OR_RETURN(Lease lease, engine.acquire_now(tid, Tier::kHost, Access::kRead));
-              const void* data = lease.data();
-              grad_leases[id] = std::move(lease);
-              return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
-            };
-            so.grad_done = [&](optim::PartitionId id) {
-              auto it = grad_leases.find(id);
-              if (it == grad_leases.end()) return;
-              it->second.release().ignore();  // a read lease: nothing to write back
-              grad_leases.erase(it);
-            };
+            OverlapContext ctx(engine, tensors, grad_tensors, o.get());
+            const optim::StepOptions so = engine_step_options(ctx);
             Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
             Status closed;
             {
               nb::gil_scoped_release unlocked;
               r = o.get().step(so);
-              closed = sink.close();
+              closed = ctx.sink.close();
             }
             auto report = unwrap(std::move(r));
             check(closed);
@@ -639,6 +679,54 @@ NB_MODULE(_tier, m) {
           "engine"_a, "tensors"_a, "grad_tensors"_a = std::vector<std::int64_t>{},
           "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none); "
           "a gradient declared with declare_grad is read from engine tensor grad_tensors[i].")
+      .def(
+          "start_overlap_into",
+          [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
+             const std::vector<std::int64_t>& grad_tensors) {
+            if (o.overlap && o.get().overlapped_step_running()) {
+              raise(failed_precondition("start_overlap_into: an overlapped step is already running"));
+            }
+            o.overlap.reset();  // one that clear_grads() cancelled
+            auto ctx = std::make_shared<OverlapContext>(engine, tensors, grad_tensors, o.get());
+            check(o.get().start_overlapped_step(engine_step_options(*ctx)));
+            o.overlap = std::move(ctx);
+          },
+          "engine"_a, "tensors"_a, "grad_tensors"_a = std::vector<std::int64_t>{},
+          "Starts the step of this accumulation boundary while backward runs (step_into's arguments): its "
+          "pass updates chunks, in reverse, as their gradients become final; finish_overlap() validates.")
+      .def(
+          "finish_overlap",
+          [](PyOptimizer& o) {
+            if (!o.overlap || !o.get().overlapped_step_running()) {
+              o.overlap.reset();
+              raise(failed_precondition("finish_overlap: no overlapped step is running"));
+            }
+            std::shared_ptr<OverlapContext> ctx = std::move(o.overlap);
+            Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
+            Status closed;
+            {
+              nb::gil_scoped_release unlocked;
+              r = o.get().finish_overlapped_step();
+              closed = ctx->sink.close();
+            }
+            auto report = unwrap(std::move(r));
+            check(closed);
+            return report_dict(report);
+          },
+          "Every gradient of the step is in: validates the overlapped step (committed as is, or redone "
+          "serially when clipped or skipped) and returns step_into's report.")
+      .def(
+          "cancel_overlap",
+          [](PyOptimizer& o) {
+            if (!o.overlap) return;
+            std::shared_ptr<OverlapContext> ctx = std::move(o.overlap);
+            nb::gil_scoped_release unlocked;
+            o.get().cancel_overlapped_step();
+            ctx->sink.close().ignore();
+          },
+          "Drops an overlapped step in flight (nothing committed; the gradients are kept).")
+      .def_prop_ro("overlap_running",
+                   [](PyOptimizer& o) { return o.overlap != nullptr && o.get().overlapped_step_running(); })
       .def(
           "step_to",
           [](PyOptimizer& o, const std::vector<nb::object>& destinations, bool skip_missing_grads) {
@@ -770,7 +858,8 @@ NB_MODULE(_tier, m) {
            })
       .def("close", [](PyOptimizer& o) {
         nb::gil_scoped_release unlocked;
-        o.opt.reset();
+        o.opt.reset();  // stops an overlapped pass first
+        o.overlap.reset();
       });
 }
 

@@ -133,12 +133,17 @@ struct IoOptions {
 // tier.optimizer: the offloaded optimizer's pipeline (see tier/offloaded_optimizer.hpp).
 // The format of the moments the offloaded optimizer keeps (tier/state_codec.hpp has the formats).
 enum class OptimizerStateDType : std::uint8_t { kFp32 = 0, kBf16 = 1, kInt8 = 2 };
+// When the offloaded optimizer's update runs: after backward (serial), during the boundary
+// micro-step's backward with the same result (exact), or one step late (delayed; not implemented).
+enum class OptimizerOverlap : std::uint8_t { kSerial = 0, kExact = 1, kDelayed = 2 };
 
 struct OptimizerPipelineConfig {
   std::uint64_t buffer_bytes = 0;    // pinned bytes for all chunk buffers together; 0: auto (256 MiB)
   std::uint64_t chunk_elements = 0;  // elements per chunk (a multiple of 1024); 0: from buffer_bytes
   // exp_avg and exp_avg_sq as fp32, bf16 or block-quantized int8 (tier.optimizer.state_dtype).
   OptimizerStateDType state_dtype = OptimizerStateDType::kFp32;
+  // tier.optimizer.overlap; acted on by the adapters (tier.torch), which drive backward.
+  OptimizerOverlap overlap = OptimizerOverlap::kExact;
 };
 
 // tier: tier's own section.

@@ -620,6 +620,9 @@ std::vector<KeySpec> build_schema() {
   add(K("tier.optimizer.state_dtype", VK::kEnum)
           .TIER_ENUM_FIELD(tier.optimizer.state_dtype, OptimizerStateDType, "fp32", "bf16", "int8")
           .sample("int8", "fp8"));
+  add(K("tier.optimizer.overlap", VK::kEnum)
+          .TIER_ENUM_FIELD(tier.optimizer.overlap, OptimizerOverlap, "serial", "exact", "delayed")
+          .sample("serial", "sometimes"));
   add(K("tier.log_level", VK::kEnum)
           .TIER_ENUM_FIELD(tier.log_level, LogLevel, "trace", "debug", "info", "warn", "error", "off")
           .sample("debug", "loud"));

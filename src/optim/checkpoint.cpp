@@ -514,6 +514,7 @@ class RecordReader {
 Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("save_checkpoint"));
+  TIER_RETURN_IF_ERROR(im.idle("save_checkpoint"));
   if (path.empty()) return invalid_argument("optimizer save_checkpoint: empty path");
   const std::string tmp = path + ".tmp";
   // Model state is private to its owner, like the swap files.
@@ -613,6 +614,7 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
 Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("load_checkpoint", /*loading=*/true));
+  TIER_RETURN_IF_ERROR(im.idle("load_checkpoint"));
   Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (f.fd < 0) return errno_status(errno, str("checkpoint ", path, ": cannot open it"));
   struct stat st {};

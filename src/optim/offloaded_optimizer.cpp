@@ -150,6 +150,13 @@ cpu::AdamTensors OffloadedOptimizer::Impl::state_at(void* base, const Chunk& c, 
   return t;
 }
 
+Status OffloadedOptimizer::Impl::idle(const char* what) const {
+  if (!overlap) return {};
+  return failed_precondition(str("optimizer ", what,
+                                 ": an overlapped step is running; finish_overlapped_step() or "
+                                 "cancel_overlapped_step() first"));
+}
+
 void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int64_t nvme_delta) const {
   if (!opt.counters) return;
   if (host_delta) opt.counters->add_resident(Tier::kHost, host_delta);
@@ -1313,7 +1320,10 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
     r->redone = true;
     r->redo_reason = reason;
     r->speculated_chunks = speculated;
-    if (Counters* c = im.opt.counters) c->add_metric("optim.redone_steps", 1);
+    if (Counters* c = im.opt.counters) {  // (run_step published it as a serial step)
+      c->add_metric("optim.overlapped_steps", 1);
+      c->add_metric("optim.redone_steps", 1);
+    }
   }
   return r;
 }
@@ -1531,6 +1541,7 @@ Status OffloadedOptimizer::read_state(PartitionId id, StateKind kind, float* dst
                                       std::uint64_t count) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("read_state"));
+  TIER_RETURN_IF_ERROR(im.idle("read_state"));
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "read_state"));
   if (count > 0 && dst == nullptr) return invalid_argument("optimizer read_state: null destination");
   const bool raw = kind == StateKind::kMaster || im.state_dtype() == cpu::StateDType::kF32;
@@ -1560,6 +1571,7 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
                                        std::uint64_t count) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("write_state"));
+  TIER_RETURN_IF_ERROR(im.idle("write_state"));
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "write_state"));
   if (count > 0 && src == nullptr) return invalid_argument("optimizer write_state: null source");
   TIER_RETURN_IF_ERROR(check_encodable(im, kind, src, count));
@@ -1586,6 +1598,7 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
 Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("read_params"));
+  TIER_RETURN_IF_ERROR(im.idle("read_params"));
   TIER_RETURN_IF_ERROR(check_range(im, id, 0, 0, "read_params"));
   if (!cpu::is_float_dtype(dtype)) {
     return invalid_argument(str("optimizer read_params: dtype ", dtype_name(dtype), " is not fp32, fp16 or bf16"));
@@ -1610,6 +1623,7 @@ Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
 Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("measure_io_seconds"));
+  TIER_RETURN_IF_ERROR(im.idle("measure_io_seconds"));
   if (!im.nvme()) return failed_precondition("optimizer measure_io_seconds: the state is in host memory; no I/O");
   // What is written must be new to the disk, as a step's updated state is: virtual disks and
   // some SSDs deduplicate or compress, and writing back the bytes just read (which exist in the
@@ -1642,6 +1656,7 @@ Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
 Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("measure_update_seconds"));
+  TIER_RETURN_IF_ERROR(im.idle("measure_update_seconds"));
   std::vector<cpu::AdamStep> steps;
   for (const cpu::AdamGroup& g : im.groups) {
     TIER_ASSIGN_OR_RETURN(cpu::AdamStep s,

@@ -172,6 +172,8 @@ struct OffloadedOptimizer::Impl {
 
   bool nvme() const noexcept { return opt.home == StateHome::kNvme; }
   Status usable(const char* what, bool loading = false) const;
+  // kFailedPrecondition while an overlapped step runs (the members that touch the state).
+  Status idle(const char* what) const;
   PartitionId partition_at(const detail::Chunk& c, std::uint64_t flat) const;
   cpu::StateDType state_dtype() const noexcept { return opt.state_dtype; }
   // A section of chunk c in memory laid out like its record.

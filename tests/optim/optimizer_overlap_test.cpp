@@ -77,6 +77,7 @@ std::vector<StepReport> run_both(const Home& home, const OffloadedOptimizerOptio
   auto over = test::make_rig(home, o, ref);
   std::vector<StepReport> reports;
   test::Outputs out_serial(ref.model()), out_over(ref.model());
+  const std::uint64_t chunks = over->opt().stats().chunks;  // (stats() may not run beside a pass)
   for (int step = 1; step <= steps; ++step) {
     StepOptions ss, so;
     ss.destination = [&](PartitionId id) -> void* { return out_serial.data[id].data(); };
@@ -92,7 +93,7 @@ std::vector<StepReport> run_both(const Home& home, const OffloadedOptimizerOptio
         EXPECT_TRUE(give(over->opt(), ref, g, i).ok());
       }
     }
-    if (wait_for_speculation) wait_taken(over->opt(), over->opt().stats().chunks);
+    if (wait_for_speculation) wait_taken(over->opt(), chunks);
     auto a = serial->opt().step(ss);
     auto b = over->opt().finish_overlapped_step();
     EXPECT_TRUE(a.ok()) << a.status();
@@ -176,9 +177,10 @@ TEST_P(Overlap, AnOverflowSkipsTheStepAndDeliversTheCommittedParamsAgain) {
   const float infinity = std::numeric_limits<float>::infinity();
   ASSERT_TRUE(cpu::convert(cpu::ConstTensorRef(&infinity, DType::kF32, 1), cpu::TensorRef{inf.data(), DType::kBF16, 1}).ok());
   g[0] = inf;
+  const std::uint64_t chunks = opt.stats().chunks;
   ASSERT_TRUE(opt.start_overlapped_step(so).ok());
   for (std::size_t i = ref.model().size(); i-- > 1;) ASSERT_TRUE(give(opt, ref, g, i).ok());
-  wait_taken(opt, opt.stats().chunks - 1);  // the first chunk holds partition 0
+  wait_taken(opt, chunks - 1);  // the first chunk holds partition 0
   EXPECT_GT(opt.overlapped_chunks_taken(), 0u);
   ASSERT_TRUE(give(opt, ref, g, 0).ok());
   auto second = opt.finish_overlapped_step();

@@ -175,6 +175,7 @@ class _EngineGrads:
         self.tensors = [-1] * partition_count  # partition -> engine tensor of its gradient
         self.held = set()  # partitions with a gradient this step
         self.sumsq = {}  # partition -> sum of squares of its final gradient (boundary micro-step)
+        self.declared = set()  # declared already, to an overlapped step that is running
 
     def register(self, native, pid, name, numel, home):
         self.tensors[pid] = native.register(f"grad/{name}", "fp32", numel, "grad", 0, home)
@@ -200,10 +201,16 @@ class _EngineGrads:
         if engine.is_gradient_accumulation_boundary():
             self.sumsq[pid] = self._sum_of_squares(flat)
         del flat  # ends the lease
+        if pid in self.sumsq and engine.optimizer.overlap_running:
+            # Final: the overlapped step's pass may take it now.
+            engine.optimizer.declare_grad(pid, self.sumsq[pid])
+            self.declared.add(pid)
 
     def flush(self, optimizer):
         engine = self._engine()
         for pid in sorted(self.held):
+            if pid in self.declared:
+                continue
             sumsq = self.sumsq.get(pid)
             if sumsq is None:  # the boundary was not known when the gradient came
                 lease = engine.native.acquire(self.tensors[pid], "host", "read")
@@ -213,6 +220,7 @@ class _EngineGrads:
             optimizer.declare_grad(pid, sumsq)
         self.held.clear()
         self.sumsq.clear()
+        self.declared.clear()
 
     def after_step(self, ok):
         pass
@@ -220,6 +228,7 @@ class _EngineGrads:
     def clear(self):
         self.held.clear()
         self.sumsq.clear()
+        self.declared.clear()
 
 
 def _load_config(config):
@@ -581,6 +590,16 @@ class TierEngine(torch.nn.Module):
                     self._grads.register(self.native, slot.pid, slot.name, slot.numel, "nvme")
         else:
             self._grads = _MicroStepGrads(self)
+        # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary
+        # micro-step's backward (NVMe-resident state; see docs/optimizer.md), "serial" after it.
+        overlap = resolved.get("tier", {}).get("optimizer", {}).get("overlap", "exact")
+        if overlap == "delayed":
+            raise ValueError(
+                'tier.optimizer.overlap: "delayed" (the one-step-delayed update) is not implemented yet; use '
+                '"exact" (the default: the same result as "serial", overlapped with backward) or "serial"'
+            )
+        opt_type = str(resolved.get("optimizer", {}).get("type", "")).lower()
+        self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
         self._tensor_of_partition = [-1] * self.optimizer.partition_count
         for slot in self._slots:
             if slot.pid is not None:
@@ -827,7 +846,20 @@ class TierEngine(torch.nn.Module):
         ui.perfetto.dev or chrome://tracing); recording goes on."""
         self.native.write_trace(os.fspath(path))
 
+    def _cancel_overlap(self):
+        """Drops the overlapped step in flight, if any: the params it delivered go back to the
+        committed ones, its declarations are forgotten (the gradients stay in their engine tensors,
+        and step() declares them again) and the step will run serially. Anything that reads the
+        params or changes the gradients between the boundary backward and step() calls this."""
+        if not self.optimizer.overlap_running:
+            return
+        self.optimizer.cancel_overlap()
+        self.optimizer.clear_grads()
+        self._grads.declared.clear()
+
     def forward(self, *args, **kwargs):
+        # A forward between the boundary backward and step() must see the committed params.
+        self._cancel_overlap()
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         if not self._in_step and torch.is_grad_enabled():
@@ -851,7 +883,19 @@ class TierEngine(torch.nn.Module):
             scaled = scaled / self._gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
-        scaled.backward(retain_graph=retain_graph)
+        if self.optimizer.overlap_running:
+            # A second backward on the boundary adds to gradients the pass may have used already.
+            self._cancel_overlap()
+        elif self._overlap and self.is_gradient_accumulation_boundary():
+            # The step's update starts now and takes each chunk of the state as backward finishes
+            # its gradients; step() validates it (and redoes it when clipping or an overflow says so).
+            self._apply_lr()
+            self.optimizer.start_overlap_into(self.native, self._tensor_of_partition, self._grads.tensors)
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            self.optimizer.cancel_overlap()
+            raise
         self._drain_grads()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
@@ -893,11 +937,14 @@ class TierEngine(torch.nn.Module):
         t0_ns = time.monotonic_ns()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
         self._grads.flush(self.optimizer)
-        self._apply_lr()
         grad_tensors = self._grads.tensors if self._grads_in_engine else []
         ok = False
         try:
-            report = self.optimizer.step_into(self.native, self._tensor_of_partition, grad_tensors)
+            if self.optimizer.overlap_running:
+                report = self.optimizer.finish_overlap()
+            else:
+                self._apply_lr()
+                report = self.optimizer.step_into(self.native, self._tensor_of_partition, grad_tensors)
             ok = True
         finally:
             self._grads.after_step(ok)
@@ -927,6 +974,7 @@ class TierEngine(torch.nn.Module):
         boundary and what the optimizer took already (``set_to_none`` is accepted and moot: the
         model's ``.grad`` are freed as soon as they are final)."""
         self._drain_grads()
+        self.optimizer.cancel_overlap()
         self._grads.clear()
         self.optimizer.clear_grads()
         for slot in self._slots:
@@ -979,12 +1027,14 @@ class TierEngine(torch.nn.Module):
         slot = next((s for s in self._slots if s.name == name), None)
         if slot is None:
             raise KeyError(f"no parameter named {name!r}")
+        self._cancel_overlap()
         out = torch.empty(slot.shape, dtype=self.compute_dtype)
         self.native.read(slot.tid, out)
         return out
 
     def state_dict_fp32(self):
         """Every trainable parameter's fp32 master value, by name (CPU tensors)."""
+        self._cancel_overlap()
         out = {}
         for slot in self._slots:
             if slot.pid is None:
@@ -1007,6 +1057,7 @@ class TierEngine(torch.nn.Module):
                 "save_checkpoint(exclude_frozen_parameters=True): tier checkpoints always hold the frozen "
                 "parameters (load checks them against the model); drop the argument"
             )
+        self._cancel_overlap()
         return save(self, save_dir, tag, client_state or {}, save_latest=save_latest)
 
     def load_checkpoint(
@@ -1135,6 +1186,7 @@ class TierEngine(torch.nn.Module):
     def _fill_state_dict(self, module, state_dict, prefix):
         if self.__dict__.get("native") is None:
             return
+        self._cancel_overlap()
         key = (id(state_dict), self._param_version)
         memo_key, memo = self.__dict__.get("_gather_memo", (None, None))
         if memo_key != key:

@@ -1,0 +1,93 @@
+"""tier.optimizer.overlap: with "exact" (the default for NVMe-resident state) the boundary
+micro-step's backward runs beside the optimizer's pass over the state, and the training is the
+same as with "serial", bit for bit: when the speculation holds (no clipping), when clipping makes
+every step redo, with accumulation, and with fp16 loss scaling whose first steps overflow."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tier.torch  # noqa: E402
+from test_torch_llama import make_model, tier_config  # noqa: E402
+from test_torch_llama import batch  # noqa: E402
+
+
+def run(swap_dir, overlap, steps=4, gas=2, clip=1.0, **extra):
+    cfg = tier_config(swap_dir, gas=gas, clip=clip, **extra)
+    cfg["tier"]["optimizer"]["overlap"] = overlap
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
+    losses, reports = [], []
+    for step in range(steps):
+        for micro in range(gas):
+            out = engine(**batch(step * gas + micro))
+            losses.append(out.loss.item())
+            engine.backward(out.loss)
+            report = engine.step()
+            if report is not None:
+                reports.append(report)
+    return losses, reports, engine
+
+
+@pytest.mark.parametrize("clip,redo", [(1e6, False), (1e-3, True)])
+def test_exact_overlap_trains_like_serial(tmp_path, clip, redo):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    serial, serial_reports, _ = run(str(tmp_path / "a"), "serial", clip=clip)
+    exact, reports, engine = run(str(tmp_path / "b"), "exact", clip=clip)
+    assert exact == serial  # bit for bit
+    assert [r["grad_norm"] for r in reports] == [r["grad_norm"] for r in serial_reports]
+    assert all(r["overlapped"] for r in reports)
+    assert not any(r["overlapped"] for r in serial_reports)
+    assert all(r["redone"] == redo for r in reports), [r["redo_reason"] for r in reports]
+    if not redo:
+        # The pass took chunks while backward was still producing gradients.
+        assert sum(r["speculated_chunks"] for r in reports) > 0, reports
+    metrics = engine.stats()["metrics"]
+    assert metrics["optim.overlapped_steps"] == len(reports)
+    assert metrics.get("optim.redone_steps", 0) == (len(reports) if redo else 0)
+
+
+def test_exact_overlap_without_accumulation_and_with_a_zero_grad_in_between(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    serial, _, _ = run(str(tmp_path / "a"), "serial", gas=1, clip=0)
+    exact, reports, _ = run(str(tmp_path / "b"), "exact", gas=1, clip=0)
+    assert exact == serial
+    assert all(r["overlapped"] and not r["redone"] for r in reports)
+
+
+def test_a_failed_backward_cancels_the_overlapped_step(swap_dir):
+    cfg = tier_config(swap_dir, gas=1)
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
+    out = engine(**batch(0))
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom in backward")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.backward(Boom.apply(out.loss))
+    assert not engine.optimizer.overlap_running
+    engine.zero_grad()
+    # Training goes on from the untouched state.
+    out = engine(**batch(1))
+    engine.backward(out.loss)
+    report = engine.step()
+    assert report["applied"] and report["step"] == 1
+
+
+def test_overlap_values_are_checked(swap_dir):
+    cfg = tier_config(swap_dir)
+    cfg["tier"]["optimizer"]["overlap"] = "delayed"
+    with pytest.raises(ValueError, match="tier.optimizer.overlap"):
+        tier.torch.initialize(make_model(), cfg)
+    cfg["tier"]["optimizer"]["overlap"] = "sometimes"
+    with pytest.raises(Exception) as e:
+        tier.torch.initialize(make_model(), cfg)
+    assert "tier.optimizer.overlap" in str(e.value)
