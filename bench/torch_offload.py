@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import torch
+import transformers
 
 # The installed package when there is one (pip install .), else the in-tree build.
 try:
@@ -40,7 +41,8 @@ def batches(args, data, n):
 
 
 def run_baseline(args, data):
-    model = ex.make_model(args)
+    torch.manual_seed(args.seed)
+    model = transformers.LlamaForCausalLM(ex.llama_config(args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     times = []
     for ids in batches(args, data, args.steps + 1):
@@ -55,12 +57,12 @@ def run_baseline(args, data):
 
 
 def run_tier(args, data, swap, overlap):
-    model = ex.make_model(args)
     args.swap_dir = swap
     args.gas = 1
-    cfg = ex.default_config(args, model)
+    cfg = ex.default_config(args, ex.model_shape(args))
     cfg["gradient_clipping"] = args.clip
     cfg["tier"]["optimizer"] = {"overlap": overlap}
+    model = ex.make_model(args, cfg)  # built into the engine (the same weights as the baseline's)
     engine, *_ = tier.torch.initialize(model, cfg)
     times, reports = [], []
     before = None
@@ -118,7 +120,7 @@ def main():
     args.steps = max(2, args.steps)
     data = ex.corpus_bytes(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
     swap = tempfile.mkdtemp(prefix="tier-bench-torch-", dir=os.environ.get("TIER_BENCH_DIR", "."))
-    params = sum(p.numel() for p in ex.make_model(args).parameters())
+    params = ex.model_shape(args)[0]
     try:
         base = run_baseline(args, data)
         exact = run_tier(args, data, swap, "exact")

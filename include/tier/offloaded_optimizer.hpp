@@ -11,8 +11,8 @@
 //    `chunk_elements`; a chunk is the unit of I/O and of the pipeline, so thousands of small
 //    partitions cost a few large transfers, and a large one spans several chunks.
 //  - Each chunk's state (master, exp_avg, exp_avg_sq, and for int8 state the moments' block
-//    scales) is stored as one record of 4 KiB-aligned sections in two swap extents (NVMe home): the *committed* slot and a *shadow* slot. A
-//    step reads the committed slots and writes the shadow slots; only when every write of the
+//    scales) is stored as one record of 4 KiB-aligned sections in two swap extents (NVMe home): the *committed* slot
+//    and a *shadow* slot. A step reads the committed slots and writes the shadow slots; only when every write of the
 //    step has completed do the shadows become committed. A failed read or write therefore leaves
 //    the previous step's state intact, reports the error, and keeps the gradients so the step can
 //    be retried. (Host home updates in place: there is no I/O to fail.)

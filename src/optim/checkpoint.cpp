@@ -374,14 +374,13 @@ class RecordReader {
                  base, c, mo == 0 ? Section::kExpAvgScales : Section::kExpAvgSqScales)) +
              ca / B;
       }
-      Status s = cpu::encode_state(mo == 0 ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq,
-                                   cpu::ConstTensorRef(scratch_.data() + mo * n, DType::kF32, n),
-                                   cpu::TensorRef{OffloadedOptimizer::Impl::section(base, c, kind) + ca * dtype_size(md),
-                                                  md, n},
-                                   sc);
+      Status s = cpu::encode_state(
+          mo == 0 ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq,
+          cpu::ConstTensorRef(scratch_.data() + mo * n, DType::kF32, n),
+          cpu::TensorRef{OffloadedOptimizer::Impl::section(base, c, kind) + ca * dtype_size(md), md, n}, sc);
       if (!s.ok()) {
-        return s.with_context(str("checkpoint ", path_, ": converting its ", cpu::state_dtype_name(file_),
-                                  " state to ", cpu::state_dtype_name(mine)));
+        return s.with_context(str("checkpoint ", path_, ": converting its ", cpu::state_dtype_name(file_), " state to ",
+                                  cpu::state_dtype_name(mine)));
       }
     }
     return {};
@@ -460,7 +459,8 @@ class RecordReader {
     count_ = get<std::uint64_t>(h, 16);
     const int nsec = header_bytes_ == kRecordBytes ? kSections : 3;
     for (int s = 0; s < nsec; ++s) crc_[s] = get<std::uint32_t>(h, 24 + 4 * s);
-    if (pid_ >= im_.parts.size() || pid_ != exp_pid_ || offset_ != exp_off_ || count_ == 0 || count_ > im_.parts[pid_].numel - offset_) {
+    if (pid_ >= im_.parts.size() || pid_ != exp_pid_ || offset_ != exp_off_ || count_ == 0 ||
+        count_ > im_.parts[pid_].numel - offset_) {
       return data_loss(str("checkpoint ", path_, ": record ", records_, " (partition ", pid_, ", elements [", offset_,
                            ", ", offset_ + count_, ")) is not the next piece of the state (partition ", exp_pid_,
                            " from element ", exp_off_, ")"));

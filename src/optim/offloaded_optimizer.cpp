@@ -135,7 +135,7 @@ PartitionId OffloadedOptimizer::Impl::partition_at(const Chunk& c, std::uint64_t
 }
 
 cpu::AdamTensors OffloadedOptimizer::Impl::state_at(void* base, const Chunk& c, std::uint64_t a,
-                                                   std::uint64_t n) const {
+                                                    std::uint64_t n) const {
   const cpu::StateDType d = state_dtype();
   const DType md = cpu::exp_avg_dtype(d);
   const DType vd = cpu::exp_avg_sq_dtype(d);
@@ -536,9 +536,9 @@ Status close_chunk(OffloadedOptimizer::Impl& im) {
   for (auto& slot : c.slot) {
     auto e = im.swap->allocate(c.bytes());
     if (!e.ok()) {
-      im.poisoned = e.status().with_context(
-          str("optimizer: swap space for chunk ", im.chunks.size() - 1, " (", format_bytes(c.bytes()),
-              " x 2 slots; give a larger swap space or max_elements)"));
+      im.poisoned = e.status().with_context(str("optimizer: swap space for chunk ", im.chunks.size() - 1, " (",
+                                                format_bytes(c.bytes()),
+                                                " x 2 slots; give a larger swap space or max_elements)"));
       return im.poisoned;
     }
     slot = std::move(e).value();
@@ -573,17 +573,15 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
   if (im.parts.size() >= 0xFFFFFFFFull) return resource_exhausted("optimizer: too many partitions");
   // int8 state: the partition starts on a block boundary (its blocks then never straddle another
   // partition, and chunk boundaries fall on its block boundaries). The gap stays zero.
-  const std::uint64_t gap = im.state_dtype() == cpu::StateDType::kInt8
-                                ? detail::round_up(im.elements, cpu::kStateBlock) - im.elements
-                                : 0;
-  if (im.own_swap && (im.numel_total + spec.numel > im.opt.max_elements ||
-                      im.elements + gap + spec.numel > im.capacity)) {
+  const std::uint64_t gap =
+      im.state_dtype() == cpu::StateDType::kInt8 ? detail::round_up(im.elements, cpu::kStateBlock) - im.elements : 0;
+  if (im.own_swap &&
+      (im.numel_total + spec.numel > im.opt.max_elements || im.elements + gap + spec.numel > im.capacity)) {
     return resource_exhausted(str("optimizer: partition '", spec.name, "' (", spec.numel, " elements) would bring the ",
                                   "state to ", im.numel_total + spec.numel, " elements (",
                                   im.elements + gap + spec.numel, " with the int8 alignment gaps), more than ",
                                   "max_elements ", im.opt.max_elements, " (", im.capacity,
-                                  ") the swap space was sized for",
-                                  gap ? "; give max_partitions for int8 state" : ""));
+                                  ") the swap space was sized for", gap ? "; give max_partitions for int8 state" : ""));
   }
   if (gap) {
     // elements is not on a chunk boundary (those are multiples of 256), so a chunk is open.
@@ -1452,7 +1450,8 @@ struct StateView {
   float* scales;
 };
 StateView view_of(const OffloadedOptimizer::Impl& im, void* base, const Chunk& c, StateKind kind) {
-  if (kind == StateKind::kMaster) return {OffloadedOptimizer::Impl::section(base, c, Section::kMaster), DType::kF32, nullptr};
+  if (kind == StateKind::kMaster)
+    return {OffloadedOptimizer::Impl::section(base, c, Section::kMaster), DType::kF32, nullptr};
   const cpu::StateDType d = im.state_dtype();
   const bool m = kind == StateKind::kExpAvg;
   float* scales = nullptr;

@@ -253,6 +253,15 @@ inline std::vector<Home> all_homes() {
           {"host", StateHome::kHost, IoEngineKind::kAuto, false}};
 }
 
+// The NVMe homes of all_homes().
+inline std::vector<Home> nvme_homes() {
+  std::vector<Home> h;
+  for (const auto& x : all_homes()) {
+    if (x.home == StateHome::kNvme) h.push_back(x);
+  }
+  return h;
+}
+
 inline std::string home_name(const testing::TestParamInfo<Home>& info) {
   return info.param.name;
 }

@@ -16,14 +16,6 @@ using test::Home;
 using test::Reference;
 using test::Rig;
 
-std::vector<Home> nvme_homes() {
-  std::vector<Home> h;
-  for (const auto& x : test::all_homes()) {
-    if (x.home == StateHome::kNvme) h.push_back(x);
-  }
-  return h;
-}
-
 class OptimizerFaults : public testing::TestWithParam<Home> {
  protected:
   void SetUp() override {
@@ -155,7 +147,7 @@ TEST_P(OptimizerFaults, FailedCheckpointLoadKeepsTheState) {
   ASSERT_TRUE(test::state_matches(rig_->opt(), *ref_));
 }
 
-INSTANTIATE_TEST_SUITE_P(Nvme, OptimizerFaults, testing::ValuesIn(nvme_homes()), test::home_name);
+INSTANTIATE_TEST_SUITE_P(Nvme, OptimizerFaults, testing::ValuesIn(test::nvme_homes()), test::home_name);
 
 TEST(OptimizerRegistration, FailedInitialWriteMakesTheOptimizerUnusable) {
   OffloadedOptimizerOptions o;

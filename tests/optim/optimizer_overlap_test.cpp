@@ -28,14 +28,6 @@ OffloadedOptimizerOptions opts(double max_norm, int gas = 1) {
   return o;
 }
 
-std::vector<Home> nvme_homes() {
-  std::vector<Home> h;
-  for (const Home& x : test::all_homes()) {
-    if (x.home == StateHome::kNvme) h.push_back(x);
-  }
-  return h;
-}
-
 class Overlap : public testing::TestWithParam<Home> {
  protected:
   void SetUp() override {
@@ -55,7 +47,8 @@ std::vector<std::vector<std::uint8_t>> grads_for(const Reference& ref, std::uint
 
 Status give(OffloadedOptimizer& opt, const Reference& ref, const std::vector<std::vector<std::uint8_t>>& g,
             std::size_t i) {
-  return opt.add_grad(static_cast<PartitionId>(i), cpu::ConstTensorRef(g[i].data(), DType::kBF16, ref.model()[i].numel));
+  return opt.add_grad(static_cast<PartitionId>(i),
+                      cpu::ConstTensorRef(g[i].data(), DType::kBF16, ref.model()[i].numel));
 }
 
 // Waits (bounded) until the running pass has taken `n` chunks.
@@ -110,7 +103,8 @@ std::vector<StepReport> run_both(const Home& home, const OffloadedOptimizerOptio
         std::vector<float> x(n), y(n);
         EXPECT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), k, x.data(), 0, n).ok());
         EXPECT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), k, y.data(), 0, n).ok());
-        EXPECT_TRUE(test::same_bits(y.data(), x.data(), n, str("step ", step, " partition ", i, " ", state_kind_name(k))));
+        EXPECT_TRUE(
+            test::same_bits(y.data(), x.data(), n, str("step ", step, " partition ", i, " ", state_kind_name(k))));
       }
       const std::size_t bytes = n * param_output_size(ref.model()[i].output);
       EXPECT_EQ(std::memcmp(out_over.data[i].data(), out_serial.data[i].data(), bytes), 0)
@@ -166,16 +160,17 @@ TEST_P(Overlap, AnOverflowSkipsTheStepAndDeliversTheCommittedParamsAgain) {
   std::vector<std::vector<float>> master(ref.model().size());
   for (std::size_t i = 0; i < ref.model().size(); ++i) {
     master[i].resize(ref.model()[i].numel);
-    ASSERT_TRUE(opt.read_state(static_cast<PartitionId>(i), StateKind::kMaster, master[i].data(), 0,
-                               ref.model()[i].numel)
-                    .ok());
+    ASSERT_TRUE(
+        opt.read_state(static_cast<PartitionId>(i), StateKind::kMaster, master[i].data(), 0, ref.model()[i].numel)
+            .ok());
   }
   // The second step's last gradient (partition 0, what backward finishes last) overflows, after
   // the pass has updated and delivered every other chunk.
   g = grads_for(ref, 2, 0, 1.0f);
   std::vector<std::uint8_t> inf(g[0].size());
   const float infinity = std::numeric_limits<float>::infinity();
-  ASSERT_TRUE(cpu::convert(cpu::ConstTensorRef(&infinity, DType::kF32, 1), cpu::TensorRef{inf.data(), DType::kBF16, 1}).ok());
+  ASSERT_TRUE(
+      cpu::convert(cpu::ConstTensorRef(&infinity, DType::kF32, 1), cpu::TensorRef{inf.data(), DType::kBF16, 1}).ok());
   g[0] = inf;
   const std::uint64_t chunks = opt.stats().chunks;
   ASSERT_TRUE(opt.start_overlapped_step(so).ok());
@@ -243,9 +238,9 @@ TEST_P(Overlap, ACancelledStepChangesNothing) {
   // Params as the committed state has them.
   for (std::size_t i = 0; i < ref.model().size(); ++i) {
     if (ref.model()[i].output == ParamOutput::kNone) continue;
-    ASSERT_TRUE(opt.read_params(static_cast<PartitionId>(i), param_output_dtype(ref.model()[i].output),
-                                out.data[i].data())
-                    .ok());
+    ASSERT_TRUE(
+        opt.read_params(static_cast<PartitionId>(i), param_output_dtype(ref.model()[i].output), out.data[i].data())
+            .ok());
   }
   const auto before = out.data;
   const auto g = grads_for(ref, 1, 0, 1e-2f);
@@ -269,7 +264,7 @@ TEST_P(Overlap, ACancelledStepChangesNothing) {
   EXPECT_TRUE(test::state_matches(opt, ref));
 }
 
-INSTANTIATE_TEST_SUITE_P(Homes, Overlap, testing::ValuesIn(nvme_homes()), test::home_name);
+INSTANTIATE_TEST_SUITE_P(Homes, Overlap, testing::ValuesIn(test::nvme_homes()), test::home_name);
 
 TEST(OverlapOptions, HostHomeAndLambAreRefused) {
   const Home host{"host", StateHome::kHost, IoEngineKind::kAuto, false};

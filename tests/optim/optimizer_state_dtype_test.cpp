@@ -234,8 +234,8 @@ TEST(StateDTypeOptions, LambIsRefusedWithCompressedState) {
 
 TEST(StateDTypeOptions, TheConfigKeySelectsTheFormat) {
   for (const char* name : {"fp32", "bf16", "int8"}) {
-    auto cfg = EngineConfig::from_json(str(R"({"tier": {"optimizer": {"state_dtype": ")", name, R"("}}})"),
-                                       {false, false});
+    auto cfg =
+        EngineConfig::from_json(str(R"({"tier": {"optimizer": {"state_dtype": ")", name, R"("}}})"), {false, false});
     ASSERT_TRUE(cfg.ok()) << cfg.status();
     auto o = OffloadedOptimizerOptions::from_config(*cfg);
     ASSERT_TRUE(o.ok()) << o.status();
@@ -244,8 +244,8 @@ TEST(StateDTypeOptions, TheConfigKeySelectsTheFormat) {
   auto bad = EngineConfig::from_json(R"({"tier": {"optimizer": {"state_dtype": "fp8"}}})", {false, false});
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("tier.optimizer.state_dtype"), std::string::npos) << bad.status();
-  auto lamb = EngineConfig::from_json(R"({"optimizer": {"type": "Lamb"}, "tier": {"optimizer": {"state_dtype": "bf16"}}})",
-                                      {false, false});
+  auto lamb = EngineConfig::from_json(
+      R"({"optimizer": {"type": "Lamb"}, "tier": {"optimizer": {"state_dtype": "bf16"}}})", {false, false});
   ASSERT_TRUE(lamb.ok()) << lamb.status();
   EXPECT_FALSE(OffloadedOptimizerOptions::from_config(*lamb).ok());
 }
