@@ -159,6 +159,32 @@ def test_bf16_generate_matches_plain_transformers_in_bf16(swap_dir):
     assert torch.equal(greedy(engine.module, prompt()), expected)
 
 
+def test_from_pretrained_with_an_inference_config_generates_the_checkpoints_tokens(swap_dir, tmp_path):
+    # ZeRO-Inference's usual entry: a checkpoint read tensor by tensor into the engine.
+    model = build("qwen2")
+    model.save_pretrained(tmp_path / "ckpt")
+    expected = greedy(model, prompt())
+    engine = tier.torch.from_pretrained(str(tmp_path / "ckpt"), inference_config("nvme", swap_dir))
+    assert engine.inference_only
+    assert torch.equal(greedy(engine.module, prompt()), expected)
+
+
+def test_a_peft_model_generates_through_its_base_model(swap_dir):
+    # PeftModel.generate calls the base model's generate: the outermost module called (the base
+    # model) brackets each access-trace step.
+    peft = pytest.importorskip("peft")
+    model = build("llama")
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, lora)
+    expected = greedy(copy.deepcopy(model), prompt())
+    engine, *_ = tier.torch.initialize(model, inference_config("nvme", swap_dir))
+    assert torch.equal(greedy(engine.module, prompt()), expected)
+    metrics = engine.stats()["metrics"]
+    assert metrics["prefetch.trace_length"] == sum(len(s) for s in engine._module_slots.values())
+    assert metrics["prefetch.order_changes"] == 0 and metrics["prefetch.hits"] > 0
+
+
 def test_a_forward_outside_no_grad_on_an_inference_engine_builds_no_graph(swap_dir):
     model = build("qwen2")
     reference = copy.deepcopy(model)
