@@ -14,6 +14,10 @@ The training loop is DeepSpeed's::
         loss = engine(**batch).loss
         engine.backward(loss)   # scales by 1 / gradient_accumulation_steps (and the fp16 loss scale)
         engine.step()           # applies the update at the accumulation boundary
+
+Without an optimizer (no ``optimizer`` section, none passed) the engine runs inference only, as
+DeepSpeed's ZeRO-Inference: ``engine.module.generate(...)`` streams the weights from their home,
+each token's forward a step of the access trace that the prefetch scheduler replays.
 """
 
 import atexit
