@@ -110,12 +110,14 @@ def disk_read_rate(directory, nbytes, threads, block=4 << 20):
     return nbytes / seconds, direct
 
 
-def tier_bench_read_rate(directory, nbytes):
+def tier_bench_read_rate(directory, nbytes, block_size, queue_depth):
     exe = os.environ.get("TIER_BENCH")
     if not exe:
         return None
+    size = str(max(nbytes, 64 << 20))
     out = subprocess.run(
-        [exe, "io", "--path", directory, "--size", str(max(nbytes, 64 << 20)), "--json", "--quiet"],
+        [exe, "io", "--path", directory, "--size", size, "--block-size", str(block_size), "--queue-depth",
+         str(queue_depth), "--json", "--quiet"],
         capture_output=True,
         text=True,
         check=True,
@@ -143,9 +145,10 @@ def home_rate(a, swap, weight_bytes, device):
         rate = copy_rate(weight_bytes, device if device is not None else torch.device("cpu"))
         return rate, "host-to-GPU copy" if device is not None and device.type == "cuda" else "memory copy", None, None
     rate, direct = disk_read_rate(swap, weight_bytes, a.read_threads)
-    bench_rate = tier_bench_read_rate(swap, weight_bytes)
+    bench_rate = tier_bench_read_rate(swap, weight_bytes, a.block_size, a.queue_depth)
     if bench_rate:
-        return bench_rate, "tier-bench io, mean of before and after", rate, bench_rate
+        what = f"tier-bench io, {a.block_size >> 10} KiB x {a.queue_depth}, mean of before and after"
+        return bench_rate, what, rate, bench_rate
     how = "O_DIRECT" if direct else "buffered (O_DIRECT refused)"
     return rate, f"{how} read, {a.read_threads} x 4 MiB in flight, mean of before and after", rate, None
 
@@ -158,7 +161,11 @@ def config(a, swap, weight_bytes, largest):
     offload = {"device": "nvme" if a.home == "nvme" else "cpu", "pin_memory": True}
     if a.home == "nvme":
         offload["nvme_path"] = swap
-    cfg = {"zero_optimization": {"stage": 3, "offload_param": offload}, "tier": {"budgets": budgets}}
+    cfg = {
+        "zero_optimization": {"stage": 3, "offload_param": offload},
+        "aio": {"block_size": a.block_size, "queue_depth": a.queue_depth},
+        "tier": {"budgets": budgets},
+    }
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -178,6 +185,8 @@ def main():
     p.add_argument("--device-budget", type=int, default=0, help="bytes (default: a quarter of the weights, at least two of the largest tensors)")
     p.add_argument("--host-budget", type=int, default=0, help="bytes (default: as the device's for nvme)")
     p.add_argument("--swap-dir", default=os.path.join(os.getcwd(), "tier-gen-swap"))
+    p.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size, for tier and tier-bench io")
+    p.add_argument("--queue-depth", type=int, default=8, help="aio.queue_depth (DeepSpeed's default), for both")
     p.add_argument("--read-threads", type=int, default=16, help="O_DIRECT reads in flight for the disk rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
