@@ -182,7 +182,9 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--home", choices=["nvme", "host"], default="nvme")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
-    p.add_argument("--device-budget", type=int, default=0, help="bytes (default: a quarter of the weights, at least two of the largest tensors)")
+    p.add_argument(
+        "--device-budget", type=int, default=0, help="bytes (default: a quarter of the weights, >= 2 largest tensors)"
+    )
     p.add_argument("--host-budget", type=int, default=0, help="bytes (default: as the device's for nvme)")
     p.add_argument("--swap-dir", default=os.path.join(os.getcwd(), "tier-gen-swap"))
     p.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size, for tier and tier-bench io")
@@ -263,7 +265,8 @@ def main():
         print(json.dumps(row, indent=1))
         return 0 if row["tokens_match"] else 1
     mb = 1e6
-    print(f"model: hidden {a.hidden}, {a.layers} layers, {weight_bytes / mb:.0f} MB of {a.dtype} weights, home {a.home}")
+    size = f"{weight_bytes / mb:.0f} MB of {a.dtype} weights"
+    print(f"model: hidden {a.hidden}, {a.layers} layers, {size}, home {a.home}")
     print(f"budgets: device {row['device_budget'] / mb:.0f} MB, host {row['host_budget'] / mb:.0f} MB")
     print(f"{'':34}{'tokens/s':>10}")
     print(f"{'tier, streamed':34}{tokens_per_s:10.2f}   ({a.new_tokens} tokens in {tier_s:.2f} s)")

@@ -209,7 +209,11 @@ def test_generate_between_micro_steps_of_a_training_engine(swap_dir):
             "offload_param": {"device": "nvme", "nvme_path": swap_dir},
             "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
         },
-        "tier": {"device": "emulated", "budgets": {"device": DEVICE_BUDGET, "host": "16M"}, "optimizer": {"buffer_bytes": "4M"}},
+        "tier": {
+            "device": "emulated",
+            "budgets": {"device": DEVICE_BUDGET, "host": "16M"},
+            "optimizer": {"buffer_bytes": "4M"},
+        },
     }
     model = build("llama")
     plain = copy.deepcopy(model)
