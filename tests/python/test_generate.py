@@ -226,6 +226,13 @@ def test_generate_between_micro_steps_of_a_training_engine(swap_dir):
     def micro(i):
         loss = engine(input_ids=batches[i], labels=batches[i]).loss
         engine.backward(loss)
+        if i % 2 == 1:
+            # Between the boundary backward and step() the update runs overlapped with backward
+            # (tier.optimizer.overlap "exact"); a generate now must see the committed weights, and
+            # the step then runs serially.
+            assert engine.optimizer.overlap_running
+            assert torch.equal(greedy(engine.module, ids, 4), tokens_of(previous)), i
+            assert not engine.optimizer.overlap_running
         engine.step()
         plain_loss = plain(input_ids=batches[i], labels=batches[i]).loss
         (plain_loss / 2).backward()

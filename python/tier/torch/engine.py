@@ -802,6 +802,7 @@ class TierEngine(torch.nn.Module):
         self._hook_handles = []
         self._forward_depth = 0
         self._inference_step = False
+        self._in_backward = False  # engine.backward() is running (recomputed forwards run inside it)
         ref = weakref.ref(self)
         for mod in model.modules():
             guard = _DESTROYED_GUARDS.pop(mod, None)  # the model is managed again
@@ -869,7 +870,12 @@ class TierEngine(torch.nn.Module):
         # the next. The outermost module called brackets the step (a PEFT model's generate() calls
         # the base model's).
         self._forward_depth += 1
-        if self._forward_depth == 1 and not self._in_step and (self.inference_only or not torch.is_grad_enabled()):
+        if self._forward_depth > 1 or self._in_backward:
+            return
+        # A forward of the model itself (engine.module.generate, say) between the boundary backward
+        # and step() must see the committed params, as engine(...) does.
+        self._cancel_overlap()
+        if not self._in_step and (self.inference_only or not torch.is_grad_enabled()):
             self.native.begin_step()
             self._inference_step = True
 
@@ -994,11 +1000,14 @@ class TierEngine(torch.nn.Module):
             # its gradients; step() validates it (and redoes it when clipping or an overflow says so).
             self._apply_lr()
             self.optimizer.start_overlap_into(self.native, self._tensor_of_partition, self._grads.tensors)
+        self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
         except BaseException:
             self.optimizer.cancel_overlap()
             raise
+        finally:
+            self._in_backward = False
         self._drain_grads()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
