@@ -199,6 +199,12 @@ class TierTrainer(transformers.Trainer):
         steps = num_training_steps if num_training_steps is not None else self._training_steps()
         cfg = fill_auto(self._tier_config, self.args, steps, self.model)
         self.tier_config_resolved = cfg
+        if "optimizer" not in cfg:
+            # Without one, initialize builds an inference-only engine; the Trainer trains.
+            raise ValueError(
+                'TierTrainer: the config has no "optimizer" section; add {"optimizer": {"type": "AdamW", "params": '
+                '{"lr": "auto", "weight_decay": "auto"}}} (the "auto" values come from TrainingArguments)'
+            )
         engine, _, _, sched = tier_torch.initialize(self.model, cfg)
         # The Trainer decides where a step ends: every backward's gradient is summed until the
         # optimizer step at its accumulation boundary.

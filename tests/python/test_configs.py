@@ -137,9 +137,12 @@ def base_config():
     return {"tier": {"device": "emulated", "budgets": {"device": "4M", "host": "16M"}}}
 
 
-def test_no_optimizer_section_and_no_client_optimizer_is_a_clear_error():
+def test_no_optimizer_section_and_no_client_optimizer_runs_inference_only_and_refuses_training():
+    # DeepSpeed's ZeRO-Inference config: no optimizer is guessed, and training says how to get one.
+    engine, optimizer, _, _ = tier.torch.initialize(tiny_model(), base_config())
+    assert engine.inference_only and optimizer is None
     with pytest.raises(ValueError, match=r'no "optimizer" section.*optimizer=torch.optim.AdamW'):
-        tier.torch.initialize(tiny_model(), base_config())
+        engine.step()
 
 
 def test_a_client_adamw_is_taken_over_with_its_hyper_parameters_and_groups():

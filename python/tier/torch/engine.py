@@ -14,6 +14,10 @@ The training loop is DeepSpeed's::
         loss = engine(**batch).loss
         engine.backward(loss)   # scales by 1 / gradient_accumulation_steps (and the fp16 loss scale)
         engine.step()           # applies the update at the accumulation boundary
+
+Without an optimizer (no ``optimizer`` section, none passed) the engine runs inference only, as
+DeepSpeed's ZeRO-Inference: ``engine.module.generate(...)`` streams the weights from their home,
+each token's forward a step of the access trace that the prefetch scheduler replays.
 """
 
 import atexit
@@ -33,6 +37,11 @@ from . import schedulers as _schedulers
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HOME = {"nvme": "nvme", "cpu": "host", "none": "device"}
+_NO_OPTIMIZER = (
+    'the config has no "optimizer" section and initialize got no optimizer, so the engine runs inference only; '
+    'to train, add {"optimizer": {"type": "AdamW", "params": {"lr": ...}}} to the config, or pass '
+    "optimizer=torch.optim.AdamW(model.parameters(), lr=...) to tier.torch.initialize"
+)
 
 
 class _Slot:
@@ -425,6 +434,41 @@ class _OptimizerView(torch.optim.Optimizer):
 
 _LIVE_ENGINES = weakref.WeakSet()
 
+_ENGINE_GONE = (
+    "this model's parameters are managed by a tier engine that {what}; they are empty placeholders now. Keep the "
+    "engine returned by tier.torch.initialize referenced (and not destroyed) while the model runs, e.g. "
+    "engine, *_ = tier.torch.initialize(model, config); engine.module.generate(...); write the weights out "
+    "first (engine.save_pretrained) if you need them after the engine"
+)
+
+
+def _alive(ref):
+    """The engine a hook serves; a clear error when it was freed (only the model was kept)."""
+    engine = ref()
+    if engine is None:
+        raise RuntimeError(_ENGINE_GONE.format(what="was freed (nothing referenced it any more)"))
+    return engine
+
+
+def _exit_forward(ref):
+    engine = ref()
+    if engine is not None:  # a freed engine was reported by _alive already
+        engine._exit_forward()
+
+
+_DESTROYED_GUARDS = weakref.WeakKeyDictionary()  # module -> handle of its _destroyed_guard hook
+
+
+def _destroyed_guard(params):
+    """A forward pre-hook for a module whose parameters a destroyed engine emptied: a clear error
+    instead of a shape error from deep inside torch (unless they got real values again)."""
+
+    def hook(module, args):
+        if any(p.numel() != n for p, n in params):
+            raise RuntimeError(_ENGINE_GONE.format(what="has been destroyed (engine.destroy())"))
+
+    return hook
+
 
 @atexit.register
 def _destroy_live_engines():
@@ -468,13 +512,22 @@ class TierEngine(torch.nn.Module):
         cfg = _zero_init.engine_config(cfg)
         self._raw_config = cfg
         self.config = _tier.Config.from_json(json.dumps(cfg))
-        if "optimizer" not in cfg:
-            # DeepSpeed reads a missing section as "the client passes one"; never guess a default.
-            raise ValueError(
-                "the config has no \"optimizer\" section and initialize got no optimizer: add "
-                '{"optimizer": {"type": "AdamW", "params": {"lr": ...}}} to the config, or pass '
-                "optimizer=torch.optim.AdamW(model.parameters(), lr=...) to tier.torch.initialize"
-            )
+        # No optimizer section and no client optimizer: an inference-only engine, as DeepSpeed's
+        # ZeRO-Inference (stage 3 with offload_param and no optimizer). No default optimizer is
+        # guessed: backward() and step() refuse with the fix.
+        self.inference_only = "optimizer" not in cfg
+        if self.inference_only:
+            extra = [
+                name
+                for name, given in (
+                    ("model_parameters", model_parameters is not None),
+                    ("lr_scheduler", lr_scheduler is not None),
+                    ('a "scheduler" section', "scheduler" in cfg),
+                )
+                if given
+            ]
+            if extra:
+                raise ValueError(f"initialize got {' and '.join(extra)} but no optimizer: {_NO_OPTIMIZER}")
         resolved = json.loads(self.config.to_json())
         self._resolved = resolved
         self._gas = int(resolved.get("gradient_accumulation_steps", 1))
@@ -549,19 +602,28 @@ class TierEngine(torch.nn.Module):
                     "prefetching)"
                 )
 
-        trainable_numel = sum(s.numel for s in self._slots if s.trainable)
-        # Micro-steps are summed here (_MicroStepGrads), so the native optimizer takes one gradient
-        # per partition and step, however many micro-steps the caller makes.
-        opt_cfg = dict(cfg, gradient_accumulation_steps=1)
-        opt_cfg.pop("train_batch_size", None)
-        opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
-        self.optimizer = _tier.Optimizer.create(
-            opt_config,
-            trainable_numel,
-            self.native,
-            max_partitions=sum(1 for s in self._slots if s.trainable),
-        )
-        groups = self._build_groups(model_parameters)
+        if self.inference_only:
+            # Nothing trains: no gradients, no fp32 masters, and a forward outside no_grad builds no
+            # graph over the streamed weights.
+            for slot in self._slots:
+                slot.param.requires_grad_(False)
+                slot.trainable = False
+            self.optimizer = None
+            groups = {}
+        else:
+            trainable_numel = sum(s.numel for s in self._slots if s.trainable)
+            # Micro-steps are summed here (_MicroStepGrads), so the native optimizer takes one
+            # gradient per partition and step, however many micro-steps the caller makes.
+            opt_cfg = dict(cfg, gradient_accumulation_steps=1)
+            opt_cfg.pop("train_batch_size", None)
+            opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
+            self.optimizer = _tier.Optimizer.create(
+                opt_config,
+                trainable_numel,
+                self.native,
+                max_partitions=sum(1 for s in self._slots if s.trainable),
+            )
+            groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):
             data = self._initial_value(slot, store, initial_values)
@@ -579,43 +641,53 @@ class TierEngine(torch.nn.Module):
             del data, low
         if store is not None:
             store.drop_rest()
-        self.optimizer.finish_registration()
-        # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
-        # otherwise (host-resident state) in host memory beside it.
-        self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
-        if self._grads_in_engine:
-            self._grads = _EngineGrads(self, self.optimizer.partition_count)
+        if self.inference_only:
+            self._grads_in_engine = False
+            self._grads = _MicroStepGrads(self)  # stays empty
+            self._overlap = False
+            self._tensor_of_partition = []
+            self.scheduler = None
+            self.torch_optimizer = None
+            self.client_lr_scheduler = None
+            self.lr_scheduler = None
+        else:
+            self.optimizer.finish_registration()
+            # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
+            # otherwise (host-resident state) in host memory beside it.
+            self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
+            if self._grads_in_engine:
+                self._grads = _EngineGrads(self, self.optimizer.partition_count)
+                for slot in self._slots:
+                    if slot.pid is not None:
+                        self._grads.register(self.native, slot.pid, slot.name, slot.numel, "nvme")
+            else:
+                self._grads = _MicroStepGrads(self)
+            # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary
+            # micro-step's backward (NVMe-resident state; see docs/optimizer.md), "serial" after it.
+            overlap = resolved.get("tier", {}).get("optimizer", {}).get("overlap", "exact")
+            if overlap == "delayed":
+                raise ValueError(
+                    'tier.optimizer.overlap: "delayed" (the one-step-delayed update) is not implemented yet; use '
+                    '"exact" (the default: the same result as "serial", overlapped with backward) or "serial"'
+                )
+            opt_type = str(resolved.get("optimizer", {}).get("type", "")).lower()
+            self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
+            self._tensor_of_partition = [-1] * self.optimizer.partition_count
             for slot in self._slots:
                 if slot.pid is not None:
-                    self._grads.register(self.native, slot.pid, slot.name, slot.numel, "nvme")
-        else:
-            self._grads = _MicroStepGrads(self)
-        # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary
-        # micro-step's backward (NVMe-resident state; see docs/optimizer.md), "serial" after it.
-        overlap = resolved.get("tier", {}).get("optimizer", {}).get("overlap", "exact")
-        if overlap == "delayed":
-            raise ValueError(
-                'tier.optimizer.overlap: "delayed" (the one-step-delayed update) is not implemented yet; use '
-                '"exact" (the default: the same result as "serial", overlapped with backward) or "serial"'
-            )
-        opt_type = str(resolved.get("optimizer", {}).get("type", "")).lower()
-        self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
-        self._tensor_of_partition = [-1] * self.optimizer.partition_count
-        for slot in self._slots:
-            if slot.pid is not None:
-                self._tensor_of_partition[slot.pid] = slot.tid
+                    self._tensor_of_partition[slot.pid] = slot.tid
 
-        base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
-        self.scheduler = _schedulers.from_config(
-            cfg.get("scheduler"),
-            [self.optimizer.lr(g) for g in range(self.optimizer.group_count)],
-            base_lr,
-            total_num_steps=total_num_steps,
-            warmup_num_steps=warmup_num_steps,
-        )
-        self.torch_optimizer = self._make_optimizer_view(model_parameters, client_optimizer)
-        self.client_lr_scheduler = self._take_client_scheduler(lr_scheduler, client_optimizer)
-        self.lr_scheduler = self.client_lr_scheduler if self.client_lr_scheduler is not None else self.scheduler
+            base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
+            self.scheduler = _schedulers.from_config(
+                cfg.get("scheduler"),
+                [self.optimizer.lr(g) for g in range(self.optimizer.group_count)],
+                base_lr,
+                total_num_steps=total_num_steps,
+                warmup_num_steps=warmup_num_steps,
+            )
+            self.torch_optimizer = self._make_optimizer_view(model_parameters, client_optimizer)
+            self.client_lr_scheduler = self._take_client_scheduler(lr_scheduler, client_optimizer)
+            self.lr_scheduler = self.client_lr_scheduler if self.client_lr_scheduler is not None else self.scheduler
         self._param_version = 0
         self._apply_lr()
         self._install_hooks(model)
@@ -728,14 +800,27 @@ class TierEngine(torch.nn.Module):
     def _install_hooks(self, model):
         self._module_slots = {}
         self._hook_handles = []
+        self._forward_depth = 0
+        self._inference_step = False
+        self._in_backward = False  # engine.backward() is running (recomputed forwards run inside it)
+        ref = weakref.ref(self)
         for mod in model.modules():
+            guard = _DESTROYED_GUARDS.pop(mod, None)  # the model is managed again
+            if guard is not None:
+                guard.remove()
             owned = [self._slot_of[id(p)] for p in mod.parameters(recurse=False)]
-            if not owned:
+            # Every module brackets the access-trace step (_enter_forward/_exit_forward): its
+            # pre-hook runs before the module's fetch, its forward hook after the release.
+            self._hook_handles.append(mod.register_forward_pre_hook(lambda m, args, r=ref: _alive(r)._enter_forward()))
+            if owned:
+                self._module_slots[mod] = owned
+                self._hook_handles.append(mod.register_forward_pre_hook(lambda m, args, r=ref: r()._fetch(m)))
+                self._hook_handles.append(mod.register_forward_hook(lambda m, args, out, r=ref: r()._release(m)))
+            self._hook_handles.append(
+                mod.register_forward_hook(lambda m, args, out, r=ref: _exit_forward(r), always_call=True)
+            )
+            if not owned or self.inference_only:
                 continue
-            self._module_slots[mod] = owned
-            ref = weakref.ref(self)
-            self._hook_handles.append(mod.register_forward_pre_hook(lambda m, args, r=ref: r()._fetch(m)))
-            self._hook_handles.append(mod.register_forward_hook(lambda m, args, out, r=ref: r()._release(m)))
             self._hook_handles.append(
                 mod.register_full_backward_pre_hook(lambda m, grad_out, r=ref: r()._fetch_for_backward(m))
             )
@@ -776,6 +861,29 @@ class TierEngine(torch.nn.Module):
             event, _ = self._deferred.popleft()
             if wait:
                 event.synchronize()
+
+    def _enter_forward(self):
+        # A forward that is not part of a training micro-step (under no_grad, or in an
+        # inference-only engine) is one step of the access trace on its own: the per-token forwards
+        # of generate() replay the order the first one recorded, so the scheduler streams the next
+        # layers while the current ones compute, and at the end of a forward the first layers of
+        # the next. The outermost module called brackets the step (a PEFT model's generate() calls
+        # the base model's).
+        self._forward_depth += 1
+        if self._forward_depth > 1 or self._in_backward:
+            return
+        # A forward of the model itself (engine.module.generate, say) between the boundary backward
+        # and step() must see the committed params, as engine(...) does.
+        self._cancel_overlap()
+        if not self._in_step and (self.inference_only or not torch.is_grad_enabled()):
+            self.native.begin_step()
+            self._inference_step = True
+
+    def _exit_forward(self):
+        self._forward_depth -= 1
+        if self._forward_depth == 0 and self._inference_step:
+            self._inference_step = False
+            self.native.end_step()
 
     def _fetch(self, module):
         for slot in self._module_slots[module]:
@@ -851,7 +959,7 @@ class TierEngine(torch.nn.Module):
         committed ones, its declarations are forgotten (the gradients stay in their engine tensors,
         and step() declares them again) and the step will run serially. Anything that reads the
         params or changes the gradients between the boundary backward and step() calls this."""
-        if not self.optimizer.overlap_running:
+        if self.optimizer is None or not self.optimizer.overlap_running:
             return
         self.optimizer.cancel_overlap()
         self.optimizer.clear_grads()
@@ -862,7 +970,7 @@ class TierEngine(torch.nn.Module):
         self._cancel_overlap()
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
-        if not self._in_step and torch.is_grad_enabled():
+        if not self._in_step and torch.is_grad_enabled() and not self.inference_only:
             # One micro-step (forward + backward) is one step of the access trace.
             self.native.begin_step()
             self._in_step = True
@@ -876,6 +984,7 @@ class TierEngine(torch.nn.Module):
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); with
         ``scale_wrt_gas=False`` the loss is not divided. ``allreduce_gradients`` and
         ``release_loss`` are DeepSpeed's and moot in one process."""
+        self._require_optimizer("backward")
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         scaled = loss
@@ -891,11 +1000,14 @@ class TierEngine(torch.nn.Module):
             # its gradients; step() validates it (and redoes it when clipping or an overflow says so).
             self._apply_lr()
             self.optimizer.start_overlap_into(self.native, self._tensor_of_partition, self._grads.tensors)
+        self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
         except BaseException:
             self.optimizer.cancel_overlap()
             raise
+        finally:
+            self._in_backward = False
         self._drain_grads()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
@@ -928,6 +1040,7 @@ class TierEngine(torch.nn.Module):
         """Counts a micro-step; at the accumulation boundary runs the offloaded optimizer (clipping,
         fp16 overflow check, Adam/AdamW) and then the LR scheduler. Returns the optimizer's report,
         or None off the boundary."""
+        self._require_optimizer("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
@@ -974,13 +1087,22 @@ class TierEngine(torch.nn.Module):
         boundary and what the optimizer took already (``set_to_none`` is accepted and moot: the
         model's ``.grad`` are freed as soon as they are final)."""
         self._drain_grads()
-        self.optimizer.cancel_overlap()
         self._grads.clear()
-        self.optimizer.clear_grads()
+        if self.optimizer is not None:
+            self.optimizer.cancel_overlap()
+            self.optimizer.clear_grads()
         for slot in self._slots:
             slot.param.grad = None
 
+    def _require_optimizer(self, what):
+        if self.optimizer is None:
+            if self.native is None:
+                raise RuntimeError(f"engine.{what}(): the engine has been destroyed")
+            raise ValueError(f"engine.{what}(): {_NO_OPTIMIZER}")
+
     def _apply_lr(self):
+        if self.optimizer is None:
+            return
         view = self.__dict__.get("torch_optimizer")
         if self.scheduler is None:
             if view is None:
@@ -1005,17 +1127,20 @@ class TierEngine(torch.nn.Module):
                     view.param_groups[g]["betas"] = tuple(betas[min(g, len(betas) - 1)])
 
     def get_lr(self):
+        if self.optimizer is None:
+            return []
         return [self.optimizer.lr(g) for g in range(self.optimizer.group_count)]
 
     @property
     def loss_scale(self):
-        return self.optimizer.loss_scale
+        return 1.0 if self.optimizer is None else self.optimizer.loss_scale
 
     # ------------------------------------------------------------------ state
     def stats(self):
         """The engine's snapshot (tiers, links, metrics) with the optimizer's figures."""
         s = json.loads(self.native.stats_json())
-        s["optimizer"] = self.optimizer.stats()
+        if self.optimizer is not None:
+            s["optimizer"] = self.optimizer.stats()
         return s
 
     def timers(self):
@@ -1052,6 +1177,11 @@ class TierEngine(torch.nn.Module):
         path. ``exclude_frozen_parameters=True`` is refused: a tier checkpoint is always complete."""
         from .checkpoint import save
 
+        if self.optimizer is None:
+            raise ValueError(
+                "engine.save_checkpoint(): the engine runs inference only (no optimizer) and a tier checkpoint holds "
+                "training state; write the weights with engine.save_pretrained(dir)"
+            )
         if exclude_frozen_parameters:
             raise NotImplementedError(
                 "save_checkpoint(exclude_frozen_parameters=True): tier checkpoints always hold the frozen "
@@ -1080,6 +1210,11 @@ class TierEngine(torch.nn.Module):
         partial load is refused with the reason."""
         from .checkpoint import load
 
+        if self.optimizer is None:
+            raise ValueError(
+                "engine.load_checkpoint(): the engine runs inference only (no optimizer) and a tier checkpoint holds "
+                "training state; load weights with tier.torch.from_pretrained(dir, config)"
+            )
         partial = {
             "load_module_strict": (load_module_strict, True),
             "load_optimizer_states": (load_optimizer_states, True),
@@ -1243,13 +1378,17 @@ class TierEngine(torch.nn.Module):
         self._drain_grads()
         self._end_finished_leases(wait=True)
         self.close()
+        for mod, owned in self._module_slots.items():
+            guard = _destroyed_guard([(s.param, s.numel) for s in owned])
+            _DESTROYED_GUARDS[mod] = mod.register_forward_pre_hook(guard)
         self._grads.clear()
         self.__dict__.pop("_grad_staging_state", None)
         self._deferred.clear()
         for slot in self._slots:
             slot.param.grad = None
             slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        self.optimizer.close()
+        if self.optimizer is not None:
+            self.optimizer.close()
         self.optimizer = None
         self.native = None
         self.config = None  # a native object too: nothing of tier's may outlive the interpreter
