@@ -21,7 +21,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(args, sd, swap):
+def run(args, sd, swap, corpus):
     from tier.examples import finetune_llama as ex
 
     ns = argparse.Namespace(steps=args.steps, gas=2, batch=4, seq=128, hidden=256, layers=4, heads=8, lr=2e-3,
@@ -33,7 +33,7 @@ def run(args, sd, swap):
         json.dump(cfg, f)
     out = subprocess.run(
         [sys.executable, "-m", "tier.examples.finetune_llama", "--steps", str(args.steps), "--config", path,
-         "--swap-dir", swap, "--corpus", os.path.join(HERE, "..", "docs"), "--json"],
+         "--swap-dir", swap, "--corpus", corpus, "--json"],
         capture_output=True, text=True, timeout=7200,
     )
     if out.returncode != 0:
@@ -50,8 +50,12 @@ def main():
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     swap = tempfile.mkdtemp(prefix="tier-sd-acc-", dir=args.swap_dir)
+    # The corpus (tier's docs) copied once, so that every run trains on the same bytes even if the
+    # docs change meanwhile.
+    corpus = os.path.join(swap, "corpus")
+    shutil.copytree(os.path.join(HERE, "..", "docs"), corpus)
     try:
-        runs = {sd: run(args, sd, swap) for sd in ("fp32", "bf16", "int8")}
+        runs = {sd: run(args, sd, swap, corpus) for sd in ("fp32", "bf16", "int8")}
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     base = runs["fp32"]["final_loss"]
