@@ -291,6 +291,7 @@ OffloadedOptimizer::~OffloadedOptimizer() {
     im.overlap->cv.notify_all();
     im.overlap->thread.join();
     im.overlap.reset();
+    im.skipping.clear();
   }
   for (Buffer& b : im.bufs) {
     if (b.pending.valid()) b.pending.wait().ignore();
@@ -821,11 +822,13 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
                             detail::Overlap* spec) {
   TIER_RETURN_IF_ERROR(im.usable("step"));
   struct SkipScope {  // the partitions left untouched, for this step only
-    std::vector<std::uint8_t>& v;
-    ~SkipScope() { v.clear(); }
-  } skip_scope{im.skipping};
-  // (An overlapped pass's skipping vector is sized by start_overlapped_step and filled by
-  // finish_overlapped_step when every gradient is in.)
+    std::vector<std::uint8_t>* v;
+    ~SkipScope() {
+      if (v) v->clear();
+    }
+  } skip_scope{spec ? nullptr : &im.skipping};
+  // (An overlapped pass's skipping vector is sized by start_overlapped_step, filled by
+  // finish_overlapped_step when every gradient is in, and cleared by whoever joins the pass.)
   if (options.skip_missing_grads && !spec) {
     im.skipping.assign(im.parts.size(), 0);
     for (std::size_t i = 0; i < im.parts.size(); ++i) im.skipping[i] = im.parts[i].contributions == 0 ? 1 : 0;
@@ -1282,10 +1285,14 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   }
   ov.cv.notify_all();
   ov.thread.join();
+  im.skipping.clear();
   // From here on add_grad and declare_grad no longer wake anyone.
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   Result<StepReport> pass = std::move(held->result);
-  if (!norm_error.ok()) return norm_error;
+  if (!norm_error.ok()) {
+    for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+    return norm_error;
+  }
   if (valid && pass.ok()) {
     StepReport r = *pass;
     for (Chunk& c : im.chunks) c.committed ^= 1;
@@ -1338,6 +1345,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   }
   ov.cv.notify_all();
   ov.thread.join();
+  im.skipping.clear();
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
   // The params the pass delivered are not the committed state's: deliver those again.

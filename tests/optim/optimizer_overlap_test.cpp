@@ -264,6 +264,38 @@ TEST_P(Overlap, ACancelledStepChangesNothing) {
   EXPECT_TRUE(test::state_matches(opt, ref));
 }
 
+TEST_P(Overlap, PartitionsWithoutGradientsAreLeftAloneAsStepLeavesThem) {
+  for (double clip : {1e6, 0.05}) {  // speculation kept, then dropped early
+    SCOPED_TRACE(str("max_grad_norm ", clip));
+    Reference ref(test::mixed_model(), test::three_groups(), 11);
+    auto serial = test::make_rig(GetParam(), opts(clip), ref);
+    auto over = test::make_rig(GetParam(), opts(clip), ref);
+    const auto g = grads_for(ref, 1, 0, 1e-2f);
+    StepOptions ss, so;
+    ss.skip_missing_grads = so.skip_missing_grads = true;
+    ASSERT_TRUE(over->opt().start_overlapped_step(so).ok());
+    for (std::size_t i = ref.model().size(); i-- > 0;) {
+      if (i == 4) continue;  // no gradient: untouched by the step
+      ASSERT_TRUE(give(serial->opt(), ref, g, i).ok());
+      ASSERT_TRUE(give(over->opt(), ref, g, i).ok());
+    }
+    auto a = serial->opt().step(ss);
+    auto b = over->opt().finish_overlapped_step();
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->redone, clip < 1);
+    for (std::size_t i = 0; i < ref.model().size(); ++i) {
+      const std::uint64_t n = ref.model()[i].numel;
+      for (StateKind k : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        std::vector<float> x(n), y(n);
+        ASSERT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), k, x.data(), 0, n).ok());
+        ASSERT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), k, y.data(), 0, n).ok());
+        ASSERT_TRUE(test::same_bits(y.data(), x.data(), n, str("partition ", i, " ", state_kind_name(k))));
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Homes, Overlap, testing::ValuesIn(test::nvme_homes()), test::home_name);
 
 TEST(OverlapOptions, HostHomeAndLambAreRefused) {
