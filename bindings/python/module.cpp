@@ -143,24 +143,30 @@ optim::ParamOutput output_of(const std::string& s) {
 // only partitions that span the chunk being walked are open at a time.
 class EngineParamSink {
  public:
-  EngineParamSink(Engine& e, std::vector<std::int64_t> tensors, const optim::OffloadedOptimizer& opt)
-      : engine_(e), tensors_(std::move(tensors)), opt_(opt) {}
+  // `offsets` (empty: all 0) places partition i at element offsets[i] of its tensor; a partition
+  // that is part of its tensor (a rank's shard) is written in place (read, write back).
+  EngineParamSink(Engine& e, std::vector<std::int64_t> tensors, std::vector<std::int64_t> offsets,
+                  const optim::OffloadedOptimizer& opt)
+      : engine_(e), tensors_(std::move(tensors)), offsets_(std::move(offsets)), opt_(opt) {}
 
   Status on_output(const optim::OutputChunk& c) {
     if (c.partition >= tensors_.size() || tensors_[c.partition] < 0) return Status::Ok();
     auto it = open_.find(c.partition);
+    const std::uint64_t base = c.partition < offsets_.size() ? static_cast<std::uint64_t>(offsets_[c.partition]) : 0;
     if (it == open_.end()) {
       Open o;
-      TIER_ASSIGN_OR_RETURN(
-          o.lease, engine_.acquire_now(static_cast<TensorId>(tensors_[c.partition]), Tier::kHost, Access::kWrite));
+      const auto tid = static_cast<TensorId>(tensors_[c.partition]);
+      TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
+      const bool whole = base == 0 && info.desc.numel == opt_.partition_numel(c.partition);
+      TIER_ASSIGN_OR_RETURN(o.lease, engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite));
       it = open_.emplace(c.partition, std::move(o)).first;
     }
     Open& o = it->second;
     const std::size_t esize = optim::param_output_size(c.dtype);
-    if ((c.offset + c.numel) * esize > o.lease.bytes()) {
+    if ((base + c.offset + c.numel) * esize > o.lease.bytes()) {
       return internal_error(str("partition ", c.partition, ": output past the end of its tensor"));
     }
-    std::memcpy(static_cast<char*>(o.lease.data()) + c.offset * esize, c.data, c.numel * esize);
+    std::memcpy(static_cast<char*>(o.lease.data()) + (base + c.offset) * esize, c.data, c.numel * esize);
     o.written += c.numel;
     if (o.written >= opt_.partition_numel(c.partition)) {
       Status s = o.lease.release();
@@ -187,6 +193,7 @@ class EngineParamSink {
   };
   Engine& engine_;
   std::vector<std::int64_t> tensors_;
+  std::vector<std::int64_t> offsets_;
   const optim::OffloadedOptimizer& opt_;
   std::unordered_map<optim::PartitionId, Open> open_;
 };
@@ -195,12 +202,21 @@ class EngineParamSink {
 // finish_overlap (the pass calls them on its own thread).
 struct OverlapContext {
   OverlapContext(Engine& e, std::vector<std::int64_t> tensors, std::vector<std::int64_t> grads,
-                 const optim::OffloadedOptimizer& opt)
-      : engine(e), sink(e, std::move(tensors), opt), grad_tensors(std::move(grads)) {}
+                 const optim::OffloadedOptimizer& opt, std::vector<std::int64_t> offsets = {},
+                 nb::object reduce = nb::none())
+      : engine(e),
+        sink(e, std::move(tensors), std::move(offsets), opt),
+        grad_tensors(std::move(grads)),
+        reduce_sumsq(std::move(reduce)) {}
+  ~OverlapContext() {
+    nb::gil_scoped_acquire locked;  // (dropped where the GIL may be released)
+    reduce_sumsq = nb::object();
+  }
   Engine& engine;
   EngineParamSink sink;
   std::vector<std::int64_t> grad_tensors;
   std::unordered_map<optim::PartitionId, Lease> grad_leases;
+  nb::object reduce_sumsq;  // None, or float -> float: this rank's sum of squares -> the global one
 };
 
 // step_into's options: outputs into the engine's param tensors; declared gradients read from their
@@ -225,6 +241,22 @@ optim::StepOptions engine_step_options(OverlapContext& ctx) {
     it->second.release().ignore();  // a read lease: nothing to write back
     ctx.grad_leases.erase(it);
   };
+  if (ctx.reduce_sumsq.is_valid() && !ctx.reduce_sumsq.is_none()) {
+    so.reduce_sumsq = [&ctx](double& sumsq) -> Status {
+      nb::gil_scoped_acquire locked;
+      try {
+        sumsq = nb::cast<double>(ctx.reduce_sumsq(sumsq));
+        return Status::Ok();
+      } catch (nb::python_error& e) {
+        std::string what = e.what();
+        e.restore();
+        PyErr_Clear();
+        return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq raised: ", what));
+      } catch (std::exception& e) {
+        return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq: ", e.what()));
+      }
+    };
+  }
   return so;
 }
 
@@ -662,8 +694,9 @@ NB_MODULE(_tier, m) {
       .def(
           "step_into",
           [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
-             const std::vector<std::int64_t>& grad_tensors) {
-            OverlapContext ctx(engine, tensors, grad_tensors, o.get());
+             const std::vector<std::int64_t>& grad_tensors, const std::vector<std::int64_t>& offsets,
+             nb::object reduce_sumsq) {
+            OverlapContext ctx(engine, tensors, grad_tensors, o.get(), offsets, std::move(reduce_sumsq));
             const optim::StepOptions so = engine_step_options(ctx);
             Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
             Status closed;
@@ -677,21 +710,27 @@ NB_MODULE(_tier, m) {
             return report_dict(report);
           },
           "engine"_a, "tensors"_a, "grad_tensors"_a = std::vector<std::int64_t>{},
-          "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none); "
-          "a gradient declared with declare_grad is read from engine tensor grad_tensors[i].")
+          "offsets"_a = std::vector<std::int64_t>{}, "reduce_sumsq"_a = nb::none(),
+          "One optimizer step; the updated params of partition i go into engine tensor tensors[i] (-1: none), "
+          "from element offsets[i] (default 0); a gradient declared with declare_grad is read from engine tensor "
+          "grad_tensors[i]. reduce_sumsq (data-parallel ranks): a callable taking this rank's sum of squares of "
+          "its gradients and returning the sum over all ranks, called once per step on every rank.")
       .def(
           "start_overlap_into",
           [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
-             const std::vector<std::int64_t>& grad_tensors) {
+             const std::vector<std::int64_t>& grad_tensors, const std::vector<std::int64_t>& offsets,
+             nb::object reduce_sumsq) {
             if (o.overlap && o.get().overlapped_step_running()) {
               raise(failed_precondition("start_overlap_into: an overlapped step is already running"));
             }
             o.overlap.reset();  // one that clear_grads() cancelled
-            auto ctx = std::make_shared<OverlapContext>(engine, tensors, grad_tensors, o.get());
+            auto ctx = std::make_shared<OverlapContext>(engine, tensors, grad_tensors, o.get(), offsets,
+                                                        std::move(reduce_sumsq));
             check(o.get().start_overlapped_step(engine_step_options(*ctx)));
             o.overlap = std::move(ctx);
           },
           "engine"_a, "tensors"_a, "grad_tensors"_a = std::vector<std::int64_t>{},
+          "offsets"_a = std::vector<std::int64_t>{}, "reduce_sumsq"_a = nb::none(),
           "Starts the step of this accumulation boundary while backward runs (step_into's arguments): its "
           "pass updates chunks, in reverse, as their gradients become final; finish_overlap() validates.")
       .def(

@@ -222,6 +222,14 @@ struct StepOptions {
   // written to their destination or handed to on_output). Off: they are updated with zeros (as
   // DeepSpeed does). Either way the group's step counter, which bias correction uses, advances.
   bool skip_missing_grads = false;
+  // (optional) Data-parallel ranks that each own part of the state: combines this rank's sum of
+  // squares of its gradients with every other rank's (an all-reduce sum, e.g. through a
+  // tier::Communicator) and leaves the global sum in `sumsq`, so that clipping and the overflow
+  // check use the global norm and every rank takes the same decision (inf/nan propagate through
+  // the sum). Called once per step, on the thread that called step() (finish_overlapped_step()
+  // for an overlapped step), before anything is updated; every rank must step for it to return.
+  // An error fails the step with nothing changed.
+  std::function<Status(double& sumsq)> reduce_sumsq;
 };
 
 // One stream of the pipeline.

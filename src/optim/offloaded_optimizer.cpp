@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -848,12 +849,23 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     if (!p.norm_known) {
       // Fewer gradients than accumulation steps (a parameter unused in some micro-steps).
       auto s = detail::sum_of_squares(cpu::ConstTensorRef(p.grad, p.grad_dtype, p.numel), im.workers.get());
-      if (!s.ok()) return s.status();
+      if (!s.ok()) {
+        if (options.reduce_sumsq) {
+          // The other ranks wait in the all-reduce: take part with a nan, which makes them skip.
+          double poisoned = std::numeric_limits<double>::quiet_NaN();
+          options.reduce_sumsq(poisoned).ignore();
+        }
+        return s.status();
+      }
       p.sumsq = *s;
       p.norm_known = true;
       ++r.late_norm_partitions;
     }
     total += p.sumsq;
+  }
+  if (!spec && options.reduce_sumsq) {
+    Status reduced = options.reduce_sumsq(total);
+    if (!reduced.ok()) return reduced.with_context("optimizer step: combining the gradient norm across ranks");
   }
   const double scale = im.scaler->scale();
   r.loss_scale = scale;
@@ -1263,6 +1275,13 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
     }
     total += p.sumsq;
   }
+  if (ov.options.reduce_sumsq) {
+    // The pass's early stop used this rank's partial sum, a lower bound of the global one. A rank
+    // that could not take its norm still takes part (with a nan, which makes the others skip).
+    if (!norm_error.ok()) total = std::numeric_limits<double>::quiet_NaN();
+    Status reduced = ov.options.reduce_sumsq(total);
+    if (norm_error.ok() && !reduced.ok()) norm_error = reduced.with_context("combining the gradient norm across ranks");
+  }
   const bool overflow = !std::isfinite(total);
   const double norm = std::sqrt(total) / ov.scale;
   const float clip = im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(norm, im.opt.max_grad_norm) : 1.0f;
@@ -1319,7 +1338,15 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
     // The skipped step must leave the params as they were: deliver the committed ones again.
     TIER_RETURN_IF_ERROR(restore_outputs(*this, im, held->options, held->touched));
   }
-  Result<StepReport> r = run_step(*this, im, held->options, nullptr);
+  StepOptions redo = held->options;
+  if (redo.reduce_sumsq) {
+    // Combined once above (and maybe redone on this rank only): the redo uses the global sum.
+    redo.reduce_sumsq = [total](double& sumsq) {
+      sumsq = total;
+      return Status::Ok();
+    };
+  }
+  Result<StepReport> r = run_step(*this, im, redo, nullptr);
   if (r.ok()) {
     r->overlapped = true;
     r->redone = true;
