@@ -32,6 +32,7 @@ import torch
 
 from .. import _tier
 from . import linear as _linear
+from . import zero as _zero
 from . import zero_init as _zero_init
 from . import schedulers as _schedulers
 
@@ -47,7 +48,21 @@ _NO_OPTIMIZER = (
 class _Slot:
     """One unique parameter: where it lives in the engine and in the optimizer."""
 
-    __slots__ = ("name", "param", "shape", "numel", "tid", "pid", "fetches", "backward_fetches", "trainable", "__weakref__")
+    __slots__ = (
+        "name",
+        "param",
+        "shape",
+        "numel",
+        "tid",
+        "pid",
+        "fetches",
+        "backward_fetches",
+        "trainable",
+        "zero_shard",
+        "zero_start",
+        "zero_count",
+        "__weakref__",
+    )
 
     def __init__(self, name, param):
         self.name = name
@@ -59,6 +74,10 @@ class _Slot:
         self.fetches = 0
         self.backward_fetches = 0
         self.trainable = param.requires_grad
+        # Across ranks (tier.torch.zero): the padded shard size and the elements this rank owns.
+        self.zero_shard = self.numel
+        self.zero_start = 0
+        self.zero_count = self.numel
 
 
 class _GradStaging:
@@ -315,6 +334,7 @@ def initialize(
     total_num_steps=None,
     warmup_num_steps=None,
     progress=None,
+    process_group=None,
 ):
     """Wraps ``model`` in a :class:`TierEngine` configured by ``config`` (a dict or a JSON path in
     DeepSpeed's format plus tier's ``tier`` section; ``config_params`` is the same argument under
@@ -338,8 +358,11 @@ def initialize(
     ``optimizer`` section; giving both is an error. ``args``: read only for
     ``args.deepspeed_config`` (a path) when no config is given. ``total_num_steps`` and
     ``warmup_num_steps`` fill the scheduler's ``"auto"`` step counts, as the Hugging Face Trainer
-    does. ``dist_init_required`` and ``mpu`` concern several processes, which tier does not run:
-    only None (or ``dist_init_required=False``) is accepted."""
+    does. Launched as several processes (``torchrun --nproc-per-node N``, with
+    ``torch.distributed`` initialized), the engine partitions its state over the ranks of the
+    default process group, or of ``process_group``, by ``zero_optimization.stage`` (1, 2 or 3; see
+    docs/distributed.md). ``mpu`` (model parallelism) is refused; ``dist_init_required=True``
+    initializes the default group from the environment when it is not yet."""
     if model is None:
         raise ValueError("initialize needs model=")
     if config is not None and config_params is not None:
@@ -356,11 +379,15 @@ def initialize(
                 "no config is given",
                 stacklevel=2,
             )
-    if mpu is not None or dist_init_required:
+    if mpu is not None:
         raise NotImplementedError(
-            "initialize(mpu=..., dist_init_required=True): tier trains in one process; model parallelism and "
-            "torch.distributed set-up are not supported"
+            "initialize(mpu=...): tier partitions over data-parallel ranks only; model parallelism is not supported"
         )
+    if dist_init_required:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     engine = TierEngine(
         model,
         config,
@@ -369,6 +396,7 @@ def initialize(
         lr_scheduler=lr_scheduler,
         total_num_steps=total_num_steps,
         warmup_num_steps=warmup_num_steps,
+        process_group=process_group,
     )
     loader = None
     if training_data is not None:
@@ -495,6 +523,7 @@ class TierEngine(torch.nn.Module):
         total_num_steps=None,
         warmup_num_steps=None,
         initial_values=None,
+        process_group=None,
     ):
         super().__init__()
         cfg = _load_config(config)
@@ -562,6 +591,7 @@ class TierEngine(torch.nn.Module):
             self.device = torch.device("cuda", self.native.device_id)
         else:
             self.device = torch.device("cpu")
+        self._zero = self._zero_group(process_group, zero, model)
 
         self.module = model
         self.global_steps = 0
@@ -589,6 +619,11 @@ class TierEngine(torch.nn.Module):
             self._slot_of[id(p)] = slot
         if not self._slots:
             raise ValueError("the model has no parameters to manage")
+        if self._zero is not None:
+            for slot in self._slots:
+                slot.zero_shard, slot.zero_start, slot.zero_count = _zero.shard_range(
+                    slot.numel, self._zero.world, self._zero.rank
+                )
 
         # Each layer's parameters must fit on the device at once: say so now, not mid-forward.
         budget = json.loads(self.native.stats_json())["tiers"]["device"]["budget_bytes"]
@@ -611,7 +646,8 @@ class TierEngine(torch.nn.Module):
             self.optimizer = None
             groups = {}
         else:
-            trainable_numel = sum(s.numel for s in self._slots if s.trainable)
+            # Across ranks, this rank's shards only.
+            trainable_numel = sum(s.zero_count for s in self._slots if s.trainable)
             # Micro-steps are summed here (_MicroStepGrads), so the native optimizer takes one
             # gradient per partition and step, however many micro-steps the caller makes.
             opt_cfg = dict(cfg, gradient_accumulation_steps=1)
@@ -621,24 +657,34 @@ class TierEngine(torch.nn.Module):
                 opt_config,
                 trainable_numel,
                 self.native,
-                max_partitions=sum(1 for s in self._slots if s.trainable),
+                max_partitions=sum(1 for s in self._slots if s.trainable and s.zero_count > 0),
             )
             groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):
             data = self._initial_value(slot, store, initial_values)
-            low = data.to(self.compute_dtype).contiguous()
-            slot.tid = self.native.register(slot.name, self.compute_dtype_name, slot.numel, "param", index, param_home, low)
-            if slot.trainable:
-                master = data.float().contiguous()
+            owned = data.reshape(-1)[slot.zero_start : slot.zero_start + slot.zero_count]
+            if self._zero is not None and self._zero.stage == 3:
+                # The engine homes this rank's shard (padded); fetches all-gather the parameter.
+                low = torch.zeros(slot.zero_shard, dtype=self.compute_dtype)
+                low[: slot.zero_count] = owned
+                numel = slot.zero_shard
+            else:
+                low = data.to(self.compute_dtype).contiguous()
+                numel = slot.numel
+            slot.tid = self.native.register(slot.name, self.compute_dtype_name, numel, "param", index, param_home, low)
+            if slot.trainable and slot.zero_count > 0:
+                master = owned.float().contiguous()
                 group = groups.get(id(slot.param), 0)
-                slot.pid = self.optimizer.add_partition(slot.numel, group, self.compute_dtype_name, master, slot.name)
+                slot.pid = self.optimizer.add_partition(
+                    slot.zero_count, group, self.compute_dtype_name, master, slot.name
+                )
             placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
             if slot.param.device.type == "meta":
                 _zero_init.swap_data(slot.param, placeholder)
             else:
                 slot.param.data = placeholder
-            del data, low
+            del data, low, owned
         if store is not None:
             store.drop_rest()
         if self.inference_only:
@@ -659,7 +705,7 @@ class TierEngine(torch.nn.Module):
                 self._grads = _EngineGrads(self, self.optimizer.partition_count)
                 for slot in self._slots:
                     if slot.pid is not None:
-                        self._grads.register(self.native, slot.pid, slot.name, slot.numel, "nvme")
+                        self._grads.register(self.native, slot.pid, slot.name, slot.zero_count, "nvme")
             else:
                 self._grads = _MicroStepGrads(self)
             # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary
@@ -673,9 +719,20 @@ class TierEngine(torch.nn.Module):
             opt_type = str(resolved.get("optimizer", {}).get("type", "")).lower()
             self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
             self._tensor_of_partition = [-1] * self.optimizer.partition_count
+            # Where each partition's updated params go in its tensor: a rank's shard of a whole
+            # parameter (stages 1 and 2) sits at its offset; a stage-3 shard is its own tensor.
+            self._partition_offsets = [0] * self.optimizer.partition_count
             for slot in self._slots:
                 if slot.pid is not None:
                     self._tensor_of_partition[slot.pid] = slot.tid
+                    if self._zero is not None and self._zero.stage < 3:
+                        self._partition_offsets[slot.pid] = slot.zero_start
+            self._reduce_sumsq = self._zero.all_reduce_sum if self._zero is not None else None
+            if self._zero is not None:
+                ref = weakref.ref(self)
+                self._reducer = _zero.GradReducer(
+                    self._zero, self._slots, lambda s, shard, r=ref: r()._grads.add_grad(s.pid, shard)
+                )
 
             base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
             self.scheduler = _schedulers.from_config(
@@ -695,6 +752,37 @@ class TierEngine(torch.nn.Module):
         _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ setup helpers
+    def _zero_group(self, process_group, zero, model):
+        """The ranks to partition over (None in one process), checked: a supported stage, a backend
+        that carries the engine's tensors, and the same config and model on every rank."""
+        import torch.distributed as dist
+
+        self._reducer = None
+        if process_group is None and not _zero.default_group_active():
+            return None
+        if not dist.is_initialized():
+            raise ValueError("initialize(process_group=...): torch.distributed is not initialized")
+        pg = process_group if process_group is not None else dist.group.WORLD
+        if dist.get_world_size(pg) == 1:
+            return None
+        stage = int(zero.get("stage", 0))
+        world = dist.get_world_size(pg)
+        if self.inference_only:
+            raise NotImplementedError(
+                f"tier.torch.initialize: an inference-only engine across {world} ranks is not supported yet; run "
+                "generation in one process per model copy (without torch.distributed) or add an optimizer"
+            )
+        if stage not in (1, 2, 3):
+            raise ValueError(
+                f"zero_optimization.stage: {stage} across {world} ranks is not supported; tier partitions with "
+                "stage 1 (optimizer state), 2 (also gradients) or 3 (also parameters): set one of them"
+            )
+        bucket = zero.get("reduce_bucket_size", 500_000_000)
+        group = _zero.ZeroGroup(pg, stage, bucket, self.device)
+        digest = [(n, tuple(p.shape), bool(p.requires_grad), str(p.dtype)) for n, p in model.named_parameters()]
+        group.check_same_config(self._raw_config, digest)
+        return group
+
     @staticmethod
     def _initial_value(slot, store, initial_values):
         """A parameter's starting values as a CPU tensor: from ``initial_values`` (a checkpoint
@@ -839,10 +927,48 @@ class TierEngine(torch.nn.Module):
     # ------------------------------------------------------------------ parameter movement
     def _bring(self, slot):
         if slot.fetches == 0:
-            lease = self.native.acquire(slot.tid, "device", "read")
-            # The view owns the lease: it ends when nothing references the memory any more.
-            slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape)))
+            if self._zero is not None and self._zero.stage == 3:
+                self._gather_params([slot])
+            else:
+                lease = self.native.acquire(slot.tid, "device", "read")
+                # The view owns the lease: it ends when nothing references the memory any more.
+                slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape)))
         slot.fetches += 1
+
+    def _shard_of(self, slot, device):
+        """This rank's stage-3 shard of a parameter (padded), on ``device``."""
+        lease = self.native.acquire(slot.tid, "device" if device.type == "cuda" else "host", "read")
+        view = torch.from_dlpack(lease.as_tensor())
+        out = view.to(device, copy=True)
+        del view, lease
+        return out
+
+    def _gather_params(self, slots):
+        """Stage 3: all-gathers the parameters of ``slots`` (one collective) into their ``.data``."""
+        group = self._zero
+        full = _zero.gather_full(group, slots, lambda s: self._shard_of(s, group.device))
+        for s in slots:
+            s.param.data = full[id(s)].view(s.shape).to(self.device)
+
+    def _gather_updated_params(self):
+        """Stages 1 and 2, after an applied step: every rank's updated shards into every rank's
+        whole parameters, in buckets of ``reduce_bucket_size`` elements."""
+        group = self._zero
+        trainable = [s for s in self._slots if s.trainable]
+
+        def mine(s):
+            out = torch.zeros(s.zero_shard, dtype=self.compute_dtype)
+            if s.zero_count > 0:
+                lease = self.native.acquire(s.tid, "host", "read")
+                flat = torch.from_dlpack(lease.as_tensor())
+                out[: s.zero_count] = flat[s.zero_start : s.zero_start + s.zero_count]
+                del flat, lease
+            return out.to(group.device)
+
+        for bucket in _zero.gather_buckets(group, trainable):
+            full = _zero.gather_full(group, bucket, mine)
+            for s in bucket:
+                self.native.write(s.tid, full[id(s)].to("cpu").contiguous())
 
     def _drop(self, slot):
         slot.fetches -= 1
@@ -885,17 +1011,28 @@ class TierEngine(torch.nn.Module):
             self._inference_step = False
             self.native.end_step()
 
-    def _fetch(self, module):
-        for slot in self._module_slots[module]:
+    def _bring_all(self, slots):
+        if self._zero is not None and self._zero.stage == 3:
+            # Stage 3: one all-gather for those that are not here yet.
+            need = list({id(s): s for s in slots if s.fetches == 0}.values())
+            if need:
+                self._gather_params(need)
+            for slot in slots:
+                slot.fetches += 1
+            return
+        for slot in slots:
             self._bring(slot)
+
+    def _fetch(self, module):
+        self._bring_all(self._module_slots[module])
 
     def _release(self, module):
         for slot in self._module_slots[module]:
             self._drop(slot)
 
     def _fetch_for_backward(self, module):
+        self._bring_all(self._module_slots[module])
         for slot in self._module_slots[module]:
-            self._bring(slot)
             slot.backward_fetches += 1
 
     def _after_module_backward(self, module):
@@ -910,7 +1047,10 @@ class TierEngine(torch.nn.Module):
         slot = self._slot_of[id(param)]
         grad = param.grad
         if grad is not None:
-            if grad.device.type == "cuda":
+            if self._reducer is not None:
+                # Across ranks: reduce-scattered in buckets; this rank's shard goes on to _grads.
+                self._reducer.add(slot, grad)
+            elif grad.device.type == "cuda":
                 # Queued behind the backward kernels on the current stream; the optimizer takes it
                 # once the copy's event has completed (at the latest at the end of backward).
                 self._grad_staging().push(slot.pid, grad.detach())
@@ -999,7 +1139,13 @@ class TierEngine(torch.nn.Module):
             # The step's update starts now and takes each chunk of the state as backward finishes
             # its gradients; step() validates it (and redoes it when clipping or an overflow says so).
             self._apply_lr()
-            self.optimizer.start_overlap_into(self.native, self._tensor_of_partition, self._grads.tensors)
+            self.optimizer.start_overlap_into(
+                self.native,
+                self._tensor_of_partition,
+                self._grads.tensors,
+                self._partition_offsets,
+                self._reduce_sumsq,
+            )
         self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -1009,6 +1155,8 @@ class TierEngine(torch.nn.Module):
         finally:
             self._in_backward = False
         self._drain_grads()
+        if self._reducer is not None:
+            self._reducer.flush(self.is_gradient_accumulation_boundary())
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
             while slot.backward_fetches > 0:
@@ -1044,6 +1192,8 @@ class TierEngine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
+        if self._reducer is not None:
+            self._reducer.flush(boundary)  # a backward run outside engine.backward()
         if not boundary:
             return None
         t0 = time.perf_counter()
@@ -1057,12 +1207,16 @@ class TierEngine(torch.nn.Module):
                 report = self.optimizer.finish_overlap()
             else:
                 self._apply_lr()
-                report = self.optimizer.step_into(self.native, self._tensor_of_partition, grad_tensors)
+                report = self.optimizer.step_into(
+                    self.native, self._tensor_of_partition, grad_tensors, self._partition_offsets, self._reduce_sumsq
+                )
             ok = True
         finally:
             self._grads.after_step(ok)
         self._param_version += 1
         self.last_report = report
+        if report["applied"] and self._zero is not None and self._zero.stage < 3:
+            self._gather_updated_params()
         if report["applied"]:
             self.global_steps += 1
             self._step_applied = True
@@ -1088,6 +1242,8 @@ class TierEngine(torch.nn.Module):
         model's ``.grad`` are freed as soon as they are final)."""
         self._drain_grads()
         self._grads.clear()
+        if self._reducer is not None:
+            self._reducer.clear()
         if self.optimizer is not None:
             self.optimizer.cancel_overlap()
             self.optimizer.clear_grads()
@@ -1153,6 +1309,14 @@ class TierEngine(torch.nn.Module):
         if slot is None:
             raise KeyError(f"no parameter named {name!r}")
         self._cancel_overlap()
+        if self._zero is not None and self._zero.stage == 3:
+            # A collective: every rank asks for the same parameters in the same order.
+            if slot.fetches > 0:
+                return slot.param.data.detach().to("cpu", copy=True)
+            shard = torch.empty(slot.zero_shard, dtype=self.compute_dtype)
+            self.native.read(slot.tid, shard)
+            full = _zero.gather_full(self._zero, [slot], lambda s: shard.to(self._zero.device))
+            return full[id(slot)].view(slot.shape).to("cpu", copy=True)
         out = torch.empty(slot.shape, dtype=self.compute_dtype)
         self.native.read(slot.tid, out)
         return out
@@ -1161,6 +1325,23 @@ class TierEngine(torch.nn.Module):
         """Every trainable parameter's fp32 master value, by name (CPU tensors)."""
         self._cancel_overlap()
         out = {}
+        if self._zero is not None:
+            # Collectives: the masters' shards gathered from their owners.
+            def master(s):
+                m = torch.zeros(s.zero_shard, dtype=torch.float32)
+                if s.pid is not None:
+                    self.optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
+                return m.to(self._zero.device)
+
+            trainable = [s for s in self._slots if s.trainable]
+            for bucket in _zero.gather_buckets(self._zero, trainable):
+                full = _zero.gather_full(self._zero, bucket, master)
+                for s in bucket:
+                    out[s.name] = full[id(s)].view(s.shape).to("cpu", copy=True)
+            for s in self._slots:
+                if not s.trainable:
+                    out[s.name] = self.parameter(s.name).float()
+            return {s.name: out[s.name] for s in self._slots}
         for slot in self._slots:
             if slot.pid is None:
                 out[slot.name] = self.parameter(slot.name).float()

@@ -33,6 +33,7 @@ import threading
 import torch
 
 from .. import _tier
+from . import zero as _zero
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _HOME = {"nvme": "nvme", "cpu": "host", "none": "host"}
@@ -45,6 +46,11 @@ def engine_config(cfg):
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         if cfg.get(key) == "auto":
             del cfg[key]
+    if _zero.default_group_active():
+        import torch.distributed as dist
+
+        # Ranks on one machine never share swap files: each takes <dir>/rank<N>.
+        cfg = _zero.rank_paths(cfg, dist.get_rank())
     return cfg
 
 

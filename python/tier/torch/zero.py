@@ -1,0 +1,281 @@
+"""ZeRO stages 1, 2 and 3 across data-parallel ranks, on torch.distributed.
+
+Every rank runs one ``TierEngine`` over the same model. Each parameter, flattened, is split into
+``world`` equal shards of ``ceil(numel / world)`` elements (the last ones padded, possibly empty):
+rank ``r`` owns elements ``[r * shard, min(numel, (r + 1) * shard))``. A rank registers, homes and
+offloads only what it owns:
+
+- stage 1: the optimizer state (fp32 master, moments) of its shards; gradients are summed in full
+  on each rank over the micro-steps and reduce-scattered once, at the accumulation boundary;
+- stage 2: also the gradients: each micro-step's are reduce-scattered as backward finishes them,
+  and only the rank's shards are summed;
+- stage 3: also the parameters: the engine homes the rank's shard of each parameter, and a module's
+  parameters are all-gathered when it is fetched (forward and backward) and dropped after.
+
+In stages 1 and 2 every rank keeps the whole low-precision parameters; after a step the owners'
+updated shards are all-gathered into them. Gradients are averaged over the ranks (as DeepSpeed
+does); clipping uses the global norm and the fp16 overflow check agrees across ranks (the
+optimizer all-reduces its sum of squares: ``reduce_sumsq``).
+
+The collectives run on a torch.distributed process group (the default one, or
+``initialize(..., process_group=pg)``): NCCL for CUDA engines, Gloo for CPU ones. Gradients are
+reduced in buckets of ``zero_optimization.reduce_bucket_size`` elements, in reverse registration
+order (the order backward finishes them), each bucket as soon as all its gradients are in.
+"""
+
+import hashlib
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+_RANK_NEUTRAL_KEYS = (("zero_optimization", "offload_param", "nvme_path"), ("zero_optimization", "offload_optimizer", "nvme_path"))
+
+
+def default_group_active():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def shard_range(numel, world, rank):
+    """(shard, start, count): the padded shard size and the elements rank ``rank`` owns."""
+    shard = max(1, math.ceil(numel / world))
+    start = min(numel, rank * shard)
+    count = max(0, min(numel, start + shard) - start)
+    return shard, start, count
+
+
+def rank_paths(cfg, rank):
+    """The config with every swap directory moved to ``<dir>/rank<N>`` (created), so that ranks on
+    one machine never share files."""
+    cfg = json.loads(json.dumps(cfg))
+    zero = cfg.get("zero_optimization") or {}
+    for section in ("offload_param", "offload_optimizer"):
+        sec = zero.get(section) or {}
+        path = sec.get("nvme_path")
+        if isinstance(path, str) and path:
+            sec["nvme_path"] = os.path.join(path, f"rank{rank}")
+            os.makedirs(sec["nvme_path"], exist_ok=True)
+    tier = cfg.get("tier")
+    swap = (tier or {}).get("swap_paths")
+    if swap is None and os.environ.get("TIER_SWAP_PATHS"):
+        swap = [p for p in os.environ["TIER_SWAP_PATHS"].split(",") if p]
+    if swap:
+        swap = [swap] if isinstance(swap, str) else list(swap)
+        moved = [os.path.join(p, f"rank{rank}") for p in swap]
+        for p in moved:
+            os.makedirs(p, exist_ok=True)
+        cfg.setdefault("tier", {})["swap_paths"] = moved
+    return cfg
+
+
+def _neutral(cfg):
+    """The config without what differs between ranks legitimately (their swap directories)."""
+    cfg = json.loads(json.dumps(cfg))
+    for path in _RANK_NEUTRAL_KEYS:
+        node = cfg
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    if isinstance(cfg.get("tier"), dict):
+        cfg["tier"].pop("swap_paths", None)
+    return cfg
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died, left or timed out."""
+
+
+class ZeroGroup:
+    """The ranks an engine is partitioned over and the collectives it runs on them."""
+
+    def __init__(self, process_group, stage, reduce_bucket_size, device):
+        self.pg = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        self.stage = stage
+        self.bucket_elems = max(1, int(reduce_bucket_size))
+        self.backend = str(dist.get_backend(process_group)).lower()
+        if self.backend == "nccl" and device.type != "cuda":
+            raise ValueError(
+                "tier.torch.initialize: the process group's backend is NCCL, which carries CUDA tensors only, but "
+                "this engine computes on the CPU; create the group with backend='gloo' "
+                "(torch.distributed.init_process_group('gloo'))"
+            )
+        if self.backend == "gloo" and device.type == "cuda":
+            # Gloo can carry CUDA tensors through host copies, but NCCL is the engine for them.
+            raise ValueError(
+                "tier.torch.initialize: the engine computes on CUDA but the process group's backend is Gloo; use "
+                "backend='nccl' for GPU ranks"
+            )
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        self.bytes_reduced = 0
+        self.bytes_gathered = 0
+
+    def _run(self, what, fn):
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as e:  # gloo/nccl report a dead or hung peer as RuntimeError
+            raise CollectiveError(
+                f"tier: rank {self.rank} of {self.world}: {what} failed; another rank has probably died, left, "
+                f"or stopped calling the same collectives (timeout), so this rank stops too: {e}"
+            ) from e
+
+    def check_same_config(self, cfg, model_digest):
+        """Every rank must run the same config (swap directories aside) over the same model."""
+        mine = hashlib.sha256(
+            json.dumps({"config": _neutral(cfg), "model": model_digest}, sort_keys=True).encode()
+        ).hexdigest()
+        got = [None] * self.world
+        self._run("comparing configs", lambda: dist.all_gather_object(got, mine, group=self.pg))
+        if len(set(got)) != 1:
+            differ = [r for r, d in enumerate(got) if d != got[0]]
+            raise ValueError(
+                f"tier.torch.initialize: ranks {differ} have a different config or model than rank 0 (swap "
+                "directories aside); every rank must pass the same config and build the same model"
+            )
+
+    def all_reduce_sum(self, value):
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(t, group=self.pg))
+        return float(t.item())
+
+    def all_reduce_max(self, value):
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg))
+        return float(t.item())
+
+    def reduce_scatter(self, flat):
+        """``flat`` holds ``world`` equal segments, segment ``q`` for rank ``q``: returns the sum over
+        ranks of this rank's segment."""
+        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
+        self._run("reduce_scatter of gradients", lambda: dist.reduce_scatter_tensor(out, flat, group=self.pg))
+        self.bytes_reduced += flat.numel() * flat.element_size()
+        return out
+
+    def all_gather(self, local):
+        out = torch.empty(local.numel() * self.world, dtype=local.dtype, device=local.device)
+        self._run("all_gather", lambda: dist.all_gather_into_tensor(out, local.contiguous(), group=self.pg))
+        self.bytes_gathered += out.numel() * out.element_size()
+        return out
+
+    def barrier(self):
+        self._run("barrier", lambda: dist.barrier(group=self.pg))
+
+
+class GradReducer:
+    """Reduce-scatters each micro-step's gradients in buckets and hands this rank's averaged shards
+    to ``sink(slot, shard)``.
+
+    Buckets are fixed at creation: trainable slots in reverse registration order, up to
+    ``bucket_elems`` padded elements each (at least one slot), so every rank issues the same
+    collectives in the same order. In stages 2 and 3 a bucket goes as soon as all its gradients
+    of the micro-step are in and every earlier bucket has gone; ``flush`` sends the rest (a
+    gradient that did not come counts as zeros). In stage 1 gradients are summed in full over the
+    micro-steps and everything goes at the boundary's ``flush``.
+    """
+
+    def __init__(self, group, slots, sink):
+        self.group = group
+        self.sink = sink
+        self.buckets = []
+        cur, size = [], 0
+        for slot in reversed([s for s in slots if s.trainable]):
+            padded = slot.zero_shard * group.world
+            if cur and size + padded > group.bucket_elems:
+                self.buckets.append(cur)
+                cur, size = [], 0
+            cur.append(slot)
+            size += padded
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {id(s): b for b, bucket in enumerate(self.buckets) for s in bucket}
+        self.pending = {}  # id(slot) -> fp32 full gradient (summed over micro-steps in stage 1)
+        self.next_bucket = 0  # the first bucket of this micro-step not sent yet
+        self.active = False  # a gradient came this micro-step
+
+    def add(self, slot, grad):
+        g = grad.detach().reshape(-1).to(self.group.device, torch.float32)
+        held = self.pending.get(id(slot))
+        if held is None:
+            self.pending[id(slot)] = g.clone() if g.data_ptr() == grad.data_ptr() else g
+        else:
+            held.add_(g)
+        self.active = True
+        if self.group.stage >= 2:
+            while self.next_bucket < len(self.buckets) and all(
+                id(s) in self.pending for s in self.buckets[self.next_bucket]
+            ):
+                self._send(self.next_bucket)
+                self.next_bucket += 1
+
+    def flush(self, boundary):
+        """End of a micro-step's backward: sends what is left (stage 1: only on the boundary)."""
+        if not self.active or (self.group.stage < 2 and not boundary):
+            return
+        while self.next_bucket < len(self.buckets):
+            self._send(self.next_bucket)
+            self.next_bucket += 1
+        self.next_bucket = 0
+        self.active = False
+
+    def clear(self):
+        self.pending.clear()
+        self.next_bucket = 0
+        self.active = False
+
+    def _send(self, b):
+        world = self.group.world
+        bucket = self.buckets[b]
+        width = sum(s.zero_shard for s in bucket)
+        buf = torch.zeros(world, width, dtype=torch.float32, device=self.group.device)
+        off = 0
+        for s in bucket:
+            g = self.pending.pop(id(s), None)
+            if g is not None:
+                padded = buf.new_zeros(world * s.zero_shard)
+                padded[: s.numel].copy_(g)
+                buf[:, off : off + s.zero_shard].copy_(padded.view(world, s.zero_shard))
+            off += s.zero_shard
+        mine = self.group.reduce_scatter(buf.view(-1))
+        mine.div_(world)
+        if mine.device.type != "cpu":
+            mine = mine.cpu()
+        off = 0
+        for s in bucket:
+            if s.zero_count > 0:
+                self.sink(s, mine[off : off + s.zero_count])
+            off += s.zero_shard
+
+
+def gather_buckets(group, slots):
+    """Slots in registration order, grouped into all-gather buckets of about ``bucket_elems``."""
+    buckets, cur, size = [], [], 0
+    for slot in slots:
+        padded = slot.zero_shard * group.world
+        if cur and size + padded > group.bucket_elems:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(slot)
+        size += padded
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def gather_full(group, bucket, read_shard):
+    """All-gathers the shards of ``bucket``'s slots (``read_shard(slot)`` gives this rank's, padded
+    to the shard size) and returns ``{id(slot): full flat tensor of numel}``."""
+    width = sum(s.zero_shard for s in bucket)
+    local = torch.cat([read_shard(s).reshape(-1) for s in bucket]) if len(bucket) > 1 else read_shard(bucket[0]).reshape(-1)
+    assert local.numel() == width
+    full = group.all_gather(local).view(group.world, width)
+    out, off = {}, 0
+    for s in bucket:
+        out[id(s)] = full[:, off : off + s.zero_shard].reshape(-1)[: s.numel]
+        off += s.zero_shard
+    return out

@@ -1,0 +1,169 @@
+"""One rank of a multi-rank tier.torch run (tests/python/test_multirank.py starts several).
+
+Trains a small model for --steps steps with a global batch of --global-batch sequences per
+micro-step, split evenly over the ranks, and writes a JSON report (the global loss of every
+micro-step, this rank's NVMe and host figures, the final fp32 masters' checksum) to --out.
+--world 1 runs in one process without torch.distributed: the reference.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+import tier.torch
+
+VOCAB = 256
+SEQ = 16
+LR = 3e-3
+
+
+def make_model(family):
+    torch.manual_seed(0)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ * 2,
+            tie_word_embeddings=False,
+        )
+        return transformers.LlamaForCausalLM(cfg)
+    if family == "gpt_neox":
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=SEQ * 2,
+            tie_word_embeddings=False,
+        )
+        return transformers.GPTNeoXForCausalLM(cfg)
+    if family == "qwen2":  # tied embeddings
+        cfg = transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ * 2,
+            tie_word_embeddings=True,
+        )
+        return transformers.Qwen2ForCausalLM(cfg)
+    raise SystemExit(f"unknown family {family}")
+
+
+def config(args, swap):
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+        "gradient_accumulation_steps": args.gas,
+        "gradient_clipping": args.clip,
+        "zero_optimization": {
+            "stage": args.stage,
+            "reduce_bucket_size": args.bucket,
+            "offload_param": {"device": args.param_home, "nvme_path": swap, "pin_memory": True},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pin_memory": True},
+        },
+        "aio": {"block_size": 65536, "queue_depth": 8},
+        "tier": {
+            "device": "emulated",
+            "budgets": {"device": "160K", "host": "16M", "nvme": "64M"},
+            "optimizer": {"buffer_bytes": "1M", "overlap": args.overlap},
+        },
+    }
+    if args.lr_mismatch and args.rank == 1:
+        cfg["optimizer"]["params"]["lr"] = LR * 2
+    return cfg
+
+
+def batch(step, rank, world, global_batch):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
+    per = global_batch // world
+    mine = ids[rank * per : (rank + 1) * per]
+    return {"input_ids": mine, "labels": mine.clone()}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--family", default="llama")
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--start", type=int, default=0, help="first step (after --load)")
+    p.add_argument("--gas", type=int, default=2)
+    p.add_argument("--clip", type=float, default=0.5)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--bucket", type=int, default=20000)
+    p.add_argument("--param-home", default="nvme")
+    p.add_argument("--overlap", default="exact")
+    p.add_argument("--swap", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--save", default="", help="save a checkpoint here after the last step")
+    p.add_argument("--load", default="", help="load the checkpoint here before training")
+    p.add_argument("--die-after", type=int, default=-1, help="rank 1 exits abruptly after this step")
+    p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--lr-mismatch", action="store_true", help="rank 1 uses another lr (must be refused)")
+    args = p.parse_args()
+
+    if args.world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{args.port}",
+            rank=args.rank,
+            world_size=args.world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+        )
+    torch.set_num_threads(1)
+    model = make_model(args.family)
+    engine, _, _, _ = tier.torch.initialize(model, config(args, args.swap))
+    if args.load:
+        engine.load_checkpoint(args.load)
+    report = {"losses": [], "grad_norms": []}
+    for step in range(args.start, args.steps):
+        for micro in range(args.gas):
+            out = engine(**batch(step * args.gas + micro, args.rank, args.world, args.global_batch))
+            loss = out.loss.detach()
+            if args.world > 1:
+                dist.all_reduce(loss)
+                loss /= args.world
+            report["losses"].append(float(loss))
+            engine.backward(out.loss)
+            engine.step()
+        report["grad_norms"].append(engine.get_global_grad_norm())
+        if step == args.die_after and args.rank == 1:
+            sys.stdout.flush()
+            os._exit(3)
+    if args.save:
+        engine.save_checkpoint(args.save)
+    masters = engine.state_dict_fp32()
+    report["master_sum"] = float(sum(float(t.double().sum()) for t in masters.values()))
+    report["master_abs_sum"] = float(sum(float(t.double().abs().sum()) for t in masters.values()))
+    sd = engine.module_state_dict()
+    report["param_sum"] = float(sum(float(t.double().sum()) for t in sd.values() if t.is_floating_point()))
+    stats = engine.stats()
+    report["optimizer_nvme_bytes"] = stats["optimizer"]["nvme_bytes"]
+    report["optimizer_elements"] = stats["optimizer"]["elements"]
+    report["nvme_peak_bytes"] = stats["tiers"]["nvme"]["peak_bytes"]
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    engine.destroy()
+    if args.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
