@@ -136,17 +136,17 @@ def main():
     for step in range(args.start, args.steps):
         for micro in range(args.gas):
             out = engine(**batch(step * args.gas + micro, args.rank, args.world, args.global_batch))
-            loss = out.loss.detach()
-            if args.world > 1:
-                dist.all_reduce(loss)
-                loss /= args.world
-            report["losses"].append(float(loss))
+            report["losses"].append(float(out.loss.detach()))
             engine.backward(out.loss)
             engine.step()
         report["grad_norms"].append(engine.get_global_grad_norm())
         if step == args.die_after and args.rank == 1:
             sys.stdout.flush()
             os._exit(3)
+    if args.world > 1:  # the global batch's loss: the mean of the ranks' (equal shares)
+        losses = torch.tensor(report["losses"], dtype=torch.float64)
+        dist.all_reduce(losses)
+        report["losses"] = (losses / args.world).tolist()
     if args.save:
         engine.save_checkpoint(args.save)
     masters = engine.state_dict_fp32()

@@ -1321,6 +1321,17 @@ class TierEngine(torch.nn.Module):
         self.native.read(slot.tid, out)
         return out
 
+    def _gathered_master(self, slot):
+        """Across ranks: the fp32 master of one trainable parameter, gathered (a collective)."""
+
+        def master(s):
+            m = torch.zeros(s.zero_shard, dtype=torch.float32)
+            if s.pid is not None:
+                self.optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
+            return m.to(self._zero.device)
+
+        return _zero.gather_full(self._zero, [slot], master)[id(slot)].view(slot.shape).to("cpu", copy=True)
+
     def state_dict_fp32(self):
         """Every trainable parameter's fp32 master value, by name (CPU tensors)."""
         self._cancel_overlap()
@@ -1369,6 +1380,10 @@ class TierEngine(torch.nn.Module):
                 "parameters (load checks them against the model); drop the argument"
             )
         self._cancel_overlap()
+        if self._zero is not None:
+            from .zero_checkpoint import save as save_ranks
+
+            return save_ranks(self, save_dir, tag, client_state or {}, save_latest=save_latest)
         return save(self, save_dir, tag, client_state or {}, save_latest=save_latest)
 
     def load_checkpoint(
@@ -1410,7 +1425,14 @@ class TierEngine(torch.nn.Module):
                     f"scheduler state together, names checked strictly); leave {key} at {default!r}"
                 )
         self.zero_grad()
-        out = load(self, load_dir, tag)
+        from .zero_checkpoint import is_rank_checkpoint
+
+        if self._zero is not None or is_rank_checkpoint(load_dir, tag):
+            from .zero_checkpoint import load as load_ranks
+
+            out = load_ranks(self, load_dir, tag)
+        else:
+            out = load(self, load_dir, tag)
         self._param_version += 1
         return out
 

@@ -270,6 +270,11 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
 
     def param_fetch(slot):
         def fetch():
+            if engine._zero is not None:
+                # Across ranks: gathered from the owners (a collective every rank makes).
+                if want == torch.float32 and slot.trainable:
+                    return engine._gathered_master(slot)
+                return engine.parameter(slot.name).to(want)
             if want == torch.float32 and slot.pid is not None:
                 t = torch.empty(slot.shape, dtype=torch.float32)
                 engine.optimizer.read_params(slot.pid, "fp32", t)
@@ -281,6 +286,11 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
         return fetch
 
     esize = torch.empty(0, dtype=want).element_size()
+    if engine._zero is not None and engine._zero.rank != 0:
+        # Every rank takes part in the gathers; rank 0 writes.
+        for s in engine._slots:
+            param_fetch(s)()
+        return []
     items = [(s.name, want, s.shape, s.numel * esize, param_fetch(s)) for s in engine._slots]
     for name, buf in _persistent_buffers(engine.module):
         b = buf.detach().cpu()

@@ -86,6 +86,16 @@ def _neutral(cfg):
     return cfg
 
 
+def _flatten(node, prefix=""):
+    """{"a.b": value} for every leaf of a JSON object."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: a peer rank died, left or timed out."""
 
@@ -127,16 +137,26 @@ class ZeroGroup:
 
     def check_same_config(self, cfg, model_digest):
         """Every rank must run the same config (swap directories aside) over the same model."""
-        mine = hashlib.sha256(
-            json.dumps({"config": _neutral(cfg), "model": model_digest}, sort_keys=True).encode()
-        ).hexdigest()
+        mine = {"config": _flatten(_neutral(cfg)), "model": hashlib.sha256(repr(model_digest).encode()).hexdigest()}
         got = [None] * self.world
         self._run("comparing configs", lambda: dist.all_gather_object(got, mine, group=self.pg))
-        if len(set(got)) != 1:
-            differ = [r for r, d in enumerate(got) if d != got[0]]
+        problems = []
+        for r, theirs in enumerate(got):
+            if r == 0 or theirs == got[0]:
+                continue
+            keys = sorted(
+                k
+                for k in set(theirs["config"]) | set(got[0]["config"])
+                if theirs["config"].get(k) != got[0]["config"].get(k)
+            )
+            what = [f"{k}: {got[0]['config'].get(k)!r} on rank 0, {theirs['config'].get(k)!r} on rank {r}" for k in keys]
+            if theirs["model"] != got[0]["model"]:
+                what.append(f"the model's parameters (names, shapes, dtypes) differ between rank 0 and rank {r}")
+            problems.append("; ".join(what))
+        if problems:
             raise ValueError(
-                f"tier.torch.initialize: ranks {differ} have a different config or model than rank 0 (swap "
-                "directories aside); every rank must pass the same config and build the same model"
+                "tier.torch.initialize: every rank must pass the same config and build the same model (swap "
+                "directories aside), but " + " | ".join(problems)
             )
 
     def all_reduce_sum(self, value):

@@ -1,0 +1,414 @@
+"""Checkpoints of an engine partitioned over ranks (tier.torch.zero), loadable at any world size.
+
+Layout of a version directory (format ``tier-checkpoint-zero-1``; the directory protocol, tags,
+``latest``, manifests and garbage collection are those of :mod:`tier.torch.checkpoint`)::
+
+    meta.json       (rank 0) names, shapes, counters, scheduler, client state, the world and stage
+                    it was saved at
+    frozen.bin      (rank 0, if any parameter is frozen) the frozen parameters, whole
+    rank<N>.bin     rank N's shards, each trainable parameter's owned range as fp32 master,
+                    exp_avg, exp_avg_sq in turn
+    rank<N>.json    rank N's partition map: for each parameter its range (start, count) and where
+                    its three arrays start in rank<N>.bin; its step counters and RNG state
+    manifest.json   (rank 0, last) size and SHA-256 of every file above
+
+Every rank writes its own files in parallel into the directory rank 0 created; rank 0 writes the
+manifest once all have synced theirs, then switches the tag and ``latest``. A save killed on any
+rank leaves ``latest`` on the previous complete checkpoint. The directory must be one that every
+rank sees (a shared or local file system, as DeepSpeed's checkpoints).
+
+Loading at another world size (or in one process) reshards: each rank reads, from whichever saved
+ranks hold them, the elements of its new ranges. Every rank checks the manifest and every file
+before anything changes, and the ranks agree that all checks passed before any of them applies.
+``python -m tier.torch.zero_to_fp32 <checkpoint dir> <out.safetensors|out.pt>`` consolidates one
+into a single fp32 state dict.
+"""
+
+import base64
+import json
+import os
+import shutil
+
+import torch
+
+from .. import _tier
+from . import checkpoint as _ck
+
+FORMAT = "tier-checkpoint-zero-1"
+_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _rank_world(engine):
+    z = engine._zero
+    return (0, 1) if z is None else (z.rank, z.world)
+
+
+def _broadcast(engine, obj):
+    if engine._zero is None:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    engine._zero._run("broadcast", lambda: dist.broadcast_object_list(box, src=0, group=engine._zero.pg))
+    return box[0]
+
+
+def _all_ok(engine, error):
+    """Every rank's check result: raises this rank's error, or says which rank failed."""
+    if engine._zero is None:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    got = [None] * engine._zero.world
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    engine._zero._run("agreeing on the checkpoint", lambda: dist.all_gather_object(got, mine, group=engine._zero.pg))
+    if error is not None:
+        raise error
+    bad = [(r, e) for r, e in enumerate(got) if e is not None]
+    if bad:
+        raise ValueError(f"checkpoint: rank {bad[0][0]} refused it, so no rank loads it: {bad[0][1]}")
+
+
+def save(engine, save_dir, tag, client_state, save_latest=True):
+    if engine.compute_dtype_name == "fp16":
+        raise NotImplementedError(
+            "save_checkpoint across ranks with fp16: the dynamic loss scale cannot be restored yet; use bf16 or fp32"
+        )
+    rank, world = _rank_world(engine)
+    tag = _ck.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    save_dir = os.fspath(save_dir)
+    error = None
+    version = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, mode=0o700, exist_ok=True)
+            _ck._check_replaceable(os.path.join(save_dir, tag), tag)
+            version = _ck._new_version(tag)
+            os.mkdir(os.path.join(save_dir, version), 0o700)
+        except Exception as e:  # noqa: BLE001 (every rank must hear of it)
+            error = e
+    version = _broadcast(engine, version)
+    _all_ok(engine, error)
+    vdir = os.path.join(save_dir, version)
+    try:
+        _write_rank(engine, vdir, rank, world)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = e
+    frozen = [s for s in engine._slots if not s.trainable]
+    try:
+        _all_ok(engine, error)
+        # Frozen parameters: gathered (stage 3) by every rank, written by rank 0.
+        values = [(s, engine.parameter(s.name)) for s in frozen] if frozen else []
+        error = None
+        if rank == 0:
+            try:
+                if values:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                    fd = os.open(os.path.join(vdir, "frozen.bin"), flags, 0o600)
+                    with os.fdopen(fd, "wb") as f:
+                        for _, v in values:
+                            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+                        f.flush()
+                        os.fsync(f.fileno())
+                del values
+                _write_meta(engine, vdir, world, client_state)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        _all_ok(engine, error)
+        error = None
+        if rank == 0:
+            try:
+                files = {}
+                for name in sorted(os.listdir(vdir)):
+                    n, digest = _ck._sha256_file(os.path.join(vdir, name))
+                    files[name] = {"bytes": n, "sha256": digest}
+                body = {"format": FORMAT, "files": files}
+                manifest = dict(body, sha256=_ck._manifest_body_digest(body))
+                _ck._write_new(os.path.join(vdir, _ck.MANIFEST), json.dumps(manifest, indent=1).encode())
+                _ck._fsync_dir(vdir)
+                _publish(save_dir, tag, version, save_latest)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        _all_ok(engine, error)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(vdir, ignore_errors=True)
+        raise
+    return os.path.join(save_dir, tag)
+
+
+def _publish(save_dir, tag, version, save_latest):
+    final = os.path.join(save_dir, tag)
+    link_tmp = os.path.join(save_dir, f".link~{version}")
+    os.symlink(version, link_tmp)
+    if os.path.isdir(final) and not os.path.islink(final):
+        os.rename(final, os.path.join(save_dir, _ck._new_version(tag)))
+    os.replace(link_tmp, final)
+    _ck._fsync_dir(save_dir)
+    if save_latest:
+        latest_tmp = os.path.join(save_dir, f".latest~{version}")
+        _ck._write_new(latest_tmp, tag.encode())
+        os.replace(latest_tmp, os.path.join(save_dir, _ck.LATEST))
+        _ck._fsync_dir(save_dir)
+    _ck._collect_garbage(save_dir)
+
+
+def _write_rank(engine, vdir, rank, world):
+    index = []
+    offset = 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd = os.open(os.path.join(vdir, f"rank{rank}.bin"), flags, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        for s in engine._slots:
+            if s.pid is None:
+                continue
+            buf = torch.empty(s.zero_count, dtype=torch.float32)
+            for kind in _KINDS:
+                if kind == "master":
+                    engine.optimizer.read_params(s.pid, "fp32", buf)
+                else:
+                    engine.optimizer.read_state(s.pid, kind, buf)
+                f.write(buf.numpy().tobytes())
+            index.append({"name": s.name, "start": s.zero_start, "count": s.zero_count, "offset": offset})
+            offset += 3 * 4 * s.zero_count
+        f.flush()
+        os.fsync(f.fileno())
+    part = {
+        "format": FORMAT,
+        "rank": rank,
+        "world": world,
+        "params": index,
+        "group_steps": [engine.optimizer.group_step(g) for g in range(engine.optimizer.group_count)],
+        "rng_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    _ck._write_new(os.path.join(vdir, f"rank{rank}.json"), json.dumps(part, indent=1).encode())
+
+
+def _write_meta(engine, vdir, world, client_state):
+    meta = {
+        "format": FORMAT,
+        "world": world,
+        "stage": engine._zero.stage if engine._zero is not None else 0,
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "compute_dtype": engine.compute_dtype_name,
+        "params": [{"name": s.name, "shape": list(s.shape), "trainable": s.trainable} for s in engine._slots],
+        "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
+        "client_state": client_state,
+    }
+    _ck._write_new(os.path.join(vdir, "meta.json"), json.dumps(meta, indent=1, allow_nan=True).encode())
+
+
+def is_rank_checkpoint(load_dir, tag):
+    """Whether ``load_dir``'s checkpoint ``tag`` (None: latest) was saved by ranks."""
+    try:
+        path = resolve(load_dir, tag)
+        with open(os.path.join(path, "meta.json"), "rb") as f:
+            return json.loads(f.read()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def resolve(load_dir, tag):
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, _ck.LATEST)
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(
+                f"checkpoint directory {load_dir} has no '{_ck.LATEST}' file; pass tag= "
+                f"(available tags: {_ck._available(load_dir)})"
+            )
+        with open(latest, "rb") as f:
+            tag = _ck.check_tag(f.read(4096).decode(errors="replace").strip(), what=f"tag in {latest}")
+    else:
+        tag = _ck.check_tag(tag)
+    return _ck._resolve(load_dir, tag)
+
+
+def read_verified(path):
+    """The checkpoint in ``path``: its meta and rank maps, every file checked against the manifest
+    (``tier.DataLoss`` when one does not match)."""
+    try:
+        with open(os.path.join(path, _ck.MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+        body = {"format": manifest["format"], "files": manifest["files"]}
+        ok = manifest["sha256"] == _ck._manifest_body_digest(body)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _tier.DataLoss(f"checkpoint {path}: {_ck.MANIFEST} is missing or damaged ({e})") from None
+    if not ok:
+        raise _tier.DataLoss(f"checkpoint {path}: {_ck.MANIFEST} does not match its own checksum")
+    if body["format"] != FORMAT:
+        raise ValueError(f"checkpoint {path}: format {body['format']!r} is not {FORMAT}")
+    for name, entry in sorted(body["files"].items()):
+        fpath = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(fpath):
+            raise _tier.DataLoss(f"checkpoint {path}: {name} is missing (listed in {_ck.MANIFEST})")
+        n, digest = _ck._sha256_file(fpath)
+        if n != entry.get("bytes") or digest != entry.get("sha256"):
+            raise _tier.DataLoss(f"checkpoint {path}: {name} does not match the manifest")
+    with open(os.path.join(path, "meta.json"), "rb") as f:
+        meta = json.loads(f.read())
+    world = int(meta["world"])
+    parts = []
+    for r in range(world):
+        if f"rank{r}.json" not in body["files"] or f"rank{r}.bin" not in body["files"]:
+            raise _tier.DataLoss(f"checkpoint {path}: rank {r}'s files are not listed (saved at world {world})")
+        with open(os.path.join(path, f"rank{r}.json"), "rb") as f:
+            parts.append(json.loads(f.read()))
+    return meta, parts
+
+
+class _Pieces:
+    """Reads ranges of a parameter's saved arrays, whichever saved ranks hold them."""
+
+    def __init__(self, path, parts):
+        self.path = path
+        self.by_name = {}
+        for part in parts:
+            for e in part["params"]:
+                self.by_name.setdefault(e["name"], []).append((part["rank"], e))
+        self.files = {}
+
+    def read(self, name, kind, start, count):
+        out = torch.zeros(count, dtype=torch.float32)
+        k = _KINDS.index(kind)
+        for rank, e in self.by_name.get(name, []):
+            lo, hi = max(start, e["start"]), min(start + count, e["start"] + e["count"])
+            if lo >= hi:
+                continue
+            f = self.files.get(rank)
+            if f is None:
+                f = self.files[rank] = open(os.path.join(self.path, f"rank{rank}.bin"), "rb")
+            f.seek(e["offset"] + (k * e["count"] + lo - e["start"]) * 4)
+            raw = f.read((hi - lo) * 4)
+            if len(raw) != (hi - lo) * 4:
+                raise _tier.DataLoss(f"checkpoint {self.path}: rank{rank}.bin is shorter than its map says ({name})")
+            out[lo - start : hi - start] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+        return out
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+
+def load(engine, load_dir, tag):
+    rank, world = _rank_world(engine)
+    error = None
+    try:
+        path = resolve(load_dir, tag)
+        meta, parts = read_verified(path)
+        mine = [(s.name, list(s.shape), s.trainable) for s in engine._slots]
+        theirs = [(p["name"], list(p["shape"]), p["trainable"]) for p in meta["params"]]
+        if mine != theirs:
+            raise ValueError(
+                f"checkpoint {path} is for another model (its parameters' names, shapes or trainable flags differ)"
+            )
+        if meta["compute_dtype"] != engine.compute_dtype_name:
+            raise ValueError(
+                f"checkpoint {path} was saved with compute dtype {meta['compute_dtype']}, this engine computes in "
+                f"{engine.compute_dtype_name}"
+            )
+        for name, count in ((e["name"], e["count"]) for p in parts for e in p["params"]):
+            if count < 0:
+                raise ValueError(f"checkpoint {path}: a negative range for {name}")
+        covered = {}
+        for p in parts:
+            for e in p["params"]:
+                covered[e["name"]] = covered.get(e["name"], 0) + e["count"]
+        for s in engine._slots:
+            if s.trainable and covered.get(s.name, 0) != s.numel:
+                raise _tier.DataLoss(f"checkpoint {path}: the saved shards of {s.name} do not cover it")
+        steps = parts[0]["group_steps"]
+        if len(steps) != engine.optimizer.group_count:
+            raise ValueError(
+                f"checkpoint {path} has {len(steps)} parameter groups, this engine {engine.optimizer.group_count}"
+            )
+    except Exception as e:  # noqa: BLE001 (every rank must hear of it before anyone changes)
+        error = e
+    _all_ok(engine, error)
+
+    pieces = _Pieces(path, parts)
+    try:
+        for s in engine._slots:
+            if s.pid is None:
+                continue
+            for kind in _KINDS:
+                engine.optimizer.write_state(s.pid, kind, pieces.read(s.name, kind, s.zero_start, s.zero_count))
+    finally:
+        pieces.close()
+    for g, step in enumerate(steps):
+        engine.optimizer.set_group_step(g, int(step))
+    # The low-precision params from the masters, as the optimizer writes them.
+    stage3 = engine._zero is not None and engine._zero.stage == 3
+    for s in engine._slots:
+        if s.pid is None:
+            continue
+        low = torch.empty(s.zero_count, dtype=engine.compute_dtype)
+        engine.optimizer.read_params(s.pid, engine.compute_dtype_name, low)
+        lease = engine.native.acquire(s.tid, "host", "read_write")
+        flat = torch.from_dlpack(lease.as_tensor())
+        at = 0 if stage3 else s.zero_start
+        flat[at : at + s.zero_count] = low
+        del flat, lease
+    frozen = [s for s in engine._slots if not s.trainable]
+    if frozen:
+        esize = torch.empty(0, dtype=engine.compute_dtype).element_size()
+        with open(os.path.join(path, "frozen.bin"), "rb") as f:
+            for s in frozen:
+                raw = f.read(s.numel * esize)
+                if len(raw) != s.numel * esize:
+                    raise _tier.DataLoss(f"checkpoint {path}: frozen.bin is shorter than the model needs ({s.name})")
+                t = torch.frombuffer(bytearray(raw), dtype=engine.compute_dtype)
+                if stage3:
+                    shard = torch.zeros(s.zero_shard, dtype=engine.compute_dtype)
+                    shard[: s.zero_count] = t[s.zero_start : s.zero_start + s.zero_count]
+                    engine.native.write(s.tid, shard)
+                else:
+                    engine.native.write(s.tid, t)
+    if engine._zero is not None and not stage3:
+        engine._gather_updated_params()
+    engine.native.flush()
+    engine.global_steps = int(meta["global_steps"])
+    engine.micro_steps = int(meta["micro_steps"])
+    engine.skipped_steps = int(meta["skipped_steps"])
+    if meta["scheduler"] is not None and engine.scheduler is not None:
+        engine.scheduler.load_state_dict(meta["scheduler"])
+    engine._apply_lr()
+    source = parts[rank] if rank < len(parts) else parts[0]
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(source["rng_cpu"])), dtype=torch.uint8))
+    return path, meta["client_state"]
+
+
+def consolidate(path):
+    """Every trainable parameter's fp32 master (and every frozen one, widened) from a checkpoint
+    saved by ranks, as one state dict of CPU tensors."""
+    meta, parts = read_verified(path)
+    pieces = _Pieces(path, parts)
+    out = {}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[meta["compute_dtype"]]
+    frozen_f = None
+    try:
+        for p in meta["params"]:
+            numel = 1
+            for d in p["shape"]:
+                numel *= int(d)
+            if p["trainable"]:
+                out[p["name"]] = pieces.read(p["name"], "master", 0, numel).view(p["shape"])
+            else:
+                if frozen_f is None:
+                    frozen_f = open(os.path.join(path, "frozen.bin"), "rb")
+                esize = torch.empty(0, dtype=dtype).element_size()
+                raw = frozen_f.read(numel * esize)
+                out[p["name"]] = torch.frombuffer(bytearray(raw), dtype=dtype).float().view(p["shape"])
+    finally:
+        pieces.close()
+        if frozen_f is not None:
+            frozen_f.close()
+    return out
+
+
+__all__ = ["save", "load", "consolidate", "is_rank_checkpoint", "FORMAT"]

@@ -1,0 +1,47 @@
+"""Consolidates a checkpoint saved by several ranks into one fp32 state dict (as DeepSpeed's
+zero_to_fp32.py does for its own checkpoints).
+
+    python -m tier.torch.zero_to_fp32 CHECKPOINT_DIR OUT [--tag TAG]
+
+CHECKPOINT_DIR is the directory given to ``engine.save_checkpoint`` (its ``latest`` tag unless
+``--tag``); OUT ends in ``.safetensors`` (written with safetensors) or anything else
+(``torch.save``). Every file is checked against the checkpoint's manifest first.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+from .. import _tier
+from . import zero_checkpoint
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tier.torch.zero_to_fp32", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint_dir")
+    p.add_argument("out")
+    p.add_argument("--tag", default=None)
+    args = p.parse_args(argv)
+    try:
+        path = zero_checkpoint.resolve(args.checkpoint_dir, args.tag)
+        sd = zero_checkpoint.consolidate(path)
+    except (FileNotFoundError, ValueError, _tier.DataLoss) as e:
+        print(f"zero_to_fp32: {e}", file=sys.stderr)
+        return 2
+    tmp = args.out + ".tmp"
+    if args.out.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in sd.items()}, tmp)
+    else:
+        torch.save(sd, tmp)
+    os.replace(tmp, args.out)
+    n = sum(t.numel() for t in sd.values())
+    print(f"zero_to_fp32: {len(sd)} tensors, {n} parameters in fp32 from {path} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
