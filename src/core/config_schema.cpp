@@ -102,8 +102,9 @@ std::vector<KeySpec> build_schema() {
   auto add = [&](const K& spec) { s.push_back(spec.k); };
 
   const std::string kNotPartitioned =
-      "tier does not partition state across ranks yet (one process, whole tensors), so "
-      "communication bucketing and overlap do not apply";
+      "tier.torch partitions across ranks by its own scheme (docs/distributed.md): gradients are "
+      "reduce-scattered in buckets of reduce_bucket_size elements as backward finishes them, "
+      "stage-3 parameters all-gathered one module at a time; this knob changes nothing";
 
   // Keys DeepSpeed acts on and tier accepts without acting on: each note says what governs the
   // same thing in tier.
@@ -375,10 +376,11 @@ std::vector<KeySpec> build_schema() {
             .noted(kNotPartitioned)
             .sample(500000000, "big"));
   }
+  // Across ranks (tier.torch): elements per gradient reduce-scatter and per all-gather of the
+  // updated shards.
   add(K("zero_optimization.reduce_bucket_size", VK::kInt)
           .range(0, kBig)
           .auto_is(500000000)
-          .noted(kNotPartitioned)
           .sample(5e8, "huge"));
   // stage3_* knobs and their newer names without the prefix.
   struct Stage3 {

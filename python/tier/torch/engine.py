@@ -1123,7 +1123,7 @@ class TierEngine(torch.nn.Module):
     def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False, scale_wrt_gas=True):
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); with
         ``scale_wrt_gas=False`` the loss is not divided. ``allreduce_gradients`` and
-        ``release_loss`` are DeepSpeed's and moot in one process."""
+        ``release_loss`` are DeepSpeed's: across ranks, gradients are always reduced (tier.torch.zero)."""
         self._require_optimizer("backward")
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
@@ -1470,23 +1470,26 @@ class TierEngine(torch.nn.Module):
         return self.zero_optimization_stage() > 0
 
     def train_micro_batch_size_per_gpu(self):
-        """The config's micro-batch size; from ``train_batch_size / gradient_accumulation_steps``
-        when only that is given; 1 when neither is (one process: no world size to divide by)."""
+        """The config's micro-batch size; from ``train_batch_size / (gradient_accumulation_steps x
+        ranks)`` when only that is given; 1 when neither is."""
         micro = self._raw_config.get("train_micro_batch_size_per_gpu")
         if micro is not None:
             return int(micro)
         total = self._raw_config.get("train_batch_size")
         if total is not None:
-            return max(1, int(total) // self._gas)
+            return max(1, int(total) // (self._gas * self._world()))
         return 1
 
     def train_batch_size(self):
-        """Samples per step: the config's ``train_batch_size``, else micro-batch size x
-        gradient_accumulation_steps (one process)."""
+        """Samples per step over all ranks: the config's ``train_batch_size``, else micro-batch
+        size x gradient_accumulation_steps x ranks."""
         total = self._raw_config.get("train_batch_size")
         if total is not None:
             return int(total)
-        return self.train_micro_batch_size_per_gpu() * self._gas
+        return self.train_micro_batch_size_per_gpu() * self._gas * self._world()
+
+    def _world(self):
+        return 1 if self.__dict__.get("_zero") is None else self._zero.world
 
     def get_global_step(self):
         return self.global_steps
