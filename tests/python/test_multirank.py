@@ -178,3 +178,15 @@ def test_stage_0_across_ranks_is_refused(tmp_path):
     _, errs, codes = run_ranks(tmp_path, 2, "--stage", 0, "--steps", 1, name="stage0", expect_ok=False)
     assert all(c != 0 for c in codes)
     assert all("zero_optimization.stage: 0 across 2 ranks is not supported" in e for e in errs)
+
+
+def test_the_main_job_runs_under_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    cmd += ["-m", "tier.examples.finetune_llama", "--steps", "2", "--hidden", "64", "--layers", "2", "--heads", "4"]
+    cmd += ["--seq", "32", "--swap-dir", str(tmp_path / "swap"), "--corpus", os.path.join(os.path.dirname(WORKER), "..", "..", "docs")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Rank 0 reports, once.
+    assert done.stdout.count("summary") == 1 and "step   2/2" in done.stdout
+    assert not os.listdir(tmp_path / "swap") if (tmp_path / "swap").exists() else True

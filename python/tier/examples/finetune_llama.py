@@ -203,8 +203,24 @@ def main(argv=None):
         release_swap_dir(own, args.swap_dir, created)
 
 
+def _distributed():
+    """(rank, world): under torchrun (WORLD_SIZE > 1) the default process group is created here,
+    NCCL with a GPU, else Gloo, and tier partitions over it (docs/distributed.md)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
 def run(args, swap_dir):
     """Trains as the options say, with tier's files in ``swap_dir`` (removed by the caller)."""
+    rank, world = _distributed()
+    # Launched by torchrun: every rank trains on its own batches; rank 0 reports.
+    say = print if rank == 0 else (lambda *a, **k: None)
     args = argparse.Namespace(**dict(vars(args), swap_dir=swap_dir))
     shape = model_shape(args)
     n_params = shape[0]
@@ -216,13 +232,13 @@ def run(args, swap_dir):
     model = make_model(args, config)
     engine, *_ = tier.torch.initialize(model, config)
     s0 = engine.stats()
-    print(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * 4)} fp32), "
+    say(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * 4)} fp32), "
           f"{args.layers} layers; device: {s0['info'].get('device', '?')}, budget "
           f"{fmt_bytes(s0['tiers']['device']['budget_bytes'])}; params and optimizer state on NVMe in {args.swap_dir} "
           f"({s0['info'].get('io_engine', '?')})", flush=True)
 
     data = corpus_bytes(args.corpus)
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1000 * rank)
     tokens_per_step = args.batch * args.seq * args.gas
     history = []
     t_start = time.perf_counter()
@@ -242,10 +258,14 @@ def run(args, swap_dir):
         moved = {k: now["links"][k]["bytes"] - prev["links"][k]["bytes"] for k, _ in LINKS}
         prev = now
         loss = sum(losses) / len(losses)
+        if world > 1:  # the mean over every rank's batches
+            t = torch.tensor([loss], dtype=torch.float64)
+            torch.distributed.all_reduce(t)
+            loss = float(t) / world
         history.append({"step": step + 1, "loss": loss, "seconds": dt, "tokens_per_second": tokens_per_step / dt,
                         "bytes": moved, "grad_norm": (engine.last_report or {}).get("grad_norm")})
         tiers = now["tiers"]
-        print(f"step {step + 1:>3}/{args.steps} {bar((step + 1) / args.steps)} loss {loss:6.3f} | "
+        say(f"step {step + 1:>3}/{args.steps} {bar((step + 1) / args.steps)} loss {loss:6.3f} | "
               f"{tokens_per_step / dt:8.0f} tok/s | "
               + " ".join(f"{short} {fmt_bytes(moved[k])}" for k, short in LINKS)
               + f" | dev {fmt_bytes(tiers['device']['resident_bytes'])}/{fmt_bytes(tiers['device']['budget_bytes'])}"
@@ -277,32 +297,32 @@ def run(args, swap_dir):
         "skipped_steps": engine.skipped_steps,
     }
     if args.json:
-        print(json.dumps({"summary": summary, "history": history}, indent=1))
+        say(json.dumps({"summary": summary, "history": history}, indent=1))
     else:
-        print()
-        print("summary")
-        print(f"  {args.steps} steps in {total:.1f} s, {summary['tokens_per_second']:.0f} tokens/s; "
+        say()
+        say("summary")
+        say(f"  {args.steps} steps in {total:.1f} s, {summary['tokens_per_second']:.0f} tokens/s; "
               f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
-        print("  moved: " + ", ".join(f"{short} {fmt_bytes(summary['links'][k])}" for k, short in LINKS))
-        print(f"  peak: device {fmt_bytes(summary['peak_bytes']['device'])} of a {fmt_bytes(summary['device_budget'])} "
+        say("  moved: " + ", ".join(f"{short} {fmt_bytes(summary['links'][k])}" for k, short in LINKS))
+        say(f"  peak: device {fmt_bytes(summary['peak_bytes']['device'])} of a {fmt_bytes(summary['device_budget'])} "
               f"budget (model {fmt_bytes(n_params * 4)}), host {fmt_bytes(summary['peak_bytes']['host'])}, "
               f"nvme {fmt_bytes(summary['peak_bytes']['nvme'])}; optimizer pinned buffers "
               f"{fmt_bytes(summary['optimizer_pinned_bytes'])}")
-        print(f"  prefetch: {summary['prefetch_hits']:.0f} hits of {summary['acquires']:.0f} acquires, "
+        say(f"  prefetch: {summary['prefetch_hits']:.0f} hits of {summary['acquires']:.0f} acquires, "
               f"stalled {summary['stall_seconds']:.2f} s in total")
         ph = summary["phase_seconds"]
-        print(f"  time: forward {ph['forward']:.1f} s, backward {ph['backward']:.1f} s, optimizer {ph['step']:.1f} s")
-        print(f"  host memory: peak RSS {fmt_bytes(summary['peak_rss_bytes'])} = "
+        say(f"  time: forward {ph['forward']:.1f} s, backward {ph['backward']:.1f} s, optimizer {ph['step']:.1f} s")
+        say(f"  host memory: peak RSS {fmt_bytes(summary['peak_rss_bytes'])} = "
               f"{summary['host_bytes_per_param']:.1f} bytes per parameter (host budget "
               f"{fmt_bytes(summary['host_budget'])})")
     engine.close()
     del engine
     if args.steps < JUDGE_LOSS_FROM_STEPS:
-        print(f"tier: {args.steps} steps are too few to judge the loss; not checked (from {JUDGE_LOSS_FROM_STEPS} "
+        say(f"tier: {args.steps} steps are too few to judge the loss; not checked (from {JUDGE_LOSS_FROM_STEPS} "
               "steps on, the run fails if the loss did not go down)", file=sys.stderr)
         return 0
     if not history[-1]["loss"] < history[0]["loss"]:
-        print("tier: the loss did not go down", file=sys.stderr)
+        say("tier: the loss did not go down", file=sys.stderr)
         return 1
     return 0
 

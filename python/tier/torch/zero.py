@@ -50,12 +50,17 @@ def rank_paths(cfg, rank):
     """The config with every swap directory moved to ``<dir>/rank<N>`` (created), so that ranks on
     one machine never share files."""
     cfg = json.loads(json.dumps(cfg))
+    mine = f"rank{rank}"
+
+    def moved(path):  # idempotent: a config already moved stays as it is
+        return path if os.path.basename(os.path.normpath(path)) == mine else os.path.join(path, mine)
+
     zero = cfg.get("zero_optimization") or {}
     for section in ("offload_param", "offload_optimizer"):
         sec = zero.get(section) or {}
         path = sec.get("nvme_path")
         if isinstance(path, str) and path:
-            sec["nvme_path"] = os.path.join(path, f"rank{rank}")
+            sec["nvme_path"] = moved(path)
             os.makedirs(sec["nvme_path"], exist_ok=True)
     tier = cfg.get("tier")
     swap = (tier or {}).get("swap_paths")
@@ -63,10 +68,10 @@ def rank_paths(cfg, rank):
         swap = [p for p in os.environ["TIER_SWAP_PATHS"].split(",") if p]
     if swap:
         swap = [swap] if isinstance(swap, str) else list(swap)
-        moved = [os.path.join(p, f"rank{rank}") for p in swap]
-        for p in moved:
+        paths = [moved(p) for p in swap]
+        for p in paths:
             os.makedirs(p, exist_ok=True)
-        cfg.setdefault("tier", {})["swap_paths"] = moved
+        cfg.setdefault("tier", {})["swap_paths"] = paths
     return cfg
 
 
