@@ -731,7 +731,10 @@ class TierEngine(torch.nn.Module):
             if self._zero is not None:
                 ref = weakref.ref(self)
                 self._reducer = _zero.GradReducer(
-                    self._zero, self._slots, lambda s, shard, r=ref: r()._grads.add_grad(s.pid, shard)
+                    self._zero,
+                    self._slots,
+                    lambda s, shard, r=ref: r()._grads.add_grad(s.pid, shard),
+                    lambda n, sec, r=ref: r().native.note_transfer("device_to_host", n, sec),
                 )
 
             base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
@@ -937,7 +940,7 @@ class TierEngine(torch.nn.Module):
 
     def _shard_of(self, slot, device):
         """This rank's stage-3 shard of a parameter (padded), on ``device``."""
-        lease = self.native.acquire(slot.tid, "device" if device.type == "cuda" else "host", "read")
+        lease = self.native.acquire(slot.tid, "device", "read")
         view = torch.from_dlpack(lease.as_tensor())
         out = view.to(device, copy=True)
         del view, lease

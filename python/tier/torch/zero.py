@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -204,9 +205,10 @@ class GradReducer:
     micro-steps and everything goes at the boundary's ``flush``.
     """
 
-    def __init__(self, group, slots, sink):
+    def __init__(self, group, slots, sink, note=None):
         self.group = group
         self.sink = sink
+        self.note = note  # note(bytes, seconds): this rank's reduced shards reached host memory
         self.buckets = []
         cur, size = [], 0
         for slot in reversed([s for s in slots if s.trainable]):
@@ -268,8 +270,11 @@ class GradReducer:
             off += s.zero_shard
         mine = self.group.reduce_scatter(buf.view(-1))
         mine.div_(world)
+        t0 = time.perf_counter()
         if mine.device.type != "cpu":
             mine = mine.cpu()
+        if self.note is not None:
+            self.note(mine.numel() * mine.element_size(), time.perf_counter() - t0)
         off = 0
         for s in bucket:
             if s.zero_count > 0:
