@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +38,10 @@ struct Shape {
   int world;
   bool full;  // every callback, or all_reduce alone
 };
+
+void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "world " << s.world << (s.full ? ", every callback" : ", all_reduce only");
+}
 
 class CallbackCollectives : public ::testing::TestWithParam<Shape> {};
 

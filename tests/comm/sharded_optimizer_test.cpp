@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -92,6 +93,10 @@ struct Params {
   int world;
   Home home;
 };
+
+void PrintTo(const Params& p, std::ostream* os) {
+  *os << "world " << p.world << ", " << p.home.name;
+}
 
 class ShardedOptimizer : public ::testing::TestWithParam<Params> {
  protected:
