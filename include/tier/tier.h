@@ -395,8 +395,9 @@ typedef struct tier_comm_callbacks {
   /* (optional) in: world * count elements; out: count, the reduction of this rank's block. NULL:
    * built from all_reduce on a host copy of in (host memory only). */
   int (*reduce_scatter)(void* user, const void* in, void* out, uint64_t count, tier_dtype_t dtype, tier_reduce_op_t op);
-  /* (optional) in: count elements; out: world * count, rank r's in at block r. NULL: built from a
-   * sum all_reduce of out with zeros outside this rank's block (host memory only). */
+  /* (optional) in: count elements; out: world * count, rank r's in at block r; in may be this
+   * rank's block of out (in place). NULL: built from a sum all_reduce of out with zeros outside
+   * this rank's block (host memory only). */
   int (*all_gather)(void* user, const void* in, void* out, uint64_t count, tier_dtype_t dtype);
   /* (optional) buf becomes root's buf. NULL: a sum all_reduce where ranks but root give zeros. */
   int (*broadcast)(void* user, void* buf, uint64_t count, tier_dtype_t dtype, int32_t root);
