@@ -6,7 +6,10 @@
 #      built by step 3's `pip install .`);
 #   2. runs the whole ctest suite with TIER_TEST_DEVICE=cuda and TIER_REQUIRE_CUDA=1: the device
 #      conformance suite's CUDA entries, the real engine on the GPU (tests/engine), the C ABI
-#      tests (bindings.*: a CUDA engine, CUDA tensors) must run rather than skip;
+#      tests (bindings.*: a CUDA engine, CUDA tensors) must run rather than skip; so must the NCCL
+#      communicator's (tests/comm: world 1 on every collective, a peer that never joins timing
+#      out), built against nccl.h from the CUDA toolkit or, failing that, from the nvidia-nccl
+#      Python wheel beside torch;
 #   3. `pip install .` into a virtual environment (seeing the system's torch), then the Python
 #      tests with TIER_TEST_DEVICE=cuda: tier.torch trains on the GPU against PyTorch's AdamW;
 #   4. `tier-bench copy` on the CUDA device: host-to-device and device-to-host bandwidth from the
@@ -157,6 +160,15 @@ if [ -n "$deps" ]; then
   row "dependencies" "from $(ls "$deps"/*.deb | wc -l) .deb files in $deps"
 fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+# NCCL for the NCCL communicator: the toolkit's, else the nvidia-nccl wheel's (torch's), whose
+# libnccl.so.2 the tests then load through TIER_NCCL_LIBRARY.
+if [ "$no_gpu" = 0 ] && ! ls /usr/include/nccl.h /usr/local/cuda/include/nccl.h >/dev/null 2>&1; then
+  nccl_dir=$(python3 -c 'import nvidia.nccl as n, os; print(list(n.__path__)[0])' 2>/dev/null)
+  if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl.h" ] && [ -f "$nccl_dir/lib/libnccl.so.2" ]; then
+    cmake_args+=(-DTIER_NCCL_INCLUDE_DIR="$nccl_dir/include" -DTIER_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2")
+    export TIER_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2"
+  fi
+fi
 
 # The Python module is left to `pip install .` (step 3), which builds its own copy: building it
 # here too would only spend the budget twice.
@@ -209,6 +221,11 @@ need_cuda=$(( 1 - no_gpu ))
 group_row "device tests on CUDA" '[^ ]*(/cuda|Cuda)[^ ]*' "$need_cuda" "the GPU was not used"
 group_row "engine (real tiers)" 'Engines/RealEngine|RealEngine' "$need_cuda" "the engine did not run"
 group_row "C ABI tests" 'bindings\.' 1 "the C ABI tests did not run"
+if grep -q "NCCL=ON" "$log_dir/configure.log" 2>/dev/null; then
+  group_row "NCCL communicator" 'NcclCommunicator\.' "$need_cuda" "the NCCL communicator did not run"
+elif [ "$no_gpu" = 0 ]; then
+  not_run "NCCL communicator" "built without NCCL: no nccl.h (toolkit or nvidia-nccl wheel); see configure.log"
+fi
 total_p=$(count '.' ' Passed ') total_s=$(count '.' 'Skipped') total_f=$(count '.' 'Failed|Timeout|Exception|Not Run')
 if [ "$ctest_rc" != 0 ] || [ "$total_f" != 0 ]; then
   fail "ctest (whole suite)" "$total_p passed, $total_s skipped, $total_f failed in $(elapsed "$t") (ctest.log)"

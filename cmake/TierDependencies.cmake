@@ -38,6 +38,28 @@ if(TIER_WITH_CUDA)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 endif()
 
+# NCCL, for the NCCL communicator (src/comm): its header at build time; libnccl.so.2 is loaded at
+# run time (dlopen), so nothing links against it. On by default when CUDA, nccl.h and libnccl are
+# found (the CUDA toolkit's folders, NCCL_HOME, or -DTIER_NCCL_INCLUDE_DIR / -DTIER_NCCL_LIBRARY).
+set(_tier_nccl_default OFF)
+if(TIER_WITH_CUDA)
+  find_path(TIER_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} $ENV{NCCL_HOME}/include
+            DOC "Directory holding nccl.h")
+  find_library(TIER_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${CUDAToolkit_LIBRARY_DIR} $ENV{NCCL_HOME}/lib
+               DOC "libnccl, tried at run time after the plain soname libnccl.so.2")
+  if(TIER_NCCL_INCLUDE_DIR AND TIER_NCCL_LIBRARY)
+    set(_tier_nccl_default ON)
+  endif()
+endif()
+option(TIER_WITH_NCCL "Build the NCCL communicator (on when CUDA and NCCL are found)" ${_tier_nccl_default})
+if(TIER_WITH_NCCL AND NOT TIER_WITH_CUDA)
+  message(FATAL_ERROR "TIER_WITH_NCCL needs TIER_WITH_CUDA=ON (NCCL runs on CUDA devices)")
+endif()
+if(TIER_WITH_NCCL AND NOT TIER_NCCL_INCLUDE_DIR)
+  message(FATAL_ERROR "TIER_WITH_NCCL: nccl.h not found; install NCCL (libnccl-dev), set NCCL_HOME or "
+                      "-DTIER_NCCL_INCLUDE_DIR, or configure with -DTIER_WITH_NCCL=OFF")
+endif()
+
 if(TIER_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

@@ -15,13 +15,13 @@ export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stack
 (cd build-asan && ctest --output-on-failure -j "$(nproc)" -LE lint)
 
 # ThreadSanitizer over the modules with threads of their own: the engine's scheduler (and its
-# model-based give-up tests), the I/O engines, the device layer, the C ABI and the optimizer's
-# pipeline. Two numeric tests are left out (16 threads over a million elements, and the SIMD
-# gradient kernels per target): they take minutes under TSan, their threads are oneTBB's, and the
-# release and ASan runs cover their results. tests/tsan.supp says why oneTBB's reports are set aside.
+# model-based give-up tests), the I/O engines, the device layer, the C ABI, the optimizer's
+# pipeline and the communicators (ranks as threads). Two numeric tests are left out (16 threads
+# over a million elements, and the SIMD gradient kernels per target): they take minutes under
+# TSan, their threads are oneTBB's, and the release and ASan runs cover their results. tests/tsan.supp says why oneTBB's reports are set aside.
 ./scripts/build.sh tsan
 TSAN_OPTIONS="halt_on_error=1:history_size=7:suppressions=$PWD/tests/tsan.supp" \
-  bash -c 'cd build-tsan && ctest --output-on-failure -j "$(nproc)" -L "engine|nvme|gpu|bindings|optim" -E "LowPrecisionOutputsAreTheRoundedMasters|GradAccumulate"'
+  bash -c 'cd build-tsan && ctest --output-on-failure -j "$(nproc)" -L "engine|nvme|gpu|bindings|optim|comm" -E "LowPrecisionOutputsAreTheRoundedMasters|GradAccumulate"'
 
 # libFuzzer targets (config parser, checkpoint reader, C ABI tensor import, engine operations),
 # each for a bounded time; scripts/fuzz.sh 3600 is the longer campaign.

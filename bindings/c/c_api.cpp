@@ -16,6 +16,7 @@
 #include "cuda_copy.hpp"
 #include "dlpack_convert.hpp"
 #include "engine_core.hpp"
+#include "tier/comm.hpp"
 #include "tier/config.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
@@ -59,6 +60,16 @@ static_assert(TIER_ACCESS_READ == static_cast<int>(Access::kRead) &&
               TIER_ACCESS_READ_WRITE == static_cast<int>(Access::kReadWrite));
 static_assert(TIER_ROLE_PARAM == static_cast<int>(Role::kParam) && TIER_ROLE_USER == static_cast<int>(Role::kUser) &&
               TIER_ROLE_USER + 1 == tier::kNumRoles);
+static_assert(TIER_DTYPE_F32 == static_cast<int>(DType::kF32) && TIER_DTYPE_F16 == static_cast<int>(DType::kF16) &&
+              TIER_DTYPE_BF16 == static_cast<int>(DType::kBF16) && TIER_DTYPE_F64 == static_cast<int>(DType::kF64) &&
+              TIER_DTYPE_I8 == static_cast<int>(DType::kI8) && TIER_DTYPE_U8 == static_cast<int>(DType::kU8) &&
+              TIER_DTYPE_I32 == static_cast<int>(DType::kI32) && TIER_DTYPE_I64 == static_cast<int>(DType::kI64) &&
+              TIER_DTYPE_I64 + 1 == tier::kNumDTypes);
+static_assert(TIER_REDUCE_SUM == static_cast<int>(tier::ReduceOp::kSum) &&
+              TIER_REDUCE_MAX == static_cast<int>(tier::ReduceOp::kMax) &&
+              TIER_REDUCE_MIN == static_cast<int>(tier::ReduceOp::kMin));
+static_assert(TIER_COMM_MEMORY_HOST == tier::kCommHostMemory && TIER_COMM_MEMORY_DEVICE == tier::kCommDeviceMemory);
+static_assert(TIER_COMM_UNIQUE_ID_BYTES == sizeof(tier::NcclUniqueId::bytes));
 // The header's version is the project's (CMake passes PROJECT_VERSION in).
 static_assert(TIER_VERSION_MAJOR == TIER_PROJECT_VERSION_MAJOR && TIER_VERSION_MINOR == TIER_PROJECT_VERSION_MINOR &&
                   TIER_VERSION_PATCH == TIER_PROJECT_VERSION_PATCH,
@@ -71,6 +82,8 @@ namespace {
 constexpr std::size_t kEngineConfigV1 = sizeof(tier_engine_config_t);
 constexpr std::size_t kTensorOptionsV1 = sizeof(tier_tensor_options_t);
 constexpr std::size_t kTensorInfoV1 = sizeof(tier_tensor_info_t);
+constexpr std::size_t kCommCallbacksV1 = sizeof(tier_comm_callbacks_t);
+constexpr std::size_t kCommNcclConfigV1 = sizeof(tier_comm_nccl_config_t);
 
 // ---- errors
 
@@ -723,4 +736,252 @@ void tier_ticket_destroy(tier_ticket_t* ticket) {
     delete ticket;
   } catch (...) {
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Communicators
+
+struct tier_comm {
+  std::unique_ptr<tier::Communicator> comm;
+};
+
+namespace {
+
+Result<DType> comm_dtype(const tier_dtype_t& d, const char* arg) {
+  const int v = enum_value(d);
+  if (v < 0 || v >= tier::kNumDTypes) {
+    return tier::invalid_argument(
+        str("argument '", arg, "' is ", v, "; use one of TIER_DTYPE_* (0 to ", tier::kNumDTypes - 1, ")"));
+  }
+  return static_cast<DType>(v);
+}
+
+Result<tier::ReduceOp> comm_op(const tier_reduce_op_t& op, const char* arg) {
+  const int v = enum_value(op);
+  if (v < TIER_REDUCE_SUM || v > TIER_REDUCE_MIN) {
+    return tier::invalid_argument(
+        str("argument '", arg, "' is ", v, "; use TIER_REDUCE_SUM (0), TIER_REDUCE_MAX (1) or TIER_REDUCE_MIN (2)"));
+  }
+  return static_cast<tier::ReduceOp>(v);
+}
+
+// A callback's return code as a Status, with the framework's message when it gives one.
+Status from_callback(const tier_comm_callbacks_t& t, const char* name, int rc) {
+  if (rc == 0) return Status::Ok();
+  std::string msg = str("the framework's ", name, " callback returned ", rc);
+  if (t.error_message != nullptr) {
+    const char* m = t.error_message(t.user);
+    if (m != nullptr && *m != '\0') msg += str(": ", m);
+  }
+  const StatusCode code = rc > 0 && rc <= TIER_ERROR_INTERNAL ? static_cast<StatusCode>(rc) : StatusCode::kIoError;
+  return Status(code, std::move(msg));
+}
+
+// Calls a C callback; a C++ exception thrown through it (a C++ host) becomes an error.
+template <class F>
+Status call_back(const tier_comm_callbacks_t& t, const char* name, F&& f) {
+  try {
+    return from_callback(t, name, f());
+  } catch (const std::exception& e) {
+    return tier::internal_error(str("the framework's ", name, " callback threw: ", e.what()));
+  } catch (...) {
+    return tier::internal_error(str("the framework's ", name, " callback threw"));
+  }
+}
+
+tier::CommCallbacks adapt(const tier_comm_callbacks_t& t) {
+  tier::CommCallbacks cb;
+  cb.rank = t.rank;
+  cb.world = t.world;
+  cb.memory = t.memory;
+  cb.name = "callbacks";
+  if (t.all_reduce != nullptr) {
+    cb.all_reduce = [t](void* buf, std::uint64_t n, DType d, tier::ReduceOp op) {
+      return call_back(t, "all_reduce", [&] {
+        return t.all_reduce(t.user, buf, n, static_cast<tier_dtype_t>(d), static_cast<tier_reduce_op_t>(op));
+      });
+    };
+  }
+  if (t.reduce_scatter != nullptr) {
+    cb.reduce_scatter = [t](const void* in, void* out, std::uint64_t n, DType d, tier::ReduceOp op) {
+      return call_back(t, "reduce_scatter", [&] {
+        return t.reduce_scatter(t.user, in, out, n, static_cast<tier_dtype_t>(d), static_cast<tier_reduce_op_t>(op));
+      });
+    };
+  }
+  if (t.all_gather != nullptr) {
+    cb.all_gather = [t](const void* in, void* out, std::uint64_t n, DType d) {
+      return call_back(t, "all_gather", [&] { return t.all_gather(t.user, in, out, n, static_cast<tier_dtype_t>(d)); });
+    };
+  }
+  if (t.broadcast != nullptr) {
+    cb.broadcast = [t](void* buf, std::uint64_t n, DType d, int root) {
+      return call_back(t, "broadcast", [&] { return t.broadcast(t.user, buf, n, static_cast<tier_dtype_t>(d), root); });
+    };
+  }
+  if (t.barrier != nullptr) {
+    cb.barrier = [t] { return call_back(t, "barrier", [&] { return t.barrier(t.user); }); };
+  }
+  if (t.destroy != nullptr) {
+    cb.on_destroy = [t] {
+      try {
+        t.destroy(t.user);
+      } catch (...) {
+        // Nothing crosses the ABI; a throwing destroy has nobody to report to.
+      }
+    };
+  }
+  return cb;
+}
+
+tier::Communicator& comm_of(tier_comm_t* comm) {
+  return *comm->comm;
+}
+
+}  // namespace
+
+tier_status_t tier_comm_create_callbacks(const tier_comm_callbacks_t* callbacks, tier_comm_t** out_comm) {
+  return guarded("tier_comm_create_callbacks", [&]() -> Status {
+    TIER_C_REQUIRE(out_comm);
+    *out_comm = nullptr;
+    TIER_C_REQUIRE(callbacks);
+    const tier_comm_callbacks_t defaults = TIER_COMM_CALLBACKS_INIT;
+    TIER_ASSIGN_OR_RETURN(tier_comm_callbacks_t t, read_versioned(callbacks, defaults, kCommCallbacksV1, "callbacks",
+                                                                  "tier_comm_callbacks_t", "TIER_COMM_CALLBACKS_INIT"));
+    if (t.all_reduce == nullptr) return tier::invalid_argument("callbacks->all_reduce is NULL; it is required");
+    if ((t.memory & ~(TIER_COMM_MEMORY_HOST | TIER_COMM_MEMORY_DEVICE)) != 0) {
+      return tier::invalid_argument(
+          str("callbacks->memory is ", t.memory, "; use TIER_COMM_MEMORY_HOST and/or TIER_COMM_MEMORY_DEVICE"));
+    }
+    auto handle = std::make_unique<tier_comm>();
+    // The communicator calls destroy when it goes; a failed creation never calls it.
+    TIER_ASSIGN_OR_RETURN(handle->comm, tier::make_callback_communicator(adapt(t)));
+    *out_comm = handle.release();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_comm_nccl_unique_id(uint8_t out_id[TIER_COMM_UNIQUE_ID_BYTES]) {
+  return guarded("tier_comm_nccl_unique_id", [&]() -> Status {
+    TIER_C_REQUIRE(out_id);
+    TIER_ASSIGN_OR_RETURN(tier::NcclUniqueId id, tier::make_nccl_unique_id());
+    std::memcpy(out_id, id.bytes.data(), id.bytes.size());
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_comm_create_nccl(const tier_comm_nccl_config_t* config, tier_comm_t** out_comm) {
+  return guarded("tier_comm_create_nccl", [&]() -> Status {
+    TIER_C_REQUIRE(out_comm);
+    *out_comm = nullptr;
+    TIER_C_REQUIRE(config);
+    const tier_comm_nccl_config_t defaults = TIER_COMM_NCCL_CONFIG_INIT;
+    TIER_ASSIGN_OR_RETURN(tier_comm_nccl_config_t c,
+                          read_versioned(config, defaults, kCommNcclConfigV1, "config", "tier_comm_nccl_config_t",
+                                         "TIER_COMM_NCCL_CONFIG_INIT"));
+    tier::NcclOptions o;
+    std::memcpy(o.id.bytes.data(), c.unique_id, o.id.bytes.size());
+    o.rank = c.rank;
+    o.world = c.world;
+    o.device = c.device;
+    o.stream = c.stream;
+    if (c.timeout_ms == UINT64_MAX) {
+      o.timeout = std::chrono::milliseconds(0);
+    } else if (c.timeout_ms != 0) {
+      // Beyond ~35 years a deadline would overflow the clock: that is waiting without a limit.
+      o.timeout = std::chrono::milliseconds(
+          c.timeout_ms >= (std::uint64_t{1} << 40) ? 0 : static_cast<std::int64_t>(c.timeout_ms));
+    }
+    auto handle = std::make_unique<tier_comm>();
+    TIER_ASSIGN_OR_RETURN(handle->comm, tier::make_nccl_communicator(o));
+    *out_comm = handle.release();
+    return Status::Ok();
+  });
+}
+
+void tier_comm_destroy(tier_comm_t* comm) {
+  try {
+    delete comm;
+  } catch (...) {
+  }
+}
+
+tier_status_t tier_comm_rank_world(tier_comm_t* comm, int32_t* out_rank, int32_t* out_world) {
+  return guarded("tier_comm_rank_world", [&]() -> Status {
+    TIER_C_REQUIRE(comm);
+    TIER_C_REQUIRE(out_rank);
+    TIER_C_REQUIRE(out_world);
+    *out_rank = comm_of(comm).rank();
+    *out_world = comm_of(comm).world();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_comm_all_reduce(tier_comm_t* comm, void* buf, uint64_t count, tier_dtype_t dtype,
+                                   tier_reduce_op_t op) {
+  return guarded("tier_comm_all_reduce", [&]() -> Status {
+    TIER_C_REQUIRE(comm);
+    TIER_ASSIGN_OR_RETURN(DType d, comm_dtype(dtype, "dtype"));
+    TIER_ASSIGN_OR_RETURN(tier::ReduceOp o, comm_op(op, "op"));
+    if (count > 0) TIER_C_REQUIRE(buf);
+    return comm_of(comm).all_reduce(buf, count, d, o);
+  });
+}
+
+tier_status_t tier_comm_reduce_scatter(tier_comm_t* comm, const void* in, void* out, uint64_t count, tier_dtype_t dtype,
+                                       tier_reduce_op_t op) {
+  return guarded("tier_comm_reduce_scatter", [&]() -> Status {
+    TIER_C_REQUIRE(comm);
+    TIER_ASSIGN_OR_RETURN(DType d, comm_dtype(dtype, "dtype"));
+    TIER_ASSIGN_OR_RETURN(tier::ReduceOp o, comm_op(op, "op"));
+    if (count > 0) {
+      TIER_C_REQUIRE(in);
+      TIER_C_REQUIRE(out);
+    }
+    return comm_of(comm).reduce_scatter(in, out, count, d, o);
+  });
+}
+
+tier_status_t tier_comm_all_gather(tier_comm_t* comm, const void* in, void* out, uint64_t count, tier_dtype_t dtype) {
+  return guarded("tier_comm_all_gather", [&]() -> Status {
+    TIER_C_REQUIRE(comm);
+    TIER_ASSIGN_OR_RETURN(DType d, comm_dtype(dtype, "dtype"));
+    if (count > 0) {
+      TIER_C_REQUIRE(in);
+      TIER_C_REQUIRE(out);
+    }
+    return comm_of(comm).all_gather(in, out, count, d);
+  });
+}
+
+tier_status_t tier_comm_broadcast(tier_comm_t* comm, void* buf, uint64_t count, tier_dtype_t dtype, int32_t root) {
+  return guarded("tier_comm_broadcast", [&]() -> Status {
+    TIER_C_REQUIRE(comm);
+    TIER_ASSIGN_OR_RETURN(DType d, comm_dtype(dtype, "dtype"));
+    if (count > 0) TIER_C_REQUIRE(buf);
+    return comm_of(comm).broadcast(buf, count, d, root);
+  });
+}
+
+tier_status_t tier_comm_barrier(tier_comm_t* comm) {
+  return guarded("tier_comm_barrier", [&]() -> Status {
+    TIER_C_REQUIRE(comm);
+    return comm_of(comm).barrier();
+  });
+}
+
+tier_status_t tier_shard_range(uint64_t numel, int32_t world, int32_t rank, uint64_t* out_offset, uint64_t* out_count) {
+  return guarded("tier_shard_range", [&]() -> Status {
+    TIER_C_REQUIRE(out_offset);
+    TIER_C_REQUIRE(out_count);
+    *out_offset = 0;
+    *out_count = 0;
+    TIER_ASSIGN_OR_RETURN(tier::ShardMap map, tier::ShardMap::create(numel, world));
+    if (rank < 0 || rank >= world) {
+      return tier::invalid_argument(str("rank ", rank, " is outside [0, ", world, ")"));
+    }
+    *out_offset = map.offset(rank);
+    *out_count = map.count(rank);
+    return Status::Ok();
+  });
 }

@@ -31,10 +31,12 @@
  *    once; the deleter ends the lease.
  *  - char* from tier_engine_stats_json / tier_engine_config_json: owned by the caller, freed with
  *    tier_string_free.
+ *  - tier_comm_t*: from tier_comm_create_callbacks / tier_comm_create_nccl, given back with
+ *    tier_comm_destroy.
  *
- * Thread safety. Engine functions may be called from any thread, concurrently. A ticket is used by
- * one thread at a time (any thread). A DLPack tensor's deleter may be called from any thread.
- * tier_last_error() is per thread.
+ * Thread safety. Engine functions may be called from any thread, concurrently. A ticket, and a
+ * communicator, is used by one thread at a time (any thread). A DLPack tensor's deleter may be
+ * called from any thread. tier_last_error() is per thread.
  */
 #ifndef TIER_TIER_H_
 #define TIER_TIER_H_
@@ -345,6 +347,140 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_wait_for(tier_ticket_t* tic
  * unused and a write lease is abandoned, so the tensor keeps the contents it had and writers
  * queued behind it are not held up. NULL is ignored. */
 TIER_API void tier_ticket_destroy(tier_ticket_t* ticket);
+
+/* ---------------------------------------------------------------------------------------------
+ * Communicators: collectives across data-parallel ranks (tier/comm.hpp; docs/distributed.md)
+ *
+ * A communicator is NCCL's (tier_comm_create_nccl: device memory of one GPU per rank, built when
+ * NCCL was found) or a host framework's own collectives given as a table of callbacks
+ * (tier_comm_create_callbacks: torch.distributed, MPI, Gloo, ...). Every rank calls the same
+ * collectives in the same order with the same counts and dtypes. A communicator is used by one
+ * thread at a time. */
+
+/* Element types of collectives (tier::DType, value for value). */
+typedef enum tier_dtype {
+  TIER_DTYPE_F32 = 0,
+  TIER_DTYPE_F16 = 1,
+  TIER_DTYPE_BF16 = 2,
+  TIER_DTYPE_F64 = 3,
+  TIER_DTYPE_I8 = 4,
+  TIER_DTYPE_U8 = 5,
+  TIER_DTYPE_I32 = 6,
+  TIER_DTYPE_I64 = 7
+} tier_dtype_t;
+
+typedef enum tier_reduce_op { TIER_REDUCE_SUM = 0, TIER_REDUCE_MAX = 1, TIER_REDUCE_MIN = 2 } tier_reduce_op_t;
+
+/* Which memory a communicator's collectives take (bits of tier_comm_callbacks_t::memory). */
+#define TIER_COMM_MEMORY_HOST 1u   /* host pointers (pageable or pinned) */
+#define TIER_COMM_MEMORY_DEVICE 2u /* pointers to the rank's CUDA device memory */
+
+/* A communicator. Opaque. */
+typedef struct tier_comm tier_comm_t;
+
+/* A host framework's collectives. Each callback gets `user` first and returns 0 (TIER_OK) on
+ * success or a TIER_ERROR_* code (e.g. TIER_ERROR_TIMED_OUT when a peer did not answer; any other
+ * nonzero value is reported as TIER_ERROR_IO). They are called on the thread that called the
+ * tier_comm_* function (or the tier step that uses the communicator) and must not return before
+ * the collective's result is in the output buffer. Buffers are memory of the kinds `memory` says.
+ * Counts are elements, never 0. */
+typedef struct tier_comm_callbacks {
+  size_t struct_size; /* sizeof(tier_comm_callbacks_t); set by TIER_COMM_CALLBACKS_INIT */
+  void* user;         /* handed to every callback; tier never reads it */
+  int32_t rank;       /* this rank, in [0, world) */
+  int32_t world;      /* ranks, at least 1 */
+  uint32_t memory;    /* TIER_COMM_MEMORY_* bits; default TIER_COMM_MEMORY_HOST */
+  /* Required. In place: buf becomes the reduction over ranks of every rank's buf. */
+  int (*all_reduce)(void* user, void* buf, uint64_t count, tier_dtype_t dtype, tier_reduce_op_t op);
+  /* (optional) in: world * count elements; out: count, the reduction of this rank's block. NULL:
+   * built from all_reduce on a host copy of in (host memory only). */
+  int (*reduce_scatter)(void* user, const void* in, void* out, uint64_t count, tier_dtype_t dtype, tier_reduce_op_t op);
+  /* (optional) in: count elements; out: world * count, rank r's in at block r; in may be this
+   * rank's block of out (in place). NULL: built from a sum all_reduce of out with zeros outside
+   * this rank's block (host memory only). */
+  int (*all_gather)(void* user, const void* in, void* out, uint64_t count, tier_dtype_t dtype);
+  /* (optional) buf becomes root's buf. NULL: a sum all_reduce where ranks but root give zeros. */
+  int (*broadcast)(void* user, void* buf, uint64_t count, tier_dtype_t dtype, int32_t root);
+  /* (optional) Returns once every rank entered it. NULL: an all_reduce of one int32. */
+  int (*barrier)(void* user);
+  /* (optional) The text of the last failure, put into tier_last_error(); valid until the next
+   * callback. NULL: the message names the collective and the code only. */
+  const char* (*error_message)(void* user);
+  /* (optional) Called exactly once, when the communicator is destroyed (not when its creation
+   * fails: `user` then stays the caller's). */
+  void (*destroy)(void* user);
+} tier_comm_callbacks_t;
+#define TIER_COMM_CALLBACKS_INIT \
+  { sizeof(tier_comm_callbacks_t), NULL, 0, 1, TIER_COMM_MEMORY_HOST, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+
+/* A communicator over `callbacks` (copied; the functions and `user` must stay valid until the
+ * communicator is destroyed). On success *out_comm is owned by the caller (tier_comm_destroy).
+ * Errors: TIER_ERROR_INVALID_ARGUMENT (NULL argument, wrong struct_size, rank outside [0, world),
+ * no all_reduce, no memory bits). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_create_callbacks(const tier_comm_callbacks_t* callbacks,
+                                                                    tier_comm_t** out_comm);
+
+/* Bytes of an NCCL unique id (NCCL_UNIQUE_ID_BYTES). */
+#define TIER_COMM_UNIQUE_ID_BYTES 128
+
+/* Makes the unique id of a new NCCL communicator (one rank does, then sends the bytes to the
+ * others). Errors: TIER_ERROR_UNSUPPORTED (built without NCCL, or libnccl.so.2 cannot be loaded:
+ * the message says which), TIER_ERROR_DEVICE. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_nccl_unique_id(uint8_t out_id[TIER_COMM_UNIQUE_ID_BYTES]);
+
+typedef struct tier_comm_nccl_config {
+  size_t struct_size;                           /* sizeof(tier_comm_nccl_config_t); set by TIER_COMM_NCCL_CONFIG_INIT */
+  uint8_t unique_id[TIER_COMM_UNIQUE_ID_BYTES]; /* from tier_comm_nccl_unique_id on one rank */
+  int32_t rank;
+  int32_t world;
+  int32_t device; /* this rank's CUDA device */
+  void* stream;   /* the cudaStream_t collectives run on; NULL: the communicator's own stream */
+  /* How long joining and each collective may take before the communicator is aborted and the call
+   * fails with TIER_ERROR_TIMED_OUT; 0: 10 minutes; UINT64_MAX: no limit. */
+  uint64_t timeout_ms;
+} tier_comm_nccl_config_t;
+#define TIER_COMM_NCCL_CONFIG_INIT \
+  { sizeof(tier_comm_nccl_config_t), {0}, 0, 1, 0, NULL, 0 }
+
+/* Joins the NCCL communicator of config->world ranks sharing config->unique_id (blocks until all
+ * joined, up to the timeout). Its collectives take device memory of config->device; host memory
+ * is staged through the device. Each collective returns once it has completed; a peer that failed
+ * comes back as TIER_ERROR_TIMED_OUT or TIER_ERROR_DEVICE, after which the communicator is
+ * aborted and every call on it fails with TIER_ERROR_FAILED_PRECONDITION. Errors:
+ * TIER_ERROR_UNSUPPORTED (built without NCCL: configure with -DTIER_WITH_NCCL=ON; or libnccl.so.2
+ * not found: set TIER_NCCL_LIBRARY), TIER_ERROR_INVALID_ARGUMENT, TIER_ERROR_TIMED_OUT,
+ * TIER_ERROR_DEVICE. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_create_nccl(const tier_comm_nccl_config_t* config,
+                                                               tier_comm_t** out_comm);
+
+/* Gives a communicator back (NCCL: finalizes and destroys it; callbacks: calls destroy). NULL is
+ * ignored. */
+TIER_API void tier_comm_destroy(tier_comm_t* comm);
+
+/* This rank and the number of ranks. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_rank_world(tier_comm_t* comm, int32_t* out_rank, int32_t* out_world);
+
+/* The collectives (tier::Communicator's; count in elements, 0 does nothing). all_reduce is in
+ * place; reduce_scatter: in world * count, out count; all_gather: in count, out world * count. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_all_reduce(tier_comm_t* comm, void* buf, uint64_t count,
+                                                              tier_dtype_t dtype, tier_reduce_op_t op);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_reduce_scatter(tier_comm_t* comm, const void* in, void* out,
+                                                                  uint64_t count, tier_dtype_t dtype,
+                                                                  tier_reduce_op_t op);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_all_gather(tier_comm_t* comm, const void* in, void* out,
+                                                              uint64_t count, tier_dtype_t dtype);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_broadcast(tier_comm_t* comm, void* buf, uint64_t count,
+                                                             tier_dtype_t dtype, int32_t root);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_barrier(tier_comm_t* comm);
+
+/* The ZeRO shard layout every rank agrees on (tier::ShardMap, and tier.torch's): a flat tensor of
+ * `numel` elements over `world` ranks in shards of ceil(numel / world); rank `rank` owns
+ * [*out_offset, *out_offset + *out_count), where *out_count may be 0 for the last ranks.
+ * Collectives run on buffers padded to world * ceil(numel / world) elements (rank 0's count is the
+ * shard size). Errors: TIER_ERROR_INVALID_ARGUMENT (NULL output, world < 1, rank outside
+ * [0, world)). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_shard_range(uint64_t numel, int32_t world, int32_t rank,
+                                                          uint64_t* out_offset, uint64_t* out_count);
 
 #ifdef __cplusplus
 } /* extern "C" */

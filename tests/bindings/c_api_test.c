@@ -1145,6 +1145,90 @@ static int test_register_overflowing_layouts(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * Communicators from C: a one-rank "framework" whose all_reduce is the identity, and which can be
+ * told to fail; the shard layout; NCCL's argument checks (the NCCL runs need a GPU: tests/comm). */
+
+typedef struct one_rank {
+  int calls;
+  int destroyed;
+  int fail;
+} one_rank;
+
+static int one_all_reduce(void* user, void* buf, uint64_t count, tier_dtype_t dtype, tier_reduce_op_t op) {
+  one_rank* r = (one_rank*)user;
+  (void)buf;
+  (void)count;
+  (void)dtype;
+  (void)op;
+  ++r->calls;
+  return r->fail ? TIER_ERROR_TIMED_OUT : TIER_OK;
+}
+
+static const char* one_error(void* user) {
+  return ((one_rank*)user)->fail ? "rank 1 did not answer (from the framework)" : "";
+}
+
+static void one_destroy(void* user) {
+  ++((one_rank*)user)->destroyed;
+}
+
+static int test_communicators(void) {
+  one_rank state = {0, 0, 0};
+  tier_comm_callbacks_t cb = TIER_COMM_CALLBACKS_INIT;
+  cb.user = &state;
+  cb.all_reduce = one_all_reduce;
+  cb.error_message = one_error;
+  cb.destroy = one_destroy;
+  tier_comm_t* comm = NULL;
+  CHECK_OK(tier_comm_create_callbacks(&cb, &comm));
+  int32_t rank = -1, world = -1;
+  CHECK_OK(tier_comm_rank_world(comm, &rank, &world));
+  CHECK(rank == 0 && world == 1);
+
+  float x[3] = {1.0f, 2.0f, 3.0f}, y[3] = {0};
+  CHECK_OK(tier_comm_all_reduce(comm, x, 3, TIER_DTYPE_F32, TIER_REDUCE_SUM));
+  CHECK_OK(tier_comm_reduce_scatter(comm, x, y, 3, TIER_DTYPE_F32, TIER_REDUCE_MAX));
+  CHECK(y[0] == 1.0f && y[1] == 2.0f && y[2] == 3.0f);
+  CHECK_OK(tier_comm_all_gather(comm, x, y, 3, TIER_DTYPE_F32));
+  CHECK(y[2] == 3.0f);
+  CHECK_OK(tier_comm_broadcast(comm, x, 3, TIER_DTYPE_F32, 0));
+  CHECK_OK(tier_comm_barrier(comm));
+  CHECK(state.calls == 5); /* the missing callbacks were built from all_reduce */
+  CHECK_STATUS(tier_comm_broadcast(comm, x, 3, TIER_DTYPE_F32, 1), TIER_ERROR_INVALID_ARGUMENT);
+  CHECK_STATUS(tier_comm_all_reduce(comm, x, 3, (tier_dtype_t)99, TIER_REDUCE_SUM), TIER_ERROR_INVALID_ARGUMENT);
+  CHECK_ERROR_SAYS("argument 'dtype' is 99");
+
+  /* The framework's failure comes back with its code and its message. */
+  state.fail = 1;
+  CHECK_STATUS(tier_comm_all_reduce(comm, x, 3, TIER_DTYPE_F32, TIER_REDUCE_SUM), TIER_ERROR_TIMED_OUT);
+  CHECK_ERROR_SAYS("tier_comm_all_reduce: timed_out");
+  CHECK_ERROR_SAYS("rank 1 did not answer (from the framework)");
+  CHECK(state.destroyed == 0);
+  tier_comm_destroy(comm);
+  CHECK(state.destroyed == 1);
+  tier_comm_destroy(NULL);
+
+  cb.all_reduce = NULL;
+  CHECK_STATUS(tier_comm_create_callbacks(&cb, &comm), TIER_ERROR_INVALID_ARGUMENT);
+  CHECK(comm == NULL);
+  CHECK(state.destroyed == 1);
+
+  uint64_t offset = 0, count = 0;
+  CHECK_OK(tier_shard_range(10, 4, 3, &offset, &count));
+  CHECK(offset == 9 && count == 1);
+  CHECK_OK(tier_shard_range(3, 8, 5, &offset, &count));
+  CHECK(offset == 3 && count == 0);
+  CHECK_STATUS(tier_shard_range(3, 8, 8, &offset, &count), TIER_ERROR_INVALID_ARGUMENT);
+
+  tier_comm_nccl_config_t nc = TIER_COMM_NCCL_CONFIG_INIT;
+  nc.world = 2;
+  nc.rank = 2;
+  CHECK_STATUS(tier_comm_create_nccl(&nc, &comm), TIER_ERROR_INVALID_ARGUMENT);
+  CHECK(comm == NULL);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Driver */
 
 typedef struct test_case {
@@ -1168,6 +1252,7 @@ static const test_case kCases[] = {
     {"stats_and_steps", test_stats_and_steps},
     {"last_error_per_thread", test_last_error_per_thread},
     {"engine_outlives_handle", test_engine_outlives_handle},
+    {"communicators", test_communicators},
 };
 
 int main(int argc, char** argv) {

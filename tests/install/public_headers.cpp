@@ -1,6 +1,7 @@
 // Every C++ header of the user API compiles in a project outside tier (installed headers only), and the Engine is
 // built only by Engine::create (its state machine is an opaque pimpl). The C ABI (tier/tier.h)
 // has its own consumer, tests/bindings/c_consumer.
+#include "tier/comm.hpp"
 #include "tier/config.hpp"
 #include "tier/cpu_adam.hpp"
 #include "tier/cpu_kernels.hpp"
