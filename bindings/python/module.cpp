@@ -158,7 +158,8 @@ class EngineParamSink {
       const auto tid = static_cast<TensorId>(tensors_[c.partition]);
       TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
       const bool whole = base == 0 && info.desc.numel == opt_.partition_numel(c.partition);
-      TIER_ASSIGN_OR_RETURN(o.lease, engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite));
+      TIER_ASSIGN_OR_RETURN(o.lease,
+                            engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite));
       it = open_.emplace(c.partition, std::move(o)).first;
     }
     Open& o = it->second;

@@ -378,10 +378,7 @@ std::vector<KeySpec> build_schema() {
   }
   // Across ranks (tier.torch): elements per gradient reduce-scatter and per all-gather of the
   // updated shards.
-  add(K("zero_optimization.reduce_bucket_size", VK::kInt)
-          .range(0, kBig)
-          .auto_is(500000000)
-          .sample(5e8, "huge"));
+  add(K("zero_optimization.reduce_bucket_size", VK::kInt).range(0, kBig).auto_is(500000000).sample(5e8, "huge"));
   // stage3_* knobs and their newer names without the prefix.
   struct Stage3 {
     const char* name;
