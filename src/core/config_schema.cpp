@@ -387,8 +387,9 @@ std::vector<KeySpec> build_schema() {
     const char* note;
   };
   for (const Stage3& k3 : {
-           Stage3{"prefetch_bucket_size", true, 50000000,
-                  "tier's prefetch window is set by tier.prefetch.lookahead and max_inflight_bytes"},
+           // Acted on across ranks (stage 3): the elements tier.torch all-gathers ahead of use. (In
+           // one process the prefetch window is tier.prefetch.lookahead and max_inflight_bytes.)
+           Stage3{"prefetch_bucket_size", true, 50000000, nullptr},
            Stage3{"param_persistence_threshold", true, 100000,
                   "tier keeps a parameter on the device when its budget allows and the trace says it is reused"},
            Stage3{"model_persistence_threshold", false, 0, "tier sizes persistence from tier.budgets.device"},
@@ -398,7 +399,8 @@ std::vector<KeySpec> build_schema() {
        }) {
     for (const std::string& name : {std::string("stage3_") + k3.name, std::string(k3.name)}) {
       K key("zero_optimization." + name, VK::kInt);
-      key.range(0, kBig).noted(k3.note).sample(1000000, "many");
+      key.range(0, kBig).sample(1000000, "many");
+      if (k3.note) key.noted(k3.note);
       if (k3.auto_ok) key.auto_is(k3.auto_value);
       add(std::move(key));
     }

@@ -158,6 +158,7 @@ def main():
     report["optimizer_nvme_bytes"] = stats["optimizer"]["nvme_bytes"]
     report["optimizer_elements"] = stats["optimizer"]["elements"]
     report["nvme_peak_bytes"] = stats["tiers"]["nvme"]["peak_bytes"]
+    report["zero"] = stats.get("zero")
     with open(args.out, "w") as f:
         json.dump(report, f)
     engine.destroy()

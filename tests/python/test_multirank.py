@@ -102,6 +102,10 @@ def test_losses_match_one_process(tmp_path, family, world, stage):
         assert max_rel(rep["grad_norms"], ref["grad_norms"]) <= 1e-5
         assert abs(rep["master_sum"] - ref["master_sum"]) <= 1e-5 * ref["master_abs_sum"]
         assert abs(rep["param_sum"] - ref["param_sum"]) <= 1e-5 * ref["master_abs_sum"]
+        if stage == 3:
+            # After the first micro-step, every module's all-gather was started ahead of its fetch.
+            z = rep["zero"]
+            assert z["gather_prefetch_hits"] >= 5 * z["gather_prefetch_misses"], z
     # Each rank holds 1/world of the optimizer state: its elements exactly, its NVMe bytes to
     # within one 64 KiB block (records are 4 KiB-aligned).
     assert sum(rep["optimizer_elements"] for rep in reports) == ref["optimizer_elements"]

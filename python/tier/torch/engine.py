@@ -736,6 +736,12 @@ class TierEngine(torch.nn.Module):
                     lambda s, shard, r=ref: r()._grads.add_grad(s.pid, shard),
                     lambda n, sec, r=ref: r().native.note_transfer("device_to_host", n, sec),
                 )
+                if self._zero.stage == 3:
+                    # stage3_prefetch_bucket_size: elements of params gathered ahead of use.
+                    budget = zero.get("stage3_prefetch_bucket_size", zero.get("prefetch_bucket_size", 50_000_000))
+                    self._prefetcher = _zero.GatherPrefetcher(
+                        self._zero, budget, lambda s, r=ref: r()._shard_of(s, r()._zero.device)
+                    )
 
             base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
             self.scheduler = _schedulers.from_config(
@@ -761,6 +767,7 @@ class TierEngine(torch.nn.Module):
         import torch.distributed as dist
 
         self._reducer = None
+        self._prefetcher = None
         if process_group is None and not _zero.default_group_active():
             return None
         if not dist.is_initialized():
@@ -948,8 +955,7 @@ class TierEngine(torch.nn.Module):
 
     def _gather_params(self, slots):
         """Stage 3: all-gathers the parameters of ``slots`` (one collective) into their ``.data``."""
-        group = self._zero
-        full = _zero.gather_full(group, slots, lambda s: self._shard_of(s, group.device))
+        full = self._prefetcher.gather(slots)
         for s in slots:
             s.param.data = full[id(s)].view(s.shape).to(self.device)
 
@@ -1004,6 +1010,8 @@ class TierEngine(torch.nn.Module):
         # A forward of the model itself (engine.module.generate, say) between the boundary backward
         # and step() must see the committed params, as engine(...) does.
         self._cancel_overlap()
+        if self._prefetcher is not None:
+            self._prefetcher.begin()
         if not self._in_step and (self.inference_only or not torch.is_grad_enabled()):
             self.native.begin_step()
             self._inference_step = True
@@ -1160,6 +1168,8 @@ class TierEngine(torch.nn.Module):
         self._drain_grads()
         if self._reducer is not None:
             self._reducer.flush(self.is_gradient_accumulation_boundary())
+        if self._prefetcher is not None:
+            self._prefetcher.drop()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
             while slot.backward_fetches > 0:
@@ -1197,6 +1207,8 @@ class TierEngine(torch.nn.Module):
         self._step_applied = False
         if self._reducer is not None:
             self._reducer.flush(boundary)  # a backward run outside engine.backward()
+        if self._prefetcher is not None:
+            self._prefetcher.drop()
         if not boundary:
             return None
         t0 = time.perf_counter()
@@ -1300,6 +1312,18 @@ class TierEngine(torch.nn.Module):
         s = json.loads(self.native.stats_json())
         if self.optimizer is not None:
             s["optimizer"] = self.optimizer.stats()
+        z = self.__dict__.get("_zero")
+        if z is not None:
+            pf = self.__dict__.get("_prefetcher")
+            s["zero"] = {
+                "rank": z.rank,
+                "world": z.world,
+                "stage": z.stage,
+                "reduce_scatter_bytes": z.bytes_reduced,
+                "all_gather_bytes": z.bytes_gathered,
+                "gather_prefetch_hits": pf.hits if pf else 0,
+                "gather_prefetch_misses": pf.misses if pf else 0,
+            }
         return s
 
     def timers(self):

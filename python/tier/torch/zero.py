@@ -23,6 +23,7 @@ reduced in buckets of ``zero_optimization.reduce_bucket_size`` elements, in reve
 order (the order backward finishes them), each bucket as soon as all its gradients are in.
 """
 
+import collections
 import hashlib
 import json
 import math
@@ -175,19 +176,27 @@ class ZeroGroup:
         self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg))
         return float(t.item())
 
-    def reduce_scatter(self, flat):
+    def reduce_scatter(self, flat, async_op=False):
         """``flat`` holds ``world`` equal segments, segment ``q`` for rank ``q``: returns the sum over
-        ranks of this rank's segment."""
+        ranks of this rank's segment (with ``async_op``: (it, work), valid after ``wait(work)``)."""
         out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
-        self._run("reduce_scatter of gradients", lambda: dist.reduce_scatter_tensor(out, flat, group=self.pg))
+        work = self._run(
+            "reduce_scatter of gradients",
+            lambda: dist.reduce_scatter_tensor(out, flat, group=self.pg, async_op=async_op),
+        )
         self.bytes_reduced += flat.numel() * flat.element_size()
-        return out
+        return (out, work) if async_op else out
 
-    def all_gather(self, local):
+    def all_gather(self, local, async_op=False):
         out = torch.empty(local.numel() * self.world, dtype=local.dtype, device=local.device)
-        self._run("all_gather", lambda: dist.all_gather_into_tensor(out, local.contiguous(), group=self.pg))
+        work = self._run(
+            "all_gather", lambda: dist.all_gather_into_tensor(out, local.contiguous(), group=self.pg, async_op=async_op)
+        )
         self.bytes_gathered += out.numel() * out.element_size()
-        return out
+        return (out, work) if async_op else out
+
+    def wait(self, work, what):
+        self._run(what, work.wait)
 
     def barrier(self):
         self._run("barrier", lambda: dist.barrier(group=self.pg))
@@ -205,9 +214,12 @@ class GradReducer:
     micro-steps and everything goes at the boundary's ``flush``.
     """
 
+    MAX_INFLIGHT = 2  # buckets being reduced while backward goes on
+
     def __init__(self, group, slots, sink, note=None):
         self.group = group
         self.sink = sink
+        self.inflight = collections.deque()  # (bucket index, its buffer, result, work)
         self.note = note  # note(bytes, seconds): this rank's reduced shards reached host memory
         self.buckets = []
         cur, size = [], 0
@@ -247,10 +259,15 @@ class GradReducer:
         while self.next_bucket < len(self.buckets):
             self._send(self.next_bucket)
             self.next_bucket += 1
+        while self.inflight:
+            self._complete()
         self.next_bucket = 0
         self.active = False
 
     def clear(self):
+        while self.inflight:  # every rank sent them: let them finish, drop the results
+            _, _, _, work = self.inflight.popleft()
+            self.group.wait(work, "reduce_scatter of gradients")
         self.pending.clear()
         self.next_bucket = 0
         self.active = False
@@ -268,8 +285,18 @@ class GradReducer:
                 padded[: s.numel].copy_(g)
                 buf[:, off : off + s.zero_shard].copy_(padded.view(world, s.zero_shard))
             off += s.zero_shard
-        mine = self.group.reduce_scatter(buf.view(-1))
-        mine.div_(world)
+        # Asynchronous: backward goes on while the bucket is reduced (Gloo on its own thread, NCCL
+        # on its stream); results are taken in order.
+        mine, work = self.group.reduce_scatter(buf.view(-1), async_op=True)
+        self.inflight.append((b, buf, mine, work))
+        while len(self.inflight) > self.MAX_INFLIGHT:
+            self._complete()
+
+    def _complete(self):
+        b, _buf, mine, work = self.inflight.popleft()
+        self.group.wait(work, "reduce_scatter of gradients")
+        bucket = self.buckets[b]
+        mine.div_(self.group.world)
         t0 = time.perf_counter()
         if mine.device.type != "cpu":
             mine = mine.cpu()
@@ -309,3 +336,100 @@ def gather_full(group, bucket, read_shard):
         out[id(s)] = full[:, off : off + s.zero_shard].reshape(-1)[: s.numel]
         off += s.zero_shard
     return out
+
+
+class GatherPrefetcher:
+    """Stage 3: issues each module fetch's all-gather ahead of use.
+
+    The fetches of a micro-step (forward and backward) are recorded as a sequence of parameter
+    sets; in the next micro-step, at each fetch the gathers of the following recorded fetches are
+    started (asynchronously) up to ``budget`` gathered elements, so that they travel while the
+    current module computes. A fetch that differs from the record at its position (another path
+    through the model) waits out and drops what was started and gathers on the spot, and nothing
+    more is prefetched in that micro-step. Every rank runs the same model, so every rank records
+    the same sequence and issues the same collectives in the same order.
+    """
+
+    def __init__(self, group, budget, read_shard):
+        self.group = group
+        self.budget = max(0, int(budget))
+        self.read_shard = read_shard  # slot -> this rank's shard (padded), on the group's device
+        self.record = []  # the last micro-step's fetches: tuples of slots
+        self.current = []
+        self.inflight = collections.OrderedDict()  # position -> (slots, gathered, work, width)
+        self.inflight_elems = 0
+        self.diverged = False
+        self.hits = 0
+        self.misses = 0
+
+    def begin(self):
+        """A micro-step starts (the outermost forward)."""
+        self.drop()
+        if self.current:
+            self.record = self.current
+        self.current = []
+        self.diverged = False
+        self._prefetch(0)  # nothing changes the params from here to the end of backward
+
+    def drop(self):
+        """Waits out and forgets the gathers in flight (the params may change after this)."""
+        while self.inflight:
+            _, (_, _, work, _) = self.inflight.popitem(last=False)
+            self.group.wait(work, "all_gather of parameters")
+        self.inflight_elems = 0
+
+    def _start(self, slots):
+        width = sum(s.zero_shard for s in slots)
+        local = torch.cat([self.read_shard(s).reshape(-1) for s in slots])
+        gathered, work = self.group.all_gather(local, async_op=True)
+        return gathered, work, width
+
+    @staticmethod
+    def _split(group, slots, gathered, width):
+        full = gathered.view(group.world, width)
+        out, off = {}, 0
+        for s in slots:
+            out[id(s)] = full[:, off : off + s.zero_shard].reshape(-1)[: s.numel]
+            off += s.zero_shard
+        return out
+
+    def gather(self, slots):
+        """{id(slot): full flat value} for ``slots`` (a collective, maybe started earlier)."""
+        slots = tuple(slots)
+        pos = len(self.current)
+        self.current.append(slots)
+        hit = self.inflight.pop(pos, None)
+        if hit is not None and [id(s) for s in hit[0]] == [id(s) for s in slots]:
+            _, gathered, work, width = hit
+            self.inflight_elems -= width * self.group.world
+            self.group.wait(work, "all_gather of parameters")
+            self.hits += 1
+            result = self._split(self.group, slots, gathered, width)
+        else:
+            if hit is not None or (pos < len(self.record) and self.record[pos] != slots):
+                if hit is not None:
+                    self.group.wait(hit[2], "all_gather of parameters")
+                self.drop()
+                self.diverged = True
+            self.misses += 1
+            gathered, work, width = self._start(slots)
+            self.group.wait(work, "all_gather of parameters")
+            result = self._split(self.group, slots, gathered, width)
+        self._prefetch(pos + 1)
+        return result
+
+    def _prefetch(self, start):
+        if self.diverged or not self.budget:
+            return
+        nxt = start
+        while nxt in self.inflight:
+            nxt += 1
+        while nxt < len(self.record):
+            slots = self.record[nxt]
+            need = sum(s.zero_shard for s in slots) * self.group.world
+            if self.inflight and self.inflight_elems + need > self.budget:
+                break
+            gathered, work, width = self._start(slots)
+            self.inflight[nxt] = (slots, gathered, work, width)
+            self.inflight_elems += need
+            nxt += 1
