@@ -115,6 +115,7 @@ def main():
     p.add_argument("--die-after", type=int, default=-1, help="rank 1 exits abruptly after this step")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--lr-mismatch", action="store_true", help="rank 1 uses another lr (must be refused)")
+    p.add_argument("--inf-at-step", type=int, default=-1, help="rank 1's loss is inf in this step")
     args = p.parse_args()
 
     if args.world > 1:
@@ -137,7 +138,10 @@ def main():
         for micro in range(args.gas):
             out = engine(**batch(step * args.gas + micro, args.rank, args.world, args.global_batch))
             report["losses"].append(float(out.loss.detach()))
-            engine.backward(out.loss)
+            loss = out.loss
+            if step == args.inf_at_step and args.rank == 1:
+                loss = loss * float("inf")  # its gradients are inf/nan: every rank must skip the step
+            engine.backward(loss)
             engine.step()
         report["grad_norms"].append(engine.get_global_grad_norm())
         if step == args.die_after and args.rank == 1:
@@ -159,6 +163,8 @@ def main():
     report["optimizer_elements"] = stats["optimizer"]["elements"]
     report["nvme_peak_bytes"] = stats["tiers"]["nvme"]["peak_bytes"]
     report["zero"] = stats.get("zero")
+    report["skipped_steps"] = engine.skipped_steps
+    report["global_steps"] = engine.global_steps
     with open(args.out, "w") as f:
         json.dump(report, f)
     engine.destroy()

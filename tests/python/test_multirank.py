@@ -144,6 +144,22 @@ def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
     assert done.returncode == 0, done.stderr
     sd = torch.load(out, weights_only=True)
     assert len(sd) > 10 and all(t.dtype == torch.float32 for t in sd.values())
+    # They are the masters the 2 ranks held after step 3 (the sum the ranks reported).
+    saved, _, _ = run_ranks(tmp_path, 1, "--steps", 3, "--load", ckpt, "--start", 3, name="reload")
+    assert abs(sum(float(t.double().sum()) for t in sd.values()) - saved[0]["master_sum"]) <= 1e-9 * saved[0]["master_abs_sum"]
+    out16 = tmp_path / "consolidated.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-m", "tier.torch.zero_to_fp32", str(ckpt), str(out16), "--dtype", "bf16"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    sd16 = load_file(str(out16))
+    assert sd16.keys() == sd.keys() and all(sd16[k].dtype == torch.bfloat16 for k in sd)
+    assert all(torch.equal(sd16[k], sd[k].to(torch.bfloat16)) for k in sd)
 
     # A damaged shard file is refused on every rank, and nothing is loaded.
     target = os.path.realpath(os.path.join(ckpt, "global_step3"))
@@ -161,6 +177,17 @@ def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
         [sys.executable, "-m", "tier.torch.zero_to_fp32", str(ckpt), str(out)], env=env, capture_output=True, text=True
     )
     assert done.returncode == 2 and "rank1.bin does not match the manifest" in done.stderr
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_inf_on_one_rank_makes_every_rank_skip_the_step(tmp_path, stage):
+    reports, _, _ = run_ranks(tmp_path, 2, "--stage", stage, "--steps", 4, "--inf-at-step", 2)
+    for rep in reports:
+        assert rep["skipped_steps"] == 1 and rep["global_steps"] == 3, rep
+        assert rep["grad_norms"][2] != rep["grad_norms"][2] or rep["grad_norms"][2] == float("inf")
+    # The ranks still agree on every parameter (the skipped step changed none of them).
+    assert reports[0]["param_sum"] == reports[1]["param_sum"]
+    assert reports[0]["master_sum"] == reports[1]["master_sum"]
 
 
 def test_a_dead_rank_makes_the_others_fail_clearly(tmp_path):

@@ -1,11 +1,12 @@
 """Consolidates a checkpoint saved by several ranks into one fp32 state dict (as DeepSpeed's
 zero_to_fp32.py does for its own checkpoints).
 
-    python -m tier.torch.zero_to_fp32 CHECKPOINT_DIR OUT [--tag TAG]
+    python -m tier.torch.zero_to_fp32 CHECKPOINT_DIR OUT [--tag TAG] [--dtype fp32|bf16|fp16]
 
 CHECKPOINT_DIR is the directory given to ``engine.save_checkpoint`` (its ``latest`` tag unless
 ``--tag``); OUT ends in ``.safetensors`` (written with safetensors) or anything else
-(``torch.save``). Every file is checked against the checkpoint's manifest first.
+(``torch.save``); ``--dtype bf16`` or ``fp16`` rounds the fp32 masters to a 16-bit state dict.
+Every file is checked against the checkpoint's manifest first.
 """
 
 import argparse
@@ -23,6 +24,7 @@ def main(argv=None):
     p.add_argument("checkpoint_dir")
     p.add_argument("out")
     p.add_argument("--tag", default=None)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = p.parse_args(argv)
     try:
         path = zero_checkpoint.resolve(args.checkpoint_dir, args.tag)
@@ -30,6 +32,9 @@ def main(argv=None):
     except (FileNotFoundError, ValueError, _tier.DataLoss) as e:
         print(f"zero_to_fp32: {e}", file=sys.stderr)
         return 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if dtype is not torch.float32:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
     tmp = args.out + ".tmp"
     if args.out.endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -39,7 +44,7 @@ def main(argv=None):
         torch.save(sd, tmp)
     os.replace(tmp, args.out)
     n = sum(t.numel() for t in sd.values())
-    print(f"zero_to_fp32: {len(sd)} tensors, {n} parameters in fp32 from {path} -> {args.out}")
+    print(f"zero_to_fp32: {len(sd)} tensors, {n} parameters in {args.dtype} from {path} -> {args.out}")
     return 0
 
 
