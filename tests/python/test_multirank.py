@@ -88,7 +88,9 @@ def reference(tmp_path, family, *args):
         ("llama", 2, 2),
         ("llama", 2, 3),
         ("llama", 4, 3),
+        ("gpt_neox", 2, 1),
         ("gpt_neox", 2, 2),
+        ("gpt_neox", 2, 3),
         ("qwen2", 2, 3),
     ],
 )
