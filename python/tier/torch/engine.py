@@ -1203,12 +1203,12 @@ class TierEngine(torch.nn.Module):
         or None off the boundary."""
         self._require_optimizer("step")
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        self._step_applied = False
         if self._reducer is not None:
             self._reducer.flush(boundary)  # a backward run outside engine.backward()
         if self._prefetcher is not None:
             self._prefetcher.drop()
+        self.micro_steps += 1
+        self._step_applied = False
         if not boundary:
             return None
         t0 = time.perf_counter()
