@@ -116,6 +116,7 @@ def main():
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--lr-mismatch", action="store_true", help="rank 1 uses another lr (must be refused)")
     p.add_argument("--inf-at-step", type=int, default=-1, help="rank 1's loss is inf in this step")
+    p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of engine.backward")
     args = p.parse_args()
 
     if args.world > 1:
@@ -141,7 +142,10 @@ def main():
             loss = out.loss
             if step == args.inf_at_step and args.rank == 1:
                 loss = loss * float("inf")  # its gradients are inf/nan: every rank must skip the step
-            engine.backward(loss)
+            if args.plain_backward:  # a loop of the caller's own: the gradients reach tier through hooks only
+                (loss / args.gas).backward()
+            else:
+                engine.backward(loss)
             engine.step()
         report["grad_norms"].append(engine.get_global_grad_norm())
         if step == args.die_after and args.rank == 1:

@@ -123,6 +123,14 @@ def test_serial_step_and_host_params_match(tmp_path):
         assert max_rel(rep["losses"], ref["losses"]) <= 1e-5
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_backward_outside_the_engine_reduces_at_step(tmp_path, stage):
+    ref = reference(tmp_path, "llama")
+    reports, _, _ = run_ranks(tmp_path, 2, "--stage", stage, "--plain-backward", "--overlap", "serial")
+    for rep in reports:
+        assert max_rel(rep["losses"], ref["losses"]) <= 1e-5
+
+
 def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
     full = reference(tmp_path, "llama", "--steps", 6)
     ckpt = tmp_path / "ckpt"
