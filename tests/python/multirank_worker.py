@@ -75,7 +75,7 @@ def config(args, swap):
         },
         "aio": {"block_size": 65536, "queue_depth": 8},
         "tier": {
-            "device": "emulated",
+            "device": os.environ.get("TIER_TEST_DEVICE", "emulated"),
             "budgets": {"device": "160K", "host": "16M", "nvme": "64M"},
             "optimizer": {"buffer_bytes": "1M", "overlap": args.overlap},
         },
@@ -137,7 +137,8 @@ def main():
     report = {"losses": [], "grad_norms": []}
     for step in range(args.start, args.steps):
         for micro in range(args.gas):
-            out = engine(**batch(step * args.gas + micro, args.rank, args.world, args.global_batch))
+            b = batch(step * args.gas + micro, args.rank, args.world, args.global_batch)
+            out = engine(**{k: v.to(engine.device) for k, v in b.items()})
             report["losses"].append(float(out.loss.detach()))
             loss = out.loss
             if step == args.inf_at_step and args.rank == 1:

@@ -123,12 +123,9 @@ class ZeroGroup:
                 "this engine computes on the CPU; create the group with backend='gloo' "
                 "(torch.distributed.init_process_group('gloo'))"
             )
-        if self.backend == "gloo" and device.type == "cuda":
-            # Gloo can carry CUDA tensors through host copies, but NCCL is the engine for them.
-            raise ValueError(
-                "tier.torch.initialize: the engine computes on CUDA but the process group's backend is Gloo; use "
-                "backend='nccl' for GPU ranks"
-            )
+        # NCCL carries device tensors; any other backend (Gloo) host tensors: a CUDA engine's
+        # gradients and parameters then go through host memory (slower, and how several ranks
+        # share one GPU, which NCCL refuses).
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         self.bytes_reduced = 0
         self.bytes_gathered = 0
