@@ -435,8 +435,11 @@ void BF16T(const AdamStep::Constants& c_in, const StatePtrs& a_in, std::size_t n
 // m and sqrt(v) in L1 scratch while tracking their largest magnitudes; pass 2 encodes the block
 // against the scales those give. kPlain: both scales allow the plain decode (PlainScale).
 template <Kind P, Kind G, Kind O, int kOp, bool kPlain>
-HWY_NOINLINE void Int8Block(const AdamStep::Constants& c, std::uint8_t* p, const std::uint8_t* g, std::uint8_t* out,
-                            std::int8_t* mq, float* mscale, std::uint8_t* vq, float* vscale) {
+HWY_NOINLINE void Int8Block(const AdamStep::Constants& c_in, std::uint8_t* p, const std::uint8_t* g,
+                            std::uint8_t* out, std::int8_t* mq, float* mscale, std::uint8_t* vq, float* vscale) {
+  // A local copy: the stores through p could alias the caller's constants, and the compiler would
+  // then reload and re-broadcast every constant on each vector.
+  const AdamStep::Constants c = c_in;
   const hn::ScalableTag<float> df;
   const hn::RebindToSigned<decltype(df)> di;
   const std::size_t N = hn::Lanes(df);
