@@ -209,8 +209,8 @@ HWY_INLINE void EncodeCodesMT(const float* x, float scale, std::int8_t* q) {
     const auto x0 = hn::LoadU(df, x + i), x1 = hn::LoadU(df, x + i + N);
     const auto x2 = hn::LoadU(df, x + i + 2 * N), x3 = hn::LoadU(df, x + i + 3 * N);
     StoreCodes4(df, CodeM<kCap>(df, hn::Div(hn::Abs(x0), vscale)), CodeM<kCap>(df, hn::Div(hn::Abs(x1), vscale)),
-                CodeM<kCap>(df, hn::Div(hn::Abs(x2), vscale)), CodeM<kCap>(df, hn::Div(hn::Abs(x3), vscale)), x0,
-                x1, x2, x3, q + i);
+                CodeM<kCap>(df, hn::Div(hn::Abs(x2), vscale)), CodeM<kCap>(df, hn::Div(hn::Abs(x3), vscale)), x0, x1,
+                x2, x3, q + i);
   }
 }
 
@@ -435,8 +435,8 @@ void BF16T(const AdamStep::Constants& c_in, const StatePtrs& a_in, std::size_t n
 // m and sqrt(v) in L1 scratch while tracking their largest magnitudes; pass 2 encodes the block
 // against the scales those give. kPlain: both scales allow the plain decode (PlainScale).
 template <Kind P, Kind G, Kind O, int kOp, bool kPlain>
-HWY_NOINLINE void Int8Block(const AdamStep::Constants& c_in, std::uint8_t* p, const std::uint8_t* g,
-                            std::uint8_t* out, std::int8_t* mq, float* mscale, std::uint8_t* vq, float* vscale) {
+HWY_NOINLINE void Int8Block(const AdamStep::Constants& c_in, std::uint8_t* p, const std::uint8_t* g, std::uint8_t* out,
+                            std::int8_t* mq, float* mscale, std::uint8_t* vq, float* vscale) {
   // A local copy: the stores through p could alias the caller's constants, and the compiler would
   // then reload and re-broadcast every constant on each vector.
   const AdamStep::Constants c = c_in;
@@ -514,18 +514,18 @@ void Int8T(const AdamStep::Constants& c_in, const StatePtrs& a_in, std::size_t n
 template <bool kInt8, int kOp>
 void CompressedByKind(int pk, int gk, int ok, const AdamStep::Constants& c, const StatePtrs& a, std::size_t n) {
   // params fp32 or bf16; grads fp32, fp16 or bf16; out none, fp16, bf16 or fp32.
-#define TIER_STATE_T(PK, GK, OK)                                           \
-  if constexpr (kInt8) {                                                   \
-    return Int8T<Kind::PK, Kind::GK, Kind::OK, kOp>(c, a, n);             \
-  } else {                                                                 \
-    return BF16T<Kind::PK, Kind::GK, Kind::OK, kOp>(c, a, n);             \
+#define TIER_STATE_T(PK, GK, OK)                              \
+  if constexpr (kInt8) {                                      \
+    return Int8T<Kind::PK, Kind::GK, Kind::OK, kOp>(c, a, n); \
+  } else {                                                    \
+    return BF16T<Kind::PK, Kind::GK, Kind::OK, kOp>(c, a, n); \
   }
-#define TIER_STATE_OUT(PK, GK)                                \
-  switch (static_cast<Kind>(ok)) {                            \
-    case Kind::kNone: TIER_STATE_T(PK, GK, kNone) return;     \
-    case Kind::kF16: TIER_STATE_T(PK, GK, kF16) return;       \
-    case Kind::kBF16: TIER_STATE_T(PK, GK, kBF16) return;     \
-    case Kind::kF32: TIER_STATE_T(PK, GK, kF32) return;       \
+#define TIER_STATE_OUT(PK, GK)                            \
+  switch (static_cast<Kind>(ok)) {                        \
+    case Kind::kNone: TIER_STATE_T(PK, GK, kNone) return; \
+    case Kind::kF16: TIER_STATE_T(PK, GK, kF16) return;   \
+    case Kind::kBF16: TIER_STATE_T(PK, GK, kBF16) return; \
+    case Kind::kF32: TIER_STATE_T(PK, GK, kF32) return;   \
   }
 #define TIER_STATE_GRAD(PK)                             \
   switch (static_cast<Kind>(gk)) {                      \
