@@ -35,7 +35,7 @@ constexpr bool UsesV(int op) {
 // Lamb's new moments (into m, v) and its update direction u. The norms pass and the apply pass
 // both go through exactly these instructions, so u is the same in both.
 template <class DF, class VF>
-HWY_INLINE VF LambDirection(DF df, const AdamStep::Constants& c, VF g, VF p, VF& m, VF& v) {
+TIER_KERNEL_INLINE VF LambDirection(DF df, const AdamStep::Constants& c, VF g, VF p, VF& m, VF& v) {
   m = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
   v = hn::MulAdd(v, hn::Set(df, c.beta2), hn::Mul(hn::Mul(g, g), hn::Set(df, c.one_minus_beta2)));
   const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(df, c.inv_sqrt_bc2), hn::Set(df, c.eps));
@@ -49,7 +49,8 @@ HWY_INLINE VF LambDirection(DF df, const AdamStep::Constants& c, VF g, VF p, VF&
 // the body or the tail of a chunk and whatever the state dtype, goes through exactly these
 // instructions: that is what makes chunking and the state format invisible to the arithmetic.
 template <Kind P, Kind G, Kind O, int kOp, class DF, class VF = hn::Vec<DF>>
-HWY_INLINE VF UpdateVector(DF df, const AdamStep::Constants& c, void* pp, const void* gp, void* outp, VF& m, VF& v) {
+TIER_KERNEL_INLINE VF UpdateVector(DF df, const AdamStep::Constants& c, void* pp, const void* gp, void* outp, VF& m,
+                                   VF& v) {
   auto g = hn::Mul(LoadAsF32<G>(df, gp), hn::Set(df, c.grad_scale));
   auto p = LoadAsF32<P>(df, pp);
   VF root = hn::Zero(df);

@@ -23,7 +23,7 @@ using detail::AdamPtrs;
 
 // One full vector of elements at index i (fp32 state).
 template <Kind P, Kind G, Kind O, int kOp, class DF>
-HWY_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i) {
+TIER_KERNEL_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i) {
   auto m = hn::LoadU(df, a.m + i);
   auto v = hn::LoadU(df, a.v + i);
   UpdateVector<P, G, O, kOp>(df, c, static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P),
@@ -35,8 +35,8 @@ HWY_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& 
 
 // Lamb pass 1 on one vector: p (as fp32) and u into pf/u at i; the state is only read.
 template <Kind P, Kind G, class DF>
-HWY_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i, float* pf,
-                               float* u) {
+TIER_KERNEL_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i, float* pf,
+                                       float* u) {
   const auto g =
       hn::Mul(LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G)), hn::Set(df, c.grad_scale));
   const auto p = LoadAsF32<P>(df, static_cast<const std::uint8_t*>(a.p) + i * ElemBytes(P));
@@ -48,7 +48,7 @@ HWY_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPt
 
 // The roofline: the same loads and stores, trivial arithmetic.
 template <Kind P, Kind G, Kind O, class DF>
-HWY_INLINE void RooflineVector(DF df, const AdamPtrs& a, std::size_t i) {
+TIER_KERNEL_INLINE void RooflineVector(DF df, const AdamPtrs& a, std::size_t i) {
   void* pp = static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P);
   const auto g = LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G));
   const auto p = LoadAsF32<P>(df, pp);

@@ -66,7 +66,7 @@ using detail::kNonFiniteBits;
 // added to 64 (whose ulp is 2^-17). kCap: hold the code at 127; only a block whose scale is an
 // fp32 denormal needs it, for a normal scale y <= 1.875 * (1 + 2^-23) rounds to 127 at most.
 template <bool kCap, class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeM(DF df, hn::Vec<DF> y) {
+TIER_KERNEL_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeM(DF df, hn::Vec<DF> y) {
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::BitCast(di, y);
   const auto lsb = hn::And(hn::ShiftRight<20>(bits), hn::Set(di, 1));
@@ -82,7 +82,7 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeM(DF df, hn::Vec<DF> y) {
 // units of 2^-18. A positive y gets at least code 1 (min(bits, 1) is 1 just for those; -0, whose
 // bits are negative as an int, keeps code 0). kCap as for m (255).
 template <bool kCap, class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeV(DF df, hn::Vec<DF> y) {
+TIER_KERNEL_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeV(DF df, hn::Vec<DF> y) {
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::BitCast(di, y);
   const auto lsb = hn::And(hn::ShiftRight<19>(bits), hn::Set(di, 1));
@@ -96,7 +96,7 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeV(DF df, hn::Vec<DF> y) {
 // A decoded value may round a hair past the block's largest input; near FLT_MAX that would be an
 // infinity, so it is held at FLT_MAX. NaNs (a non-finite block's NaN scale) stay NaN.
 template <class DF>
-HWY_INLINE hn::Vec<DF> ClampToMax(DF df, hn::Vec<DF> x) {
+TIER_KERNEL_INLINE hn::Vec<DF> ClampToMax(DF df, hn::Vec<DF> x) {
   const auto max = hn::Set(df, std::numeric_limits<float>::max());
   return hn::IfThenElse(hn::Gt(x, max), max, x);
 }
@@ -113,7 +113,7 @@ HWY_INLINE hn::Vec<DF> ClampToMax(DF df, hn::Vec<DF> x) {
 // of two, when the scale is below 2^16; then nothing can round to an infinity either, and the
 // clamp is left out. Otherwise `scale` is the block scale itself (NaN included).
 template <bool kPlain, class DF>
-HWY_INLINE hn::Vec<DF> DecodeM(DF df, const std::int8_t* q, hn::Vec<DF> scale) {
+TIER_KERNEL_INLINE hn::Vec<DF> DecodeM(DF df, const std::int8_t* q, hn::Vec<DF> scale) {
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<std::int8_t, DF> d8;
   const auto qi = hn::PromoteTo(di, hn::LoadU(d8, q));
@@ -131,7 +131,7 @@ HWY_INLINE hn::Vec<DF> DecodeM(DF df, const std::int8_t* q, hn::Vec<DF> scale) {
 // Decodes N of v's codes at q: (value(k) * scale)^2, value(k) the fp32 with bits k << 19 times
 // 2^112 (as for m, with 4 mantissa bits); kPlain and `scale` as for m.
 template <bool kPlain, class DF>
-HWY_INLINE hn::Vec<DF> DecodeV(DF df, const std::uint8_t* q, hn::Vec<DF> scale) {
+TIER_KERNEL_INLINE hn::Vec<DF> DecodeV(DF df, const std::uint8_t* q, hn::Vec<DF> scale) {
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<std::uint8_t, DF> d8;
   const auto raw = hn::BitCast(df, hn::ShiftLeft<19>(hn::PromoteTo(di, hn::LoadU(d8, q))));
@@ -146,7 +146,7 @@ HWY_INLINE hn::Vec<DF> DecodeV(DF df, const std::uint8_t* q, hn::Vec<DF> scale) 
 
 // Whether a block's scale allows the plain decode, and the factor the decode then multiplies by.
 constexpr float kPlainScaleLimit = 65536.0f;  // 2^16: scale * 2^112 stays finite, 1.9375 * 2^16 squared too
-HWY_INLINE bool PlainScale(float scale) {
+TIER_KERNEL_INLINE bool PlainScale(float scale) {
   return scale < kPlainScaleLimit;  // false for a NaN scale
 }
 
@@ -154,7 +154,7 @@ HWY_INLINE bool PlainScale(float scale) {
 // infinity or a NaN shows as a pattern >= kNonFiniteBits on every target (a float max would drop
 // NaNs on some).
 template <class DF, class VI>
-HWY_INLINE VI MaxMagnitude(DF /*df*/, VI acc, hn::Vec<DF> x) {
+TIER_KERNEL_INLINE VI MaxMagnitude(DF /*df*/, VI acc, hn::Vec<DF> x) {
   const hn::RebindToSigned<DF> di;
   return hn::Max(acc, hn::And(hn::BitCast(di, x), hn::Set(di, 0x7FFFFFFF)));
 }
@@ -165,7 +165,7 @@ HWY_INLINE VI MaxMagnitude(DF /*df*/, VI acc, hn::Vec<DF> x) {
 // saturating packs and one lane permutation, and signs them with psignb on the sign bits packed
 // the same way, where DemoteTo would take three instructions per vector and the sign three more.
 template <typename T, class DF, class VI = hn::Vec<hn::RebindToSigned<DF>>, class VF = hn::Vec<DF>>
-HWY_INLINE void StoreCodes4(DF df, VI k0, VI k1, VI k2, VI k3, VF x0, VF x1, VF x2, VF x3, T* q) {
+TIER_KERNEL_INLINE void StoreCodes4(DF df, VI k0, VI k1, VI k2, VI k3, VF x0, VF x1, VF x2, VF x3, T* q) {
 #if HWY_TARGET == HWY_AVX2
   (void)df;
   // Saturating packs interleave the 128-bit halves: bytes come out as k0[0..3] k1[0..3] k2[0..3]
@@ -201,7 +201,7 @@ HWY_INLINE void StoreCodes4(DF df, VI k0, VI k1, VI k2, VI k3, VF x0, VF x1, VF 
 
 // m's codes of a whole block x[0, kBlock) against `scale`, 4 vectors at a time.
 template <bool kCap>
-HWY_INLINE void EncodeCodesMT(const float* x, float scale, std::int8_t* q) {
+TIER_KERNEL_INLINE void EncodeCodesMT(const float* x, float scale, std::int8_t* q) {
   const hn::ScalableTag<float> df;
   const std::size_t N = hn::Lanes(df);
   const auto vscale = hn::Set(df, scale);
@@ -217,7 +217,7 @@ HWY_INLINE void EncodeCodesMT(const float* x, float scale, std::int8_t* q) {
 // v's codes of a whole block from s[0, kBlock) = sqrt(v) (never negative: -0 at most, whose
 // quotient -0 gets code 0 as +0 does, so no Abs).
 template <bool kCap>
-HWY_INLINE void EncodeCodesVT(const float* s, float scale, std::uint8_t* q) {
+TIER_KERNEL_INLINE void EncodeCodesVT(const float* s, float scale, std::uint8_t* q) {
   const hn::ScalableTag<float> df;
   const std::size_t N = hn::Lanes(df);
   const auto vscale = hn::Set(df, scale);
@@ -231,7 +231,7 @@ HWY_INLINE void EncodeCodesVT(const float* s, float scale, std::uint8_t* q) {
 
 // m's codes of a whole block x[0, kBlock) whose largest magnitude has the bits max_bits (padding
 // zeros do not change it); returns the block's scale.
-HWY_INLINE float EncodeCodesM(const float* x, std::int32_t max_bits, std::int8_t* q) {
+TIER_KERNEL_INLINE float EncodeCodesM(const float* x, std::int32_t max_bits, std::int8_t* q) {
   if (max_bits == 0 || max_bits >= kNonFiniteBits) {
     std::memset(q, 0, kBlock);
     return max_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -250,7 +250,7 @@ HWY_INLINE float EncodeCodesM(const float* x, std::int32_t max_bits, std::int8_t
 // v's codes of a whole block from s[0, kBlock) = sqrt(v), whose largest magnitude has the bits
 // max_bits (a negative v has a NaN root and so makes the block non-finite); returns the block's
 // scale.
-HWY_INLINE float EncodeCodesV(const float* s, std::int32_t max_bits, std::uint8_t* q) {
+TIER_KERNEL_INLINE float EncodeCodesV(const float* s, std::int32_t max_bits, std::uint8_t* q) {
   if (max_bits == 0 || max_bits >= kNonFiniteBits) {
     std::memset(q, 0, kBlock);
     return max_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -267,7 +267,7 @@ HWY_INLINE float EncodeCodesV(const float* s, std::int32_t max_bits, std::uint8_
 }
 
 template <class DF>
-HWY_INLINE std::int32_t ReduceMax(DF /*df*/, hn::Vec<hn::RebindToSigned<DF>> acc) {
+TIER_KERNEL_INLINE std::int32_t ReduceMax(DF /*df*/, hn::Vec<hn::RebindToSigned<DF>> acc) {
   return hn::GetLane(hn::MaxOfLanes(hn::RebindToSigned<DF>(), acc));
 }
 
@@ -387,7 +387,7 @@ std::size_t StateElemBytes(int family) {
 
 // bf16 state: one vector, widened, updated and rounded back in registers.
 template <Kind P, Kind G, Kind O, int kOp, class DF>
-HWY_INLINE void BF16Vector(DF df, const AdamStep::Constants& c, const StatePtrs& a, std::size_t i) {
+TIER_KERNEL_INLINE void BF16Vector(DF df, const AdamStep::Constants& c, const StatePtrs& a, std::size_t i) {
   auto* m = static_cast<std::uint16_t*>(a.m) + i;
   auto* v = static_cast<std::uint16_t*>(a.v) + i;
   auto mf = UsesM(kOp) ? LoadAsF32<Kind::kBF16>(df, m) : hn::Zero(df);
@@ -469,8 +469,9 @@ HWY_NOINLINE void Int8Block(const AdamStep::Constants& c_in, std::uint8_t* p, co
 }
 
 template <Kind P, Kind G, Kind O, int kOp>
-HWY_INLINE void Int8BlockAny(const AdamStep::Constants& c, std::uint8_t* p, const std::uint8_t* g, std::uint8_t* out,
-                             std::int8_t* mq, float* mscale, std::uint8_t* vq, float* vscale) {
+TIER_KERNEL_INLINE void Int8BlockAny(const AdamStep::Constants& c, std::uint8_t* p, const std::uint8_t* g,
+                                     std::uint8_t* out, std::int8_t* mq, float* mscale, std::uint8_t* vq,
+                                     float* vscale) {
   if ((!UsesM(kOp) || PlainScale(*mscale)) && (!UsesV(kOp) || PlainScale(*vscale))) {
     Int8Block<P, G, O, kOp, true>(c, p, g, out, mq, mscale, vq, vscale);
   } else {
