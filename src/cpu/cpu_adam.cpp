@@ -9,7 +9,8 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
-// Must come after foreach_target.h/highway.h so that it is re-included for each target.
+// Must come after foreach_target.h/highway.h so that they are re-included for each target.
+#include "cpu/adam_update-inl.h"
 #include "cpu/simd_convert-inl.h"
 
 #include <cstring>
@@ -20,73 +21,22 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 using detail::AdamPtrs;
 
-// The update rule of one instantiation (AdamStep::Constants::kind and l2 pick it at dispatch).
-enum Op : int { kOpAdam = 0, kOpAdamL2 = 1, kOpAdagrad = 2, kOpLion = 3, kOpLamb = 4 };
-
-// Lamb's new moments (into m, v) and its update direction u. The norms pass and the apply pass
-// both go through exactly these instructions, so u is the same in both.
-template <class DF, class VF>
-HWY_INLINE VF LambDirection(DF df, const AdamStep::Constants& c, VF g, VF p, VF& m, VF& v) {
-  m = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
-  v = hn::MulAdd(v, hn::Set(df, c.beta2), hn::Mul(hn::Mul(g, g), hn::Set(df, c.one_minus_beta2)));
-  const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(df, c.inv_sqrt_bc2), hn::Set(df, c.eps));
-  return hn::MulAdd(hn::Set(df, c.weight_decay), p, hn::Div(hn::Mul(m, hn::Set(df, c.inv_bc1)), denom));
-}
-
-// One full vector of elements at index i. Every element, whether in the body or the tail of a
-// chunk, goes through exactly these instructions: that is what makes chunking invisible.
+// One full vector of elements at index i (fp32 state).
 template <Kind P, Kind G, Kind O, int kOp, class DF>
-HWY_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i) {
-  void* pp = static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P);
-  auto g =
-      hn::Mul(LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G)), hn::Set(df, c.grad_scale));
-  auto p = LoadAsF32<P>(df, pp);
+TIER_KERNEL_INLINE void AdamVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i) {
   auto m = hn::LoadU(df, a.m + i);
   auto v = hn::LoadU(df, a.v + i);
-  if constexpr (kOp == kOpAdam || kOp == kOpAdamL2) {
-    if constexpr (kOp == kOpAdamL2) g = hn::MulAdd(hn::Set(df, c.l2_weight_decay), p, g);
-    m = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
-    v = hn::MulAdd(v, hn::Set(df, c.beta2), hn::Mul(hn::Mul(g, g), hn::Set(df, c.one_minus_beta2)));
-    const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(df, c.inv_sqrt_bc2), hn::Set(df, c.eps));
-    // Decoupled decay and the step in one fused multiply-add: one rounding of p per step.
-    const auto delta = hn::Mul(hn::Set(df, c.step_size), hn::Div(m, denom));
-    if constexpr (kOp == kOpAdamL2) {
-      p = hn::Sub(p, delta);
-    } else {
-      p = hn::MulSub(p, hn::Set(df, c.decay_factor), delta);
-    }
-    hn::StoreU(m, df, a.m + i);
-    hn::StoreU(v, df, a.v + i);
-  } else if constexpr (kOp == kOpAdagrad) {
-    g = hn::MulAdd(hn::Set(df, c.l2_weight_decay), p, g);
-    v = hn::MulAdd(g, g, v);
-    const auto denom = hn::Add(hn::Sqrt(v), hn::Set(df, c.eps));
-    p = hn::Sub(p, hn::Mul(hn::Set(df, c.step_size), hn::Div(g, denom)));
-    hn::StoreU(v, df, a.v + i);
-  } else if constexpr (kOp == kOpLion) {
-    const auto cm = hn::MulAdd(m, hn::Set(df, c.beta1), hn::Mul(g, hn::Set(df, c.one_minus_beta1)));
-    const auto zero = hn::Zero(df);
-    const auto sign = hn::IfThenElseZero(hn::Ne(cm, zero), hn::CopySign(hn::Set(df, 1.0f), cm));
-    p = hn::MulSub(p, hn::Set(df, c.decay_factor), hn::Mul(hn::Set(df, c.step_size), sign));
-    m = hn::MulAdd(m, hn::Set(df, c.beta2), hn::Mul(g, hn::Set(df, c.one_minus_beta2)));
-    hn::StoreU(m, df, a.m + i);
-  } else {
-    const auto u = LambDirection(df, c, g, p, m, v);
-    p = hn::Sub(p, hn::Mul(hn::Set(df, c.step_size), u));  // step_size = lr * trust
-    hn::StoreU(m, df, a.m + i);
-    hn::StoreU(v, df, a.v + i);
-  }
-  StoreFromF32<P>(df, p, pp);
-  // The low-precision copy is the stored params converted (bf16 params: rounded once already).
-  if constexpr (O != Kind::kNone) {
-    StoreFromF32<O>(df, RoundTo<P>(df, p), static_cast<std::uint8_t*>(a.out) + i * ElemBytes(O));
-  }
+  UpdateVector<P, G, O, kOp>(df, c, static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P),
+                             static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G),
+                             static_cast<std::uint8_t*>(a.out) + i * ElemBytes(O), m, v);
+  if constexpr (UsesM(kOp)) hn::StoreU(m, df, a.m + i);
+  if constexpr (UsesV(kOp)) hn::StoreU(v, df, a.v + i);
 }
 
 // Lamb pass 1 on one vector: p (as fp32) and u into pf/u at i; the state is only read.
 template <Kind P, Kind G, class DF>
-HWY_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i, float* pf,
-                               float* u) {
+TIER_KERNEL_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t i, float* pf,
+                                       float* u) {
   const auto g =
       hn::Mul(LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G)), hn::Set(df, c.grad_scale));
   const auto p = LoadAsF32<P>(df, static_cast<const std::uint8_t*>(a.p) + i * ElemBytes(P));
@@ -98,7 +48,7 @@ HWY_INLINE void LambNormVector(DF df, const AdamStep::Constants& c, const AdamPt
 
 // The roofline: the same loads and stores, trivial arithmetic.
 template <Kind P, Kind G, Kind O, class DF>
-HWY_INLINE void RooflineVector(DF df, const AdamPtrs& a, std::size_t i) {
+TIER_KERNEL_INLINE void RooflineVector(DF df, const AdamPtrs& a, std::size_t i) {
   void* pp = static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P);
   const auto g = LoadAsF32<G>(df, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G));
   const auto p = LoadAsF32<P>(df, pp);
@@ -304,10 +254,6 @@ Status run(const AdamStep* step, const AdamTensors& t, int threads) {
 }
 
 }  // namespace
-
-void detail::adam_fp32_kernel(int pk, int gk, int ok, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n) {
-  HWY_DYNAMIC_DISPATCH(Adam)(pk, gk, ok, c, a, n);
-}
 
 Status AdamHyperParams::validate() const {
   TIER_RETURN_IF_ERROR(check_finite(lr, "lr"));

@@ -1,12 +1,12 @@
 // Compressed optimizer state (tier/state_codec.hpp): the bf16 and block-int8 codecs for every
 // Highway target, the fused update over such state, and the argument checks of the state tensors.
 //
-// The update goes block by block (256 elements): the block's m and v are widened into fp32
-// scratch that stays in L1, the fp32-state kernel of cpu_adam.cpp updates them together with the
-// params in place, and they are narrowed back. Only the compressed bytes are read from and written
-// to memory; every optimizer kind, gradient dtype and `out` of the fp32 kernel carries over with
-// the same arithmetic; and a block is always handled whole by one call, so any chunking along
-// block boundaries and any thread count give the same bytes.
+// The update runs the per-vector arithmetic of the fp32-state kernel (adam_update-inl.h) on the
+// moments widened in registers: bf16 vector by vector; int8 block by block (256 elements), the
+// block's new m and sqrt(v) kept in L1 scratch until its scales are known. Only the compressed
+// bytes are read from and written to memory; every optimizer kind, gradient dtype and `out` of
+// the fp32 kernel carries over with the same arithmetic; and a block is always handled whole by
+// one call, so any chunking along block boundaries and any thread count give the same bytes.
 #include "tier/state_codec.hpp"
 
 #include "cpu/cpu_adam_internal.hpp"
@@ -29,12 +29,14 @@ constexpr float kMaxV = 1.9375f;                     // value of v's code 255
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
-// Must come after foreach_target.h/highway.h so that it is re-included for each target.
+// Must come after foreach_target.h/highway.h so that they are re-included for each target.
+#include "cpu/adam_update-inl.h"
 #include "cpu/simd_convert-inl.h"
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 HWY_BEFORE_NAMESPACE();
 namespace tier::cpu::HWY_NAMESPACE {
@@ -59,95 +61,177 @@ using detail::kNonFiniteBits;
 
 // m's magnitude code (0..127): 4 exponent bits, 3 mantissa bits, round to nearest, ties to the
 // even code. Normal range: the fp32 bits rounded to 3 mantissa bits by an integer add (a carry
-// correctly bumps the exponent), exponent rebiased 127 -> 15 (896 = 112 << 3). Below 2^-14: whole
-// units of 2^-17, rounded by the FPU when y is added to 64 (whose ulp is 2^-17).
-template <class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeM(DF df, hn::Vec<DF> y) {
+// correctly bumps the exponent), exponent rebiased 127 -> 15 (896 = 112 << 3, subtracted before
+// the shift, which is the same). Below 2^-14: whole units of 2^-17, rounded by the FPU when y is
+// added to 64 (whose ulp is 2^-17). kCap: hold the code at 127; only a block whose scale is an
+// fp32 denormal needs it, for a normal scale y <= 1.875 * (1 + 2^-23) rounds to 127 at most.
+template <bool kCap, class DF>
+TIER_KERNEL_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeM(DF df, hn::Vec<DF> y) {
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::BitCast(di, y);
   const auto lsb = hn::And(hn::ShiftRight<20>(bits), hn::Set(di, 1));
-  const auto normal = hn::Sub(hn::ShiftRight<20>(hn::Add(bits, hn::Add(hn::Set(di, 0x7FFFF), lsb))), hn::Set(di, 896));
+  const auto normal = hn::ShiftRight<20>(hn::Add(hn::Add(bits, hn::Set(di, 0x7FFFF - (896 << 20))), lsb));
   const auto sub = hn::Sub(hn::BitCast(di, hn::Add(y, hn::Set(df, 64.0f))), hn::Set(di, kMagic64Bits));
-  const auto k = hn::IfThenElse(hn::Lt(bits, hn::Set(di, kMinNormalBits)), sub, normal);
-  return hn::Min(k, hn::Set(di, 127));
-}
-
-// The value of m's magnitude code k (0..127).
-template <class DF, class VI>
-HWY_INLINE hn::Vec<DF> ValueM(DF df, VI k) {
-  const hn::RebindToSigned<DF> di;
-  const auto normal = hn::BitCast(df, hn::ShiftLeft<20>(hn::Add(k, hn::Set(di, 896))));
-  const auto sub = hn::Mul(hn::ConvertTo(df, k), hn::Set(df, 0x1p-17f));
-  return hn::IfThenElse(hn::RebindMask(df, hn::Lt(k, hn::Set(di, 8))), sub, normal);
+  // A float compare: y is never negative here, so it orders as its bits do.
+  const auto k = hn::IfThenElse(hn::RebindMask(di, hn::Lt(y, hn::Set(df, 0x1p-14f))), sub, normal);
+  if constexpr (kCap) return hn::Min(k, hn::Set(di, 127));
+  return k;
 }
 
 // sqrt(v)'s code (0..255): 4 exponent bits, 4 mantissa bits (1792 = 112 << 4); below 2^-14 whole
-// units of 2^-18. A positive y gets at least code 1.
-template <class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeV(DF df, hn::Vec<DF> y) {
+// units of 2^-18. A positive y gets at least code 1 (min(bits, 1) is 1 just for those; -0, whose
+// bits are negative as an int, keeps code 0). kCap as for m (255).
+template <bool kCap, class DF>
+TIER_KERNEL_INLINE hn::Vec<hn::RebindToSigned<DF>> CodeV(DF df, hn::Vec<DF> y) {
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::BitCast(di, y);
   const auto lsb = hn::And(hn::ShiftRight<19>(bits), hn::Set(di, 1));
-  const auto normal = hn::Sub(hn::ShiftRight<19>(hn::Add(bits, hn::Add(hn::Set(di, 0x3FFFF), lsb))), hn::Set(di, 1792));
+  const auto normal = hn::ShiftRight<19>(hn::Add(hn::Add(bits, hn::Set(di, 0x3FFFF - (1792 << 19))), lsb));
   const auto sub = hn::Sub(hn::BitCast(di, hn::Add(y, hn::Set(df, 32.0f))), hn::Set(di, kMagic32Bits));
-  auto k = hn::IfThenElse(hn::Lt(bits, hn::Set(di, kMinNormalBits)), sub, normal);
-  k = hn::Min(k, hn::Set(di, 255));
-  const auto positive = hn::Gt(bits, hn::Zero(di));
-  return hn::IfThenElse(positive, hn::Max(k, hn::Set(di, 1)), k);
-}
-
-template <class DF, class VI>
-HWY_INLINE hn::Vec<DF> ValueV(DF df, VI k) {
-  const hn::RebindToSigned<DF> di;
-  const auto normal = hn::BitCast(df, hn::ShiftLeft<19>(hn::Add(k, hn::Set(di, 1792))));
-  const auto sub = hn::Mul(hn::ConvertTo(df, k), hn::Set(df, 0x1p-18f));
-  return hn::IfThenElse(hn::RebindMask(df, hn::Lt(k, hn::Set(di, 16))), sub, normal);
-}
-
-// The largest |x| bit pattern of one block of kBlock floats (padding zeros do not change it).
-// Integer max on the magnitude bits: finite values order as their bits do, and an infinity or a
-// NaN shows as a pattern >= kNonFiniteBits on every target (a float max would drop NaNs on some).
-template <class DF>
-HWY_INLINE std::int32_t MaxMagnitudeBits(DF df, const float* x) {
-  const hn::RebindToSigned<DF> di;
-  const std::size_t N = hn::Lanes(df);
-  auto acc = hn::Zero(di);
-  for (std::size_t i = 0; i < kBlock; i += N) {
-    acc = hn::Max(acc, hn::And(hn::BitCast(di, hn::LoadU(df, x + i)), hn::Set(di, 0x7FFFFFFF)));
-  }
-  return hn::GetLane(hn::MaxOfLanes(di, acc));
+  auto k = hn::IfThenElse(hn::RebindMask(di, hn::Lt(y, hn::Set(df, 0x1p-14f))), sub, normal);
+  if constexpr (kCap) k = hn::Min(k, hn::Set(di, 255));
+  return hn::Max(k, hn::Min(bits, hn::Set(di, 1)));
 }
 
 // A decoded value may round a hair past the block's largest input; near FLT_MAX that would be an
 // infinity, so it is held at FLT_MAX. NaNs (a non-finite block's NaN scale) stay NaN.
 template <class DF>
-HWY_INLINE hn::Vec<DF> ClampToMax(DF df, hn::Vec<DF> x) {
+TIER_KERNEL_INLINE hn::Vec<DF> ClampToMax(DF df, hn::Vec<DF> x) {
   const auto max = hn::Set(df, std::numeric_limits<float>::max());
   return hn::IfThenElse(hn::Gt(x, max), max, x);
 }
 
 // ---------------------------------------------------------------------------------------------
-// One block (kBlock elements, buffers padded to kBlock) between codes and fp32.
+// One vector of codes between the 8-bit formats and fp32, and one block of codes from fp32.
 
-void DecodeBlockM8(const std::int8_t* q, float scale, float* x) {
-  const hn::ScalableTag<float> df;
-  const hn::RebindToSigned<decltype(df)> di;
-  const hn::Rebind<std::int8_t, decltype(df)> d8;
-  const std::size_t N = hn::Lanes(df);
-  for (std::size_t i = 0; i < kBlock; i += N) {
-    const auto qi = hn::PromoteTo(di, hn::LoadU(d8, q + i));
-    auto mag = hn::Mul(ValueM(df, hn::Min(hn::Abs(qi), hn::Set(di, 127))), hn::Set(df, scale));
-    mag = ClampToMax(df, mag);
-    hn::StoreU(hn::IfThenElse(hn::RebindMask(df, hn::Lt(qi, hn::Zero(di))), hn::Neg(mag), mag), df, x + i);
+// Decodes N of m's codes at q against the block scale: sign(q) * value(|q|) * scale, |q| held at
+// 127 (-128 is never written). value(k) is the fp32 whose bits are k << 20, times 2^112: the
+// shift puts the 4 exponent bits and 3 mantissa bits of the code in the place of fp32's, the
+// power of two rebiases the exponent (15 -> 127) exactly, and codes below 8 become fp32
+// denormals, which the same multiplication turns into the code's own subnormals, f * 2^-17.
+// kPlain: `scale` is the block scale times 2^112, which is exact, and so is one product instead
+// of two, when the scale is below 2^16; then nothing can round to an infinity either, and the
+// clamp is left out. Otherwise `scale` is the block scale itself (NaN included).
+template <bool kPlain, class DF>
+TIER_KERNEL_INLINE hn::Vec<DF> DecodeM(DF df, const std::int8_t* q, hn::Vec<DF> scale) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::int8_t, DF> d8;
+  const auto qi = hn::PromoteTo(di, hn::LoadU(d8, q));
+  const auto raw = hn::BitCast(df, hn::ShiftLeft<20>(hn::Min(hn::Abs(qi), hn::Set(di, 127))));
+  hn::Vec<DF> mag;
+  if constexpr (kPlain) {
+    mag = hn::Mul(raw, scale);
+  } else {
+    mag = ClampToMax(df, hn::Mul(hn::Mul(raw, hn::Set(df, 0x1p112f)), scale));
+  }
+  // The sign of q, flipped in (exactly what negation does, a NaN included).
+  return hn::Xor(mag, hn::And(hn::BitCast(df, qi), hn::SignBit(df)));
+}
+
+// Decodes N of v's codes at q: (value(k) * scale)^2, value(k) the fp32 with bits k << 19 times
+// 2^112 (as for m, with 4 mantissa bits); kPlain and `scale` as for m.
+template <bool kPlain, class DF>
+TIER_KERNEL_INLINE hn::Vec<DF> DecodeV(DF df, const std::uint8_t* q, hn::Vec<DF> scale) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::uint8_t, DF> d8;
+  const auto raw = hn::BitCast(df, hn::ShiftLeft<19>(hn::PromoteTo(di, hn::LoadU(d8, q))));
+  if constexpr (kPlain) {
+    const auto s = hn::Mul(raw, scale);
+    return hn::Mul(s, s);
+  } else {
+    const auto s = hn::Mul(hn::Mul(raw, hn::Set(df, 0x1p112f)), scale);
+    return ClampToMax(df, hn::Mul(s, s));
   }
 }
 
-float EncodeBlockM8(const float* x, std::int8_t* q) {
-  const hn::ScalableTag<float> df;
-  const hn::RebindToSigned<decltype(df)> di;
-  const hn::Rebind<std::int8_t, decltype(df)> d8;
+// Whether a block's scale allows the plain decode, and the factor the decode then multiplies by.
+constexpr float kPlainScaleLimit = 65536.0f;  // 2^16: scale * 2^112 stays finite, 1.9375 * 2^16 squared too
+TIER_KERNEL_INLINE bool PlainScale(float scale) {
+  return scale < kPlainScaleLimit;  // false for a NaN scale
+}
+
+// The largest |x| bit pattern so far, as ints: finite values order as their bits do, and an
+// infinity or a NaN shows as a pattern >= kNonFiniteBits on every target (a float max would drop
+// NaNs on some).
+template <class DF, class VI>
+TIER_KERNEL_INLINE VI MaxMagnitude(DF /*df*/, VI acc, hn::Vec<DF> x) {
+  const hn::RebindToSigned<DF> di;
+  return hn::Max(acc, hn::And(hn::BitCast(di, x), hn::Set(di, 0x7FFFFFFF)));
+}
+
+// Stores four vectors of codes (i32 lanes, within the range of the byte type T) as 4 * N bytes
+// in order; for int8 (m), each code takes the sign of the matching element of x0..x3 (the
+// magnitudes are codes of |x|, and a zero code stays zero). AVX2 packs the 32 codes with three
+// saturating packs and one lane permutation, and signs them with psignb on the sign bits packed
+// the same way, where DemoteTo would take three instructions per vector and the sign three more.
+template <typename T, class DF, class VI = hn::Vec<hn::RebindToSigned<DF>>, class VF = hn::Vec<DF>>
+TIER_KERNEL_INLINE void StoreCodes4(DF df, VI k0, VI k1, VI k2, VI k3, VF x0, VF x1, VF x2, VF x3, T* q) {
+#if HWY_TARGET == HWY_AVX2
+  (void)df;
+  // Saturating packs interleave the 128-bit halves: bytes come out as k0[0..3] k1[0..3] k2[0..3]
+  // k3[0..3] | k0[4..7] k1[4..7] k2[4..7] k3[4..7]; the dword permutation restores the order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i k01 = _mm256_packs_epi32(k0.raw, k1.raw);
+  const __m256i k23 = _mm256_packs_epi32(k2.raw, k3.raw);
+  __m256i k;
+  if constexpr (std::is_signed_v<T>) {
+    k = _mm256_packs_epi16(k01, k23);
+    // Saturating packs keep the sign of each fp32 (as an int: negative for -0 too, whose code is 0).
+    const __m256i s01 = _mm256_packs_epi32(_mm256_castps_si256(x0.raw), _mm256_castps_si256(x1.raw));
+    const __m256i s23 = _mm256_packs_epi32(_mm256_castps_si256(x2.raw), _mm256_castps_si256(x3.raw));
+    k = _mm256_sign_epi8(k, _mm256_packs_epi16(s01, s23));
+  } else {
+    k = _mm256_packus_epi16(k01, k23);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(k, order));
+#else
+  const hn::Rebind<T, DF> d8;
   const std::size_t N = hn::Lanes(df);
-  const std::int32_t max_bits = MaxMagnitudeBits(df, x);
+  const VI k[4] = {k0, k1, k2, k3};
+  const VF x[4] = {x0, x1, x2, x3};
+  for (int j = 0; j < 4; ++j) {
+    auto c = k[j];
+    if constexpr (std::is_signed_v<T>) {
+      c = hn::IfThenElse(hn::RebindMask(hn::RebindToSigned<DF>(), hn::Lt(x[j], hn::Zero(df))), hn::Neg(c), c);
+    }
+    hn::StoreU(hn::DemoteTo(d8, c), d8, q + static_cast<std::size_t>(j) * N);
+  }
+#endif
+}
+
+// m's codes of a whole block x[0, kBlock) against `scale`, 4 vectors at a time.
+template <bool kCap>
+TIER_KERNEL_INLINE void EncodeCodesMT(const float* x, float scale, std::int8_t* q) {
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  const auto vscale = hn::Set(df, scale);
+  for (std::size_t i = 0; i < kBlock; i += 4 * N) {
+    const auto x0 = hn::LoadU(df, x + i), x1 = hn::LoadU(df, x + i + N);
+    const auto x2 = hn::LoadU(df, x + i + 2 * N), x3 = hn::LoadU(df, x + i + 3 * N);
+    StoreCodes4(df, CodeM<kCap>(df, hn::Div(hn::Abs(x0), vscale)), CodeM<kCap>(df, hn::Div(hn::Abs(x1), vscale)),
+                CodeM<kCap>(df, hn::Div(hn::Abs(x2), vscale)), CodeM<kCap>(df, hn::Div(hn::Abs(x3), vscale)), x0, x1,
+                x2, x3, q + i);
+  }
+}
+
+// v's codes of a whole block from s[0, kBlock) = sqrt(v) (never negative: -0 at most, whose
+// quotient -0 gets code 0 as +0 does, so no Abs).
+template <bool kCap>
+TIER_KERNEL_INLINE void EncodeCodesVT(const float* s, float scale, std::uint8_t* q) {
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  const auto vscale = hn::Set(df, scale);
+  for (std::size_t i = 0; i < kBlock; i += 4 * N) {
+    const auto x0 = hn::LoadU(df, s + i), x1 = hn::LoadU(df, s + i + N);
+    const auto x2 = hn::LoadU(df, s + i + 2 * N), x3 = hn::LoadU(df, s + i + 3 * N);
+    StoreCodes4(df, CodeV<kCap>(df, hn::Div(x0, vscale)), CodeV<kCap>(df, hn::Div(x1, vscale)),
+                CodeV<kCap>(df, hn::Div(x2, vscale)), CodeV<kCap>(df, hn::Div(x3, vscale)), x0, x1, x2, x3, q + i);
+  }
+}
+
+// m's codes of a whole block x[0, kBlock) whose largest magnitude has the bits max_bits (padding
+// zeros do not change it); returns the block's scale.
+TIER_KERNEL_INLINE float EncodeCodesM(const float* x, std::int32_t max_bits, std::int8_t* q) {
   if (max_bits == 0 || max_bits >= kNonFiniteBits) {
     std::memset(q, 0, kBlock);
     return max_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -155,35 +239,18 @@ float EncodeBlockM8(const float* x, std::int8_t* q) {
   float absmax;
   std::memcpy(&absmax, &max_bits, sizeof(absmax));
   const float scale = absmax / kMaxM;
-  const auto vscale = hn::Set(df, scale);
-  for (std::size_t i = 0; i < kBlock; i += N) {
-    const auto v = hn::LoadU(df, x + i);
-    const auto k = CodeM(df, hn::Div(hn::Abs(v), vscale));
-    const auto s = hn::IfThenElse(hn::RebindMask(di, hn::Lt(v, hn::Zero(df))), hn::Neg(k), k);
-    hn::StoreU(hn::DemoteTo(d8, s), d8, q + i);
+  if (scale >= std::numeric_limits<float>::min()) {
+    EncodeCodesMT<false>(x, scale, q);
+  } else {
+    EncodeCodesMT<true>(x, scale, q);
   }
   return scale;
 }
 
-void DecodeBlockV8(const std::uint8_t* q, float scale, float* x) {
-  const hn::ScalableTag<float> df;
-  const hn::RebindToSigned<decltype(df)> di;
-  const hn::Rebind<std::uint8_t, decltype(df)> d8;
-  const std::size_t N = hn::Lanes(df);
-  for (std::size_t i = 0; i < kBlock; i += N) {
-    const auto s = hn::Mul(ValueV(df, hn::PromoteTo(di, hn::LoadU(d8, q + i))), hn::Set(df, scale));
-    hn::StoreU(ClampToMax(df, hn::Mul(s, s)), df, x + i);
-  }
-}
-
-float EncodeBlockV8(const float* x, std::uint8_t* q) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<std::uint8_t, decltype(df)> d8;
-  const std::size_t N = hn::Lanes(df);
-  HWY_ALIGN float s[kBlock];
-  for (std::size_t i = 0; i < kBlock; i += N) hn::Store(hn::Sqrt(hn::LoadU(df, x + i)), df, s + i);
-  // A negative v has a NaN root and so makes the block non-finite; -0 has root -0, magnitude 0.
-  const std::int32_t max_bits = MaxMagnitudeBits(df, s);
+// v's codes of a whole block from s[0, kBlock) = sqrt(v), whose largest magnitude has the bits
+// max_bits (a negative v has a NaN root and so makes the block non-finite); returns the block's
+// scale.
+TIER_KERNEL_INLINE float EncodeCodesV(const float* s, std::int32_t max_bits, std::uint8_t* q) {
   if (max_bits == 0 || max_bits >= kNonFiniteBits) {
     std::memset(q, 0, kBlock);
     return max_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -191,12 +258,65 @@ float EncodeBlockV8(const float* x, std::uint8_t* q) {
   float smax;
   std::memcpy(&smax, &max_bits, sizeof(smax));
   const float scale = smax / kMaxV;
-  const auto vscale = hn::Set(df, scale);
-  for (std::size_t i = 0; i < kBlock; i += N) {
-    const auto k = CodeV(df, hn::Div(hn::Abs(hn::Load(df, s + i)), vscale));
-    hn::StoreU(hn::DemoteTo(d8, k), d8, q + i);
+  if (scale >= std::numeric_limits<float>::min()) {
+    EncodeCodesVT<false>(s, scale, q);
+  } else {
+    EncodeCodesVT<true>(s, scale, q);
   }
   return scale;
+}
+
+template <class DF>
+TIER_KERNEL_INLINE std::int32_t ReduceMax(DF /*df*/, hn::Vec<hn::RebindToSigned<DF>> acc) {
+  return hn::GetLane(hn::MaxOfLanes(hn::RebindToSigned<DF>(), acc));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The codec on whole blocks (kBlock elements; callers pad a partial one).
+
+void DecodeBlockM8(const std::int8_t* q, float scale, float* x) {
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  if (PlainScale(scale)) {
+    const auto vscale = hn::Set(df, scale * 0x1p112f);
+    for (std::size_t i = 0; i < kBlock; i += N) hn::StoreU(DecodeM<true>(df, q + i, vscale), df, x + i);
+  } else {
+    const auto vscale = hn::Set(df, scale);
+    for (std::size_t i = 0; i < kBlock; i += N) hn::StoreU(DecodeM<false>(df, q + i, vscale), df, x + i);
+  }
+}
+
+float EncodeBlockM8(const float* x, std::int8_t* q) {
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  auto acc = hn::Zero(hn::RebindToSigned<decltype(df)>());
+  for (std::size_t i = 0; i < kBlock; i += N) acc = MaxMagnitude(df, acc, hn::LoadU(df, x + i));
+  return EncodeCodesM(x, ReduceMax(df, acc), q);
+}
+
+void DecodeBlockV8(const std::uint8_t* q, float scale, float* x) {
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  if (PlainScale(scale)) {
+    const auto vscale = hn::Set(df, scale * 0x1p112f);
+    for (std::size_t i = 0; i < kBlock; i += N) hn::StoreU(DecodeV<true>(df, q + i, vscale), df, x + i);
+  } else {
+    const auto vscale = hn::Set(df, scale);
+    for (std::size_t i = 0; i < kBlock; i += N) hn::StoreU(DecodeV<false>(df, q + i, vscale), df, x + i);
+  }
+}
+
+float EncodeBlockV8(const float* x, std::uint8_t* q) {
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  HWY_ALIGN float s[kBlock];
+  auto acc = hn::Zero(hn::RebindToSigned<decltype(df)>());
+  for (std::size_t i = 0; i < kBlock; i += N) {
+    const auto root = hn::Sqrt(hn::LoadU(df, x + i));
+    hn::Store(root, df, s + i);
+    acc = MaxMagnitude(df, acc, root);
+  }
+  return EncodeCodesV(s, ReduceMax(df, acc), q);
 }
 
 void DecodeBlockBF16(const std::uint16_t* h, float* x) {
@@ -211,7 +331,7 @@ void EncodeBlockBF16(const float* x, std::uint16_t* h) {
   for (std::size_t i = 0; i < kBlock; i += N) StoreFromF32<Kind::kBF16>(df, hn::LoadU(df, x + i), h + i);
 }
 
-// One moment of one block in its state dtype: where its elements and scale are, and scratch.
+// One moment of one block in its state dtype: where its elements and scale are.
 struct Moment {
   void* data;    // `len` elements of the moment's state dtype
   float* scale;  // int8 only
@@ -227,9 +347,13 @@ void DecodeBlock(int family, const Moment& mo, std::size_t len, float* x) {
     std::memcpy(h, mo.data, len * sizeof(std::uint16_t));
     return DecodeBlockBF16(h, x);
   }
-  HWY_ALIGN std::uint8_t pad[kBlock] = {};
-  const std::uint8_t* q = static_cast<const std::uint8_t*>(mo.data);
-  if (len != kBlock) q = static_cast<const std::uint8_t*>(std::memcpy(pad, mo.data, len));
+  const auto* q = static_cast<const std::uint8_t*>(mo.data);
+  HWY_ALIGN std::uint8_t pad[kBlock];
+  if (len != kBlock) {
+    std::memcpy(pad, mo.data, len);
+    std::memset(pad + len, 0, kBlock - len);
+    q = pad;
+  }
   if (mo.is_sq) {
     DecodeBlockV8(q, *mo.scale, x);
   } else {
@@ -257,44 +381,190 @@ std::size_t StateElemBytes(int family) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Entry points (one per target, dispatched from the HWY_ONCE part below).
+// The update over compressed state: decode, the fp32 arithmetic of adam_update-inl.h and encode,
+// fused per vector (bf16) or per block (int8), so that the moments go through registers and L1
+// only, and sqrt(v) is taken once for both the step and v's code.
 
-// Blocks widened at a time: the fp32 kernel runs on kStage * kBlock elements per call (16 KiB of
-// scratch for m and v, well inside L1), which amortizes its dispatch.
-constexpr std::size_t kStage = 8;
+// bf16 state: one vector, widened, updated and rounded back in registers.
+template <Kind P, Kind G, Kind O, int kOp, class DF>
+TIER_KERNEL_INLINE void BF16Vector(DF df, const AdamStep::Constants& c, const StatePtrs& a, std::size_t i) {
+  auto* m = static_cast<std::uint16_t*>(a.m) + i;
+  auto* v = static_cast<std::uint16_t*>(a.v) + i;
+  auto mf = UsesM(kOp) ? LoadAsF32<Kind::kBF16>(df, m) : hn::Zero(df);
+  auto vf = UsesV(kOp) ? LoadAsF32<Kind::kBF16>(df, v) : hn::Zero(df);
+  UpdateVector<P, G, O, kOp>(df, c, static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P),
+                             static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G),
+                             static_cast<std::uint8_t*>(a.out) + i * ElemBytes(O), mf, vf);
+  if constexpr (UsesM(kOp)) StoreFromF32<Kind::kBF16>(df, mf, m);
+  if constexpr (UsesV(kOp)) StoreFromF32<Kind::kBF16>(df, vf, v);
+}
+
+template <Kind P, Kind G, Kind O, int kOp>
+void BF16T(const AdamStep::Constants& c_in, const StatePtrs& a_in, std::size_t n) {
+  // Local copies: stores through the data pointers could alias the caller's structs.
+  const AdamStep::Constants c = c_in;
+  const StatePtrs a = a_in;
+  const hn::ScalableTag<float> df;
+  const std::size_t N = hn::Lanes(df);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) BF16Vector<P, G, O, kOp>(df, c, a, i);
+  if (i == n) return;
+  // Tail: copy into full-vector buffers, run the same vector code, copy back.
+  const std::size_t r = n - i;
+  HWY_ALIGN std::uint8_t p[HWY_MAX_BYTES] = {};
+  HWY_ALIGN std::uint16_t m[HWY_MAX_BYTES / sizeof(float)] = {};
+  HWY_ALIGN std::uint16_t v[HWY_MAX_BYTES / sizeof(float)] = {};
+  HWY_ALIGN std::uint8_t g[HWY_MAX_BYTES] = {};
+  HWY_ALIGN std::uint8_t out[HWY_MAX_BYTES] = {};
+  auto* am = static_cast<std::uint16_t*>(a.m) + i;
+  auto* av = static_cast<std::uint16_t*>(a.v) + i;
+  std::memcpy(p, static_cast<const std::uint8_t*>(a.p) + i * ElemBytes(P), r * ElemBytes(P));
+  if (UsesM(kOp)) std::memcpy(m, am, r * sizeof(std::uint16_t));
+  if (UsesV(kOp)) std::memcpy(v, av, r * sizeof(std::uint16_t));
+  std::memcpy(g, static_cast<const std::uint8_t*>(a.g) + i * ElemBytes(G), r * ElemBytes(G));
+  BF16Vector<P, G, O, kOp>(df, c, StatePtrs{p, m, v, g, out, nullptr, nullptr}, 0);
+  std::memcpy(static_cast<std::uint8_t*>(a.p) + i * ElemBytes(P), p, r * ElemBytes(P));
+  if (UsesM(kOp)) std::memcpy(am, m, r * sizeof(std::uint16_t));
+  if (UsesV(kOp)) std::memcpy(av, v, r * sizeof(std::uint16_t));
+  if constexpr (O != Kind::kNone) {
+    std::memcpy(static_cast<std::uint8_t*>(a.out) + i * ElemBytes(O), out, r * ElemBytes(O));
+  }
+}
+
+// int8 state: one whole block. Pass 1 decodes each vector of codes, updates it and keeps the new
+// m and sqrt(v) in L1 scratch while tracking their largest magnitudes; pass 2 encodes the block
+// against the scales those give. kPlain: both scales allow the plain decode (PlainScale).
+template <Kind P, Kind G, Kind O, int kOp, bool kPlain>
+HWY_NOINLINE void Int8Block(const AdamStep::Constants& c_in, std::uint8_t* p, const std::uint8_t* g, std::uint8_t* out,
+                            std::int8_t* mq, float* mscale, std::uint8_t* vq, float* vscale) {
+  // A local copy: the stores through p could alias the caller's constants, and the compiler would
+  // then reload and re-broadcast every constant on each vector.
+  const AdamStep::Constants c = c_in;
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const std::size_t N = hn::Lanes(df);
+  HWY_ALIGN float xm[kBlock];
+  HWY_ALIGN float xs[kBlock];
+  auto accm = hn::Zero(di);
+  auto accs = hn::Zero(di);
+  const float factor = kPlain ? 0x1p112f : 1.0f;
+  const auto sm = hn::Set(df, UsesM(kOp) ? *mscale * factor : 0.0f);
+  const auto sv = hn::Set(df, UsesV(kOp) ? *vscale * factor : 0.0f);
+  for (std::size_t i = 0; i < kBlock; i += N) {
+    auto m = UsesM(kOp) ? DecodeM<kPlain>(df, mq + i, sm) : hn::Zero(df);
+    auto v = UsesV(kOp) ? DecodeV<kPlain>(df, vq + i, sv) : hn::Zero(df);
+    const auto root =
+        UpdateVector<P, G, O, kOp>(df, c, p + i * ElemBytes(P), g + i * ElemBytes(G), out + i * ElemBytes(O), m, v);
+    if constexpr (UsesM(kOp)) {
+      hn::Store(m, df, xm + i);
+      accm = MaxMagnitude(df, accm, m);
+    }
+    if constexpr (UsesV(kOp)) {
+      hn::Store(root, df, xs + i);
+      accs = MaxMagnitude(df, accs, root);
+    }
+  }
+  if constexpr (UsesM(kOp)) *mscale = EncodeCodesM(xm, ReduceMax(df, accm), mq);
+  if constexpr (UsesV(kOp)) *vscale = EncodeCodesV(xs, ReduceMax(df, accs), vq);
+}
+
+template <Kind P, Kind G, Kind O, int kOp>
+TIER_KERNEL_INLINE void Int8BlockAny(const AdamStep::Constants& c, std::uint8_t* p, const std::uint8_t* g,
+                                     std::uint8_t* out, std::int8_t* mq, float* mscale, std::uint8_t* vq,
+                                     float* vscale) {
+  if ((!UsesM(kOp) || PlainScale(*mscale)) && (!UsesV(kOp) || PlainScale(*vscale))) {
+    Int8Block<P, G, O, kOp, true>(c, p, g, out, mq, mscale, vq, vscale);
+  } else {
+    Int8Block<P, G, O, kOp, false>(c, p, g, out, mq, mscale, vq, vscale);
+  }
+}
+
+template <Kind P, Kind G, Kind O, int kOp>
+void Int8T(const AdamStep::Constants& c_in, const StatePtrs& a_in, std::size_t n) {
+  const AdamStep::Constants c = c_in;
+  const StatePtrs a = a_in;
+  auto* p = static_cast<std::uint8_t*>(a.p);
+  const auto* g = static_cast<const std::uint8_t*>(a.g);
+  auto* out = static_cast<std::uint8_t*>(a.out);
+  auto* mq = static_cast<std::int8_t*>(a.m);
+  auto* vq = static_cast<std::uint8_t*>(a.v);
+  std::size_t b = 0;
+  for (; b + kBlock <= n; b += kBlock) {
+    Int8BlockAny<P, G, O, kOp>(c, p + b * ElemBytes(P), g + b * ElemBytes(G), out + b * ElemBytes(O), mq + b,
+                               a.m_scales + b / kBlock, vq + b, a.v_scales + b / kBlock);
+  }
+  if (b == n) return;
+  // A partial last block: zero-padded copies (zeros update to zeros and leave the scales alone).
+  const std::size_t r = n - b;
+  HWY_ALIGN std::uint8_t tp[kBlock * sizeof(float)] = {};
+  HWY_ALIGN std::uint8_t tg[kBlock * sizeof(float)] = {};
+  HWY_ALIGN std::uint8_t tout[kBlock * sizeof(float)];
+  HWY_ALIGN std::int8_t tm[kBlock] = {};
+  HWY_ALIGN std::uint8_t tv[kBlock] = {};
+  std::memcpy(tp, p + b * ElemBytes(P), r * ElemBytes(P));
+  std::memcpy(tg, g + b * ElemBytes(G), r * ElemBytes(G));
+  if (UsesM(kOp)) std::memcpy(tm, mq + b, r);
+  if (UsesV(kOp)) std::memcpy(tv, vq + b, r);
+  Int8BlockAny<P, G, O, kOp>(c, tp, tg, tout, tm, a.m_scales + b / kBlock, tv, a.v_scales + b / kBlock);
+  std::memcpy(p + b * ElemBytes(P), tp, r * ElemBytes(P));
+  if (UsesM(kOp)) std::memcpy(mq + b, tm, r);
+  if (UsesV(kOp)) std::memcpy(vq + b, tv, r);
+  if constexpr (O != Kind::kNone) std::memcpy(out + b * ElemBytes(O), tout, r * ElemBytes(O));
+}
+
+template <bool kInt8, int kOp>
+void CompressedByKind(int pk, int gk, int ok, const AdamStep::Constants& c, const StatePtrs& a, std::size_t n) {
+  // params fp32 or bf16; grads fp32, fp16 or bf16; out none, fp16, bf16 or fp32.
+#define TIER_STATE_T(PK, GK, OK)                              \
+  if constexpr (kInt8) {                                      \
+    return Int8T<Kind::PK, Kind::GK, Kind::OK, kOp>(c, a, n); \
+  } else {                                                    \
+    return BF16T<Kind::PK, Kind::GK, Kind::OK, kOp>(c, a, n); \
+  }
+#define TIER_STATE_OUT(PK, GK)                            \
+  switch (static_cast<Kind>(ok)) {                        \
+    case Kind::kNone: TIER_STATE_T(PK, GK, kNone) return; \
+    case Kind::kF16: TIER_STATE_T(PK, GK, kF16) return;   \
+    case Kind::kBF16: TIER_STATE_T(PK, GK, kBF16) return; \
+    case Kind::kF32: TIER_STATE_T(PK, GK, kF32) return;   \
+  }
+#define TIER_STATE_GRAD(PK)                             \
+  switch (static_cast<Kind>(gk)) {                      \
+    case Kind::kF32: TIER_STATE_OUT(PK, kF32) return;   \
+    case Kind::kF16: TIER_STATE_OUT(PK, kF16) return;   \
+    case Kind::kBF16: TIER_STATE_OUT(PK, kBF16) return; \
+    case Kind::kNone: return;                           \
+  }
+  if (static_cast<Kind>(pk) == Kind::kBF16) {
+    TIER_STATE_GRAD(kBF16)
+  } else {
+    TIER_STATE_GRAD(kF32)
+  }
+#undef TIER_STATE_GRAD
+#undef TIER_STATE_OUT
+#undef TIER_STATE_T
+}
+
+template <bool kInt8>
+void CompressedByOp(int pk, int gk, int ok, const AdamStep::Constants& c, const StatePtrs& a, std::size_t n) {
+  switch (c.kind) {
+    case OptimizerKind::kAdam:
+      if (c.l2) return CompressedByKind<kInt8, kOpAdamL2>(pk, gk, ok, c, a, n);
+      return CompressedByKind<kInt8, kOpAdam>(pk, gk, ok, c, a, n);
+    case OptimizerKind::kAdagrad: return CompressedByKind<kInt8, kOpAdagrad>(pk, gk, ok, c, a, n);
+    case OptimizerKind::kLion: return CompressedByKind<kInt8, kOpLion>(pk, gk, ok, c, a, n);
+    case OptimizerKind::kLamb: return;  // refused by adam_update_compressed
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points (one per target, dispatched from the HWY_ONCE part below).
 
 // The update over `n` elements from a block boundary; the last block may be partial.
 void CompressedAdam(int family, int pk, int gk, int ok, const AdamStep::Constants& c, const StatePtrs& a,
                     std::size_t n) {
-  const bool use_m = c.kind != OptimizerKind::kAdagrad;
-  const bool use_v = c.kind != OptimizerKind::kLion;
-  const std::size_t es = StateElemBytes(family);
-  const std::size_t pes = ElemBytes(pk == 2 ? Kind::kBF16 : Kind::kF32);
-  const std::size_t ges = ElemBytes(static_cast<Kind>(gk));
-  const std::size_t oes = ok == 3 ? 0 : ElemBytes(static_cast<Kind>(ok));
-  HWY_ALIGN float m[kStage * kBlock];
-  HWY_ALIGN float v[kStage * kBlock];
-  if (!use_m) std::memset(m, 0, sizeof(m));  // read by the kernel, never stored
-  if (!use_v) std::memset(v, 0, sizeof(v));
-  auto moment = [&](void* base, float* scales, std::size_t at, bool is_sq) {
-    return Moment{static_cast<std::uint8_t*>(base) + at * es, scales ? scales + at / kBlock : nullptr, is_sq};
-  };
-  for (std::size_t at = 0; at < n; at += kStage * kBlock) {
-    const std::size_t len = std::min(kStage * kBlock, n - at);
-    for (std::size_t j = 0; j * kBlock < len; ++j) {
-      const std::size_t b = at + j * kBlock, blen = std::min(kBlock, len - j * kBlock);
-      if (use_m) DecodeBlock(family, moment(a.m, a.m_scales, b, false), blen, m + j * kBlock);
-      if (use_v) DecodeBlock(family, moment(a.v, a.v_scales, b, true), blen, v + j * kBlock);
-    }
-    const AdamPtrs p{static_cast<std::uint8_t*>(a.p) + at * pes, m, v, static_cast<const std::uint8_t*>(a.g) + at * ges,
-                     a.out ? static_cast<std::uint8_t*>(a.out) + at * oes : nullptr};
-    detail::adam_fp32_kernel(pk, gk, ok, c, p, len);
-    for (std::size_t j = 0; j * kBlock < len; ++j) {
-      const std::size_t b = at + j * kBlock, blen = std::min(kBlock, len - j * kBlock);
-      if (use_m) EncodeBlock(family, m + j * kBlock, blen, moment(a.m, a.m_scales, b, false));
-      if (use_v) EncodeBlock(family, v + j * kBlock, blen, moment(a.v, a.v_scales, b, true));
-    }
-  }
+  if (family == kFamilyBF16) return CompressedByOp<false>(pk, gk, ok, c, a, n);
+  CompressedByOp<true>(pk, gk, ok, c, a, n);
 }
 
 // The codec over `n` elements from a block boundary: fp32 `x` to/from the moment's format.
@@ -303,9 +573,13 @@ void EncodeRange(int family, bool is_sq, const float* x, void* out, float* scale
   HWY_ALIGN float buf[kBlock];
   for (std::size_t at = 0, b = 0; at < n; at += kBlock, ++b) {
     const std::size_t len = std::min(kBlock, n - at);
-    std::memcpy(buf, x + at, len * sizeof(float));
-    std::fill(buf + len, buf + kBlock, 0.0f);
-    EncodeBlock(family, buf, len,
+    const float* in = x + at;
+    if (len != kBlock) {
+      std::memcpy(buf, x + at, len * sizeof(float));
+      std::fill(buf + len, buf + kBlock, 0.0f);
+      in = buf;
+    }
+    EncodeBlock(family, in, len,
                 Moment{static_cast<std::uint8_t*>(out) + at * es, scales ? scales + b : nullptr, is_sq});
   }
 }
@@ -317,6 +591,10 @@ void DecodeRange(int family, bool is_sq, const void* in, const float* scales, fl
     const std::size_t len = std::min(kBlock, n - at);
     const Moment mo{const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(in)) + at * es,
                     scales ? const_cast<float*>(scales) + b : nullptr, is_sq};
+    if (len == kBlock) {
+      DecodeBlock(family, mo, len, x + at);
+      continue;
+    }
     DecodeBlock(family, mo, len, buf);
     std::memcpy(x + at, buf, len * sizeof(float));
   }

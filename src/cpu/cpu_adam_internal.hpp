@@ -1,7 +1,6 @@
 // Internal: what cpu_adam.cpp (fp32 state) and cpu_adam_compressed.cpp (bf16 and int8 state)
-// share. The compressed kernels widen a block of state into fp32 scratch, run the fp32 kernel on
-// it, and narrow it back, so every optimizer kind, dtype and `out` of the fp32 kernel carries
-// over with the same arithmetic.
+// share besides the per-vector arithmetic of adam_update-inl.h, which both run, so every
+// optimizer kind, dtype and `out` of the fp32 kernel carries over with the same arithmetic.
 #pragma once
 
 #include <cstddef>
@@ -34,10 +33,6 @@ struct StatePtrs {
   float* m_scales;
   float* v_scales;
 };
-
-// The fp32-state kernel of cpu_adam.cpp on `n` elements, on the calling thread, through its own
-// dynamic dispatch. pk/gk: kind_of() of params and grads; ok: kind_of() of out, or 3 for none.
-void adam_fp32_kernel(int pk, int gk, int ok, const AdamStep::Constants& c, const AdamPtrs& a, std::size_t n);
 
 // Checks exp_avg, exp_avg_sq and their scales (dtypes of one family, null data, alignment,
 // scale pointers); validate() calls it. Lengths and overlaps are validate()'s.

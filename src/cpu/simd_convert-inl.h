@@ -13,6 +13,19 @@
 // denormals-are-zero modes would flush fp32 denormals, which round to fp16/bf16 zero anyway or
 // to the same bf16 denormal truncated.
 
+// TIER_KERNEL_INLINE marks the kernels' vector helpers. Optimized builds force them inline
+// (HWY_INLINE), which keeps every lane in registers; sanitizer builds define TIER_LIGHT_KERNELS
+// (src/cpu/CMakeLists.txt) and leave the choice to the compiler, because forcing each helper into
+// each of the hundreds of (dtype, rule) instantiations, per target and instrumented, is what made
+// one kernel file take tens of minutes and gigabytes to compile. The arithmetic is the same.
+#ifndef TIER_KERNEL_INLINE
+#if defined(TIER_LIGHT_KERNELS) && TIER_LIGHT_KERNELS
+#define TIER_KERNEL_INLINE inline
+#else
+#define TIER_KERNEL_INLINE HWY_INLINE
+#endif
+#endif
+
 #if defined(TIER_CPU_SIMD_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef TIER_CPU_SIMD_CONVERT_INL_H_
 #undef TIER_CPU_SIMD_CONVERT_INL_H_
@@ -44,14 +57,14 @@ enum class Kind : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = 3 };
 
 // bf16 bits (in the low half of each u32 lane) -> fp32. Exact: bf16 is the top half of an fp32.
 template <class DF, class VU = hn::Vec<hn::RebindToUnsigned<DF>>>
-HWY_INLINE hn::Vec<DF> Bf16BitsToF32(DF df, VU bits) {
+TIER_KERNEL_INLINE hn::Vec<DF> Bf16BitsToF32(DF df, VU bits) {
   return hn::BitCast(df, hn::ShiftLeft<16>(bits));
 }
 
 // fp32 -> bf16 bits (low half of each u32 lane), rounding to nearest-even. NaNs stay NaNs (quiet);
 // values that round past the largest bf16 become infinities, as IEEE rounding requires.
 template <class DF>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToBf16Bits(DF df, hn::Vec<DF> v) {
+TIER_KERNEL_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToBf16Bits(DF df, hn::Vec<DF> v) {
   (void)df;
   const hn::RebindToUnsigned<DF> du;
   const auto bits = hn::BitCast(du, v);
@@ -64,7 +77,7 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToBf16Bits(DF df, hn::Vec<DF> v)
 // fp16 bits (low half of each u32 lane) -> fp32. Exact for every input, including subnormals,
 // infinities and NaNs.
 template <class DF, class VU = hn::Vec<hn::RebindToUnsigned<DF>>>
-HWY_INLINE hn::Vec<DF> F16BitsToF32(DF df, VU bits) {
+TIER_KERNEL_INLINE hn::Vec<DF> F16BitsToF32(DF df, VU bits) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const auto sign = hn::ShiftLeft<16>(hn::And(bits, hn::Set(du, 0x8000u)));
@@ -88,7 +101,7 @@ HWY_INLINE hn::Vec<DF> F16BitsToF32(DF df, VU bits) {
 // fp32 -> fp16 bits (low half of each u32 lane), rounding to nearest-even; overflow gives
 // infinity, NaN gives a quiet NaN.
 template <class DF>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToF16Bits(DF df, hn::Vec<DF> v) {
+TIER_KERNEL_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToF16Bits(DF df, hn::Vec<DF> v) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::BitCast(du, v);
@@ -116,7 +129,7 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToF16Bits(DF df, hn::Vec<DF> v) 
 // Loads and stores of `Lanes(df)` elements of kind K at p, as fp32 lanes.
 
 template <Kind K, class DF>
-HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const void* p) {
+TIER_KERNEL_INLINE hn::Vec<DF> LoadAsF32(DF df, const void* p) {
   if constexpr (K == Kind::kF32) {
     return hn::LoadU(df, static_cast<const float*>(p));
   } else {
@@ -137,7 +150,7 @@ HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const void* p) {
 }
 
 template <Kind K, class DF>
-HWY_INLINE void StoreFromF32(DF df, hn::Vec<DF> v, void* p) {
+TIER_KERNEL_INLINE void StoreFromF32(DF df, hn::Vec<DF> v, void* p) {
   if constexpr (K == Kind::kF32) {
     hn::StoreU(v, df, static_cast<float*>(p));
   } else if constexpr (K == Kind::kNone) {
@@ -162,7 +175,7 @@ HWY_INLINE void StoreFromF32(DF df, hn::Vec<DF> v, void* p) {
 
 // v rounded to kind K and back (exactly what StoreFromF32 + LoadAsF32 would give).
 template <Kind K, class DF>
-HWY_INLINE hn::Vec<DF> RoundTo(DF df, hn::Vec<DF> v) {
+TIER_KERNEL_INLINE hn::Vec<DF> RoundTo(DF df, hn::Vec<DF> v) {
   if constexpr (K == Kind::kBF16) {
     return Bf16BitsToF32(df, F32ToBf16Bits(df, v));
   } else if constexpr (K == Kind::kF16) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <random>
 
 #include "cpu/reference.hpp"
@@ -158,6 +159,51 @@ TEST(CompressedAdam, IsTheFp32KernelOnTheDecodedStateThenTheCodec) {
             ASSERT_TRUE(r.s == want) << "state at step " << t;
           }
         }
+      }
+    }
+  });
+}
+
+// The same identity for int8 blocks of every magnitude, which take different paths through the
+// fused kernel: zero blocks, fp32-denormal scales (codes held at their largest), scales of 2^16
+// and above (the decode with the clamp), and stray -128 codes, on every target.
+TEST(CompressedAdam, Int8BlocksOfEveryMagnitudeAreTheFp32KernelThenTheCodec) {
+  const float magnitudes[] = {0.0f, 1e-44f, 1e-30f, 1e-3f, 1.0f, 3e5f, 1e18f};
+  const std::size_t blocks = std::size(magnitudes);
+  const std::size_t n = blocks * kStateBlock + 37;  // and a partial last block
+  for_each_simd_target([&](const std::string& target) {
+    for (auto kind : {OptimizerKind::kAdam, OptimizerKind::kAdagrad, OptimizerKind::kLion}) {
+      SCOPED_TRACE(str(target, ", ", optimizer_kind_name(kind)));
+      Rig r(StateDType::kInt8, DType::kF32, DType::kF32, DType::kF32, n, 31);
+      std::mt19937 rng(32);
+      std::normal_distribution<float> d(0.0f, 1.0f);
+      std::vector<float> m(n), v(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const float f = magnitudes[std::min(i / kStateBlock, blocks - 1)];
+        m[i] = d(rng) * f;
+        v[i] = m[i] * m[i] * (1.0f + std::fabs(d(rng)));
+        r.g.set(i, d(rng) * f);
+      }
+      r.s.set(m, v);
+      for (std::size_t i = 3 * kStateBlock; i < 3 * kStateBlock + 4; ++i) r.s.m[i] = 0x80;  // -128
+      AdamHyperParams hp = default_hyper_params(kind);
+      hp.weight_decay = 0.01;
+      for (std::int64_t t = 1; t <= 3; ++t) {
+        const auto step = AdamStep::make(hp, t).value();
+        Buffer p = r.p, mf(DType::kF32, n), vf(DType::kF32, n);
+        const auto md = r.s.get_m(), vd = r.s.get_v();
+        for (std::size_t i = 0; i < n; ++i) mf.set(i, md[i]), vf.set(i, vd[i]);
+        ASSERT_TRUE(adam_update_chunk(step, {p.ref(), mf.ref(), vf.ref(), r.g.cref(), TensorRef{}}).ok());
+        CState want = r.s;
+        if (kind != OptimizerKind::kAdagrad) {
+          ASSERT_TRUE(encode_state(StateMoment::kExpAvg, mf.cref(), want.mref(), want.mscales()).ok());
+        }
+        if (kind != OptimizerKind::kLion) {
+          ASSERT_TRUE(encode_state(StateMoment::kExpAvgSq, vf.cref(), want.vref(), want.vscales()).ok());
+        }
+        ASSERT_TRUE(adam_update_chunk(step, r.tensors(false)).ok());
+        ASSERT_TRUE(r.p.same_bytes(p)) << "params at step " << t;
+        ASSERT_TRUE(r.s == want) << "state at step " << t;
       }
     }
   });

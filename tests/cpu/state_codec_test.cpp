@@ -247,6 +247,59 @@ TEST(StateCodec, VectorCodesMatchTheScalarCodes) {
   });
 }
 
+// The same where the codes are hardest to get right: blocks whose scales have every kind of
+// mantissa (all ones among them) over a wide range of exponents, and values at the midpoints between
+// two codes and a few ulps either side, where a quotient off by one ulp would change the code (any
+// faster way to take x / scale must give exactly its bits).
+TEST(StateCodec, VectorCodesMatchTheScalarCodesAtTheirMidpoints) {
+  std::mt19937 rng(21);
+  std::uniform_int_distribution<std::uint32_t> any_mantissa(0, 0x7FFFFF);
+  std::vector<float> m, v;
+  for (int e : {-90, -70, -65, -64, -63, -40, -20, -10, -2, -1, 0, 1, 8}) {
+    for (std::uint32_t mant : {0u, 1u, 0x7FFFFFu, 0x7FFFFEu, 0x400000u, any_mantissa(rng), any_mantissa(rng)}) {
+      const float scale = std::ldexp(testing::float_of(0x3F800000u | mant), e);  // in [2^e, 2^(e+1))
+      std::vector<float> ym;  // quotients aimed at: m's midpoints (3 mantissa bits), then v's (4)
+      std::vector<float> yv;
+      for (int k = -14; k <= 0; ++k) {
+        for (int j = 0; j < 16; ++j) {
+          ym.push_back(std::ldexp(1.0f + static_cast<float>(2 * j + 1) / 16.0f, k));
+          yv.push_back(std::ldexp(1.0f + static_cast<float>(2 * j + 1) / 32.0f, k));
+        }
+      }
+      for (int j = 0; j < 16; ++j) {  // below 2^-14: whole units of 2^-17 (m) and 2^-18 (v)
+        ym.push_back(static_cast<float>(2 * j + 1) * 0x1p-18f);
+        yv.push_back(static_cast<float>(2 * j + 1) * 0x1p-19f);
+      }
+      for (float y : {0x1p-19f, 0x1p-20f, 0x1p-21f, 0x1p-30f}) ym.push_back(y), yv.push_back(y);
+      std::shuffle(ym.begin(), ym.end(), rng);
+      std::shuffle(yv.begin(), yv.end(), rng);
+      for (std::size_t b = 0; b < 2; ++b) {  // two blocks per scale: every value +-2 ulps
+        m.push_back(scale * 1.875f);         // sets the block's scale (to about `scale`)
+        v.push_back((scale * 1.9375f) * (scale * 1.9375f));
+        for (std::size_t i = 1; i < kStateBlock; ++i) {
+          const std::size_t at = (b * (kStateBlock - 1) + i) % ym.size();
+          const int ulps = static_cast<int>((b * kStateBlock + i) % 5) - 2;
+          const float xm = testing::float_of(testing::bits_of(ym[at] * scale) + ulps);
+          const float xs = testing::float_of(testing::bits_of(yv[at] * scale) + ulps);
+          m.push_back(i % 2 ? -xm : xm);
+          v.push_back(xs * xs);
+        }
+      }
+    }
+  }
+  for_each_simd_target([&](const std::string& target) {
+    const Encoded em = encode(StateDType::kInt8, StateMoment::kExpAvg, m);
+    const Encoded ev = encode(StateDType::kInt8, StateMoment::kExpAvgSq, v);
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      const std::size_t b = i / kStateBlock;
+      ASSERT_EQ(static_cast<std::int8_t>(em.bytes[i]), exp_avg_code_of(m[i] / em.scales[b]))
+          << target << " m " << i << " = " << m[i] << ", scale " << em.scales[b];
+      ASSERT_EQ(ev.bytes[i], exp_avg_sq_code_of(std::sqrt(v[i]) / ev.scales[b]))
+          << target << " v " << i << " = " << v[i] << ", scale " << ev.scales[b];
+    }
+  });
+}
+
 // The data sets of the round-trip test: name and values (exp_avg_sq takes their absolute values).
 std::vector<std::pair<std::string, std::vector<float>>> datasets() {
   std::vector<std::pair<std::string, std::vector<float>>> sets;
