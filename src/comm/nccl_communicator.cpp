@@ -11,6 +11,8 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include "gpu/cuda_current_device.hpp"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -121,25 +123,7 @@ Status cuda_failure(cudaError_t err, const std::string& what) {
   return device_error(str(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
-// Makes `id` the current device for the guard's lifetime, then puts the caller's back.
-class CurrentDevice {
- public:
-  explicit CurrentDevice(int id) : id_(id) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    err_ = prev_ == id ? cudaSuccess : cudaSetDevice(id);
-  }
-  ~CurrentDevice() {
-    if (prev_ >= 0 && prev_ != id_ && err_ == cudaSuccess) cudaSetDevice(prev_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-  cudaError_t status() const noexcept { return err_; }
-
- private:
-  int id_;
-  int prev_ = -1;
-  cudaError_t err_ = cudaSuccess;
-};
+using detail::CurrentDevice;
 
 Result<ncclDataType_t> nccl_dtype(DType d) {
   switch (d) {
