@@ -23,43 +23,26 @@ LR = 3e-3
 
 
 def make_model(family):
+    """A 2-layer model of ``family``: llama, gpt_neox, or qwen2 (tied embeddings)."""
     torch.manual_seed(0)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ * 2,
-            tie_word_embeddings=False,
-        )
-        return transformers.LlamaForCausalLM(cfg)
-    if family == "gpt_neox":
-        cfg = transformers.GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=SEQ * 2,
-            tie_word_embeddings=False,
-        )
-        return transformers.GPTNeoXForCausalLM(cfg)
-    if family == "qwen2":  # tied embeddings
-        cfg = transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ * 2,
-            tie_word_embeddings=True,
-        )
-        return transformers.Qwen2ForCausalLM(cfg)
-    raise SystemExit(f"unknown family {family}")
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ * 2,
+    )
+    families = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(tie_word_embeddings=False)),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    }
+    if family not in families:
+        raise SystemExit(f"unknown family {family}")
+    config_cls, model_cls, extra = families[family]
+    cfg = getattr(transformers, config_cls)(**shape, **extra)
+    return getattr(transformers, model_cls)(cfg)
 
 
 def config(args, swap):
