@@ -272,7 +272,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
         def fetch():
             if engine._zero is not None:
                 # Across ranks: gathered from the owners (a collective every rank makes).
-                if want == torch.float32 and slot.trainable:
+                if want == torch.float32 and slot.trainable and engine.compute_dtype != torch.float32:
                     return engine._gathered_master(slot)
                 return engine.parameter(slot.name).to(want)
             if want == torch.float32 and slot.pid is not None:
