@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <thread>
 #include <unordered_map>
 
 #include "tier/config.hpp"
@@ -289,23 +290,51 @@ nb::dict report_dict(const optim::StepReport& r) {
 
 struct OverlapContext;
 
+// A step running on a thread of its own (start_step_async .. finish_step_async): the delayed
+// parameter update, which runs while the caller computes the next step's gradients.
+struct AsyncStep {
+  std::thread thread;
+  std::shared_ptr<OverlapContext> ctx;
+  Result<optim::StepReport> result{Status(StatusCode::kInternal, "no step")};
+  Status closed;
+  void join() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
 struct PyOptimizer {
   nb::object engine_ref;  // the engine whose Counters the optimizer reports into: must outlive `opt`
   std::unique_ptr<optim::OffloadedOptimizer> opt;
   // An overlapped step's callbacks (start_overlap_into .. finish_overlap): dropped after `opt`'s
   // pass has stopped.
   std::shared_ptr<OverlapContext> overlap;
+  std::unique_ptr<AsyncStep> async;  // joined before anything else touches `opt`
 
   PyOptimizer() = default;
   PyOptimizer(PyOptimizer&&) = default;
   PyOptimizer& operator=(PyOptimizer&&) = default;
   ~PyOptimizer() {
+    if (async) {
+      nb::gil_scoped_release unlocked;
+      async->join();
+    }
+    async.reset();
     opt.reset();
     overlap.reset();
   }
 
+  // Read-only accessors that an asynchronous step does not change (counts, the lr, a loss scale
+  // that is not dynamic) may peek while it runs.
+  optim::OffloadedOptimizer& peek() {
+    if (!opt) raise(failed_precondition("the optimizer was closed"));
+    return *opt;
+  }
+
   optim::OffloadedOptimizer& get() {
     if (!opt) raise(failed_precondition("the optimizer was closed"));
+    if (async) {
+      raise(failed_precondition("an asynchronous step is running; finish_step_async() first"));
+    }
     return *opt;
   }
 };
@@ -766,7 +795,9 @@ NB_MODULE(_tier, m) {
           },
           "Drops an overlapped step in flight (nothing committed; the gradients are kept).")
       .def_prop_ro("overlap_running",
-                   [](PyOptimizer& o) { return o.overlap != nullptr && o.get().overlapped_step_running(); })
+                   [](PyOptimizer& o) {
+                     return o.overlap != nullptr && o.opt != nullptr && !o.async && o.opt->overlapped_step_running();
+                   })
       .def(
           "step_to",
           [](PyOptimizer& o, const std::vector<nb::object>& destinations, bool skip_missing_grads) {
@@ -805,7 +836,7 @@ NB_MODULE(_tier, m) {
           "Partition `partition` has its final gradient of this step in an engine tensor (step_into's "
           "grad_tensors), with sum of squares `sumsq`.")
       .def("set_lr", [](PyOptimizer& o, int group, double lr) { check(o.get().set_lr(group, lr)); })
-      .def("lr", [](PyOptimizer& o, int group) { return unwrap(o.get().hyper_params(group)).lr; })
+      .def("lr", [](PyOptimizer& o, int group) { return unwrap(o.peek().hyper_params(group)).lr; })
       .def("group_step", [](PyOptimizer& o, int group) { return unwrap(o.get().group_step(group)); })
       .def("set_group_step",
            [](PyOptimizer& o, int group, std::int64_t step) { check(o.get().set_group_step(group, step)); })
@@ -837,9 +868,9 @@ NB_MODULE(_tier, m) {
           },
           "partition"_a, "kind"_a, "src"_a,
           "Overwrites a partition's state ('master', 'exp_avg' or 'exp_avg_sq') with numel fp32 values.")
-      .def_prop_ro("group_count", [](PyOptimizer& o) { return o.get().group_count(); })
-      .def_prop_ro("partition_count", [](PyOptimizer& o) { return o.get().partition_count(); })
-      .def_prop_ro("loss_scale", [](PyOptimizer& o) { return o.get().loss_scale(); })
+      .def_prop_ro("group_count", [](PyOptimizer& o) { return o.peek().group_count(); })
+      .def_prop_ro("partition_count", [](PyOptimizer& o) { return o.peek().partition_count(); })
+      .def_prop_ro("loss_scale", [](PyOptimizer& o) { return o.peek().loss_scale(); })
       .def(
           "read_params",
           [](PyOptimizer& o, optim::PartitionId id, const std::string& dtype, nb::handle out) {
@@ -896,8 +927,43 @@ NB_MODULE(_tier, m) {
              d["steps_skipped"] = st.steps_skipped;
              return d;
            })
+      .def(
+          "start_step_async",
+          [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
+             const std::vector<std::int64_t>& grad_tensors) {
+            optim::OffloadedOptimizer& opt = o.get();  // (refuses while one runs)
+            auto a = std::make_unique<AsyncStep>();
+            a->ctx = std::make_shared<OverlapContext>(engine, tensors, grad_tensors, opt);
+            AsyncStep* raw = a.get();
+            const optim::StepOptions so = engine_step_options(*a->ctx);
+            o.async = std::move(a);
+            raw->thread = std::thread([raw, &opt, so] {
+              raw->result = opt.step(so);
+              raw->closed = raw->ctx->sink.close();
+            });
+          },
+          "engine"_a, "tensors"_a, "grad_tensors"_a = std::vector<std::int64_t>{},
+          "step_into on a thread of its own, returning at once: nothing else may use the optimizer (nor the "
+          "gradients it reads) until finish_step_async() returns its report.")
+      .def(
+          "finish_step_async",
+          [](PyOptimizer& o) {
+            if (!o.async) raise(failed_precondition("finish_step_async: no asynchronous step is running"));
+            {
+              nb::gil_scoped_release unlocked;
+              o.async->join();
+            }
+            std::unique_ptr<AsyncStep> a = std::move(o.async);
+            auto report = unwrap(std::move(a->result));
+            check(a->closed);
+            return report_dict(report);
+          },
+          "Waits for the step start_step_async() began and returns its report (or raises its error).")
+      .def_prop_ro("step_async_running", [](PyOptimizer& o) { return o.async != nullptr; })
       .def("close", [](PyOptimizer& o) {
         nb::gil_scoped_release unlocked;
+        if (o.async) o.async->join();
+        o.async.reset();
         o.opt.reset();  // stops an overlapped pass first
         o.overlap.reset();
       });

@@ -162,7 +162,7 @@ class _MicroStepGrads:
     def add_grad(self, pid, grad):
         engine = self._engine()
         acc = self.held.get(pid)
-        if acc is None and engine._gas == 1 and engine._boundary is None:
+        if acc is None and engine._gas == 1 and engine._boundary is None and not engine._delayed:
             engine.optimizer.add_grad(pid, grad)
         elif acc is None:
             self.held[pid] = grad.detach().reshape(-1).to(torch.float32, copy=True)
@@ -691,6 +691,7 @@ class TierEngine(torch.nn.Module):
             self._grads_in_engine = False
             self._grads = _MicroStepGrads(self)  # stays empty
             self._overlap = False
+            self._delayed = False
             self._tensor_of_partition = []
             self.scheduler = None
             self.torch_optimizer = None
@@ -711,12 +712,25 @@ class TierEngine(torch.nn.Module):
             # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary
             # micro-step's backward (NVMe-resident state; see docs/optimizer.md), "serial" after it.
             overlap = resolved.get("tier", {}).get("optimizer", {}).get("overlap", "exact")
-            if overlap == "delayed":
-                raise ValueError(
-                    'tier.optimizer.overlap: "delayed" (the one-step-delayed update) is not implemented yet; use '
-                    '"exact" (the default: the same result as "serial", overlapped with backward) or "serial"'
-                )
             opt_type = str(resolved.get("optimizer", {}).get("type", "")).lower()
+            # "delayed": the update of step k runs while step k+1's forward and backward compute
+            # on the params of step k (ZeRO-Offload's delayed parameter update; docs/optimizer.md).
+            self._delayed = overlap == "delayed"
+            self._delayed_pending = None  # (the gradients it reads, lr_kwargs) while it runs
+            self._spare_grads = None  # the other set of gradient tensors (NVMe state)
+            if self._delayed:
+                why = None
+                if self.compute_dtype_name == "fp16":
+                    why = (
+                        "fp16 loss scaling is not supported with it (the next step's loss scale would depend on the "
+                        "overflow check of an update that has not run yet); use bf16 or fp32"
+                    )
+                elif opt_type == "lamb":
+                    why = "Lamb is not supported with it (its trust ratios need a second pass); use Adam or AdamW"
+                elif self._zero is not None:
+                    why = f"it is not supported across ranks yet (this run has {self._zero.world}); use \"exact\""
+                if why:
+                    raise ValueError(f'tier.optimizer.overlap: "delayed": {why}')
             self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
             self._tensor_of_partition = [-1] * self.optimizer.partition_count
             # Where each partition's updated params go in its tensor: a rank's shard of a whole
@@ -1214,20 +1228,96 @@ class TierEngine(torch.nn.Module):
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
+        if self._delayed:
+            report = self._start_delayed(lr_kwargs)
+        else:
+            self._grads.flush(self.optimizer)
+            grad_tensors = self._grads.tensors if self._grads_in_engine else []
+            ok = False
+            try:
+                if self.optimizer.overlap_running:
+                    report = self.optimizer.finish_overlap()
+                else:
+                    self._apply_lr()
+                    report = self.optimizer.step_into(
+                        self.native,
+                        self._tensor_of_partition,
+                        grad_tensors,
+                        self._partition_offsets,
+                        self._reduce_sumsq,
+                    )
+                ok = True
+            finally:
+                self._grads.after_step(ok)
+            self._after_report(report, lr_kwargs)
+        self._timers["step"] += time.perf_counter() - t0
+        self._span("step", t0_ns)
+        return report
+
+    def _start_delayed(self, lr_kwargs):
+        """overlap "delayed": waits for the previous step's update (and puts its params in place),
+        then starts this step's on a thread of its own, reading this step's gradients while the
+        next micro-steps gather theirs in the other set. Returns the previous step's report (None
+        at the first)."""
+        report = self._join_delayed()
         self._grads.flush(self.optimizer)
         grad_tensors = self._grads.tensors if self._grads_in_engine else []
+        self._apply_lr()
+        self.optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
+        self._delayed_pending = (self._grads, lr_kwargs)
+        if self._grads_in_engine:
+            spare = self._spare_grads
+            if spare is None:  # the second set of gradient tensors, made once
+                spare = _EngineGrads(self, self.optimizer.partition_count)
+                for slot in self._slots:
+                    if slot.pid is not None:
+                        spare.tensors[slot.pid] = self.native.register(
+                            f"grad.next/{slot.name}", "fp32", slot.zero_count, "grad", 0, "nvme"
+                        )
+            self._grads = spare
+            self._spare_grads = None
+        else:
+            self._grads = _MicroStepGrads(self)
+        return report
+
+    def _join_delayed(self):
+        """Waits for the update started by the last boundary step() in "delayed" mode, writes the
+        params it produced into the engine and books the step. Returns its report, or None."""
+        pending = self.__dict__.get("_delayed_pending")
+        if pending is None:
+            return None
+        grads, lr_kwargs = pending
+        self._delayed_pending = None
         ok = False
         try:
-            if self.optimizer.overlap_running:
-                report = self.optimizer.finish_overlap()
-            else:
-                self._apply_lr()
-                report = self.optimizer.step_into(
-                    self.native, self._tensor_of_partition, grad_tensors, self._partition_offsets, self._reduce_sumsq
-                )
+            report = self.optimizer.finish_step_async()
             ok = True
         finally:
-            self._grads.after_step(ok)
+            grads.after_step(ok)
+            if self._grads_in_engine:
+                grads.clear()
+                self._spare_grads = grads
+        if report["applied"]:
+            # The update wrote the masters only (the params were in use meanwhile): derive them.
+            for slot in self._slots:
+                if slot.pid is None:
+                    continue
+                low = torch.empty(slot.shape, dtype=self.compute_dtype)
+                self.optimizer.read_params(slot.pid, self.compute_dtype_name, low)
+                self.native.write(slot.tid, low)
+        self._after_report(report, lr_kwargs)
+        return report
+
+    def _settle(self):
+        """The params and state as the steps so far leave them: no overlapped pass in flight, the
+        delayed update (if any) done. Anything that reads them from outside the training loop
+        calls this."""
+        self._cancel_overlap()
+        if self.optimizer is not None:
+            self._join_delayed()
+
+    def _after_report(self, report, lr_kwargs):
+        """Books a finished optimizer step: counters, the schedulers, the next lr."""
         self._param_version += 1
         self.last_report = report
         if report["applied"] and self._zero is not None and self._zero.stage < 3:
@@ -1247,9 +1337,6 @@ class TierEngine(torch.nn.Module):
             self._apply_lr()
         else:
             self.skipped_steps += 1
-        self._timers["step"] += time.perf_counter() - t0
-        self._span("step", t0_ns)
-        return report
 
     def zero_grad(self, set_to_none=True):
         """Forgets every gradient taken since the last step: the micro-steps' sums held for the
@@ -1261,7 +1348,8 @@ class TierEngine(torch.nn.Module):
             self._reducer.clear()
         if self.optimizer is not None:
             self.optimizer.cancel_overlap()
-            self.optimizer.clear_grads()
+            if not self.optimizer.step_async_running:  # (a delayed update reads its own gradients)
+                self.optimizer.clear_grads()
         for slot in self._slots:
             slot.param.grad = None
 
@@ -1335,7 +1423,7 @@ class TierEngine(torch.nn.Module):
         slot = next((s for s in self._slots if s.name == name), None)
         if slot is None:
             raise KeyError(f"no parameter named {name!r}")
-        self._cancel_overlap()
+        self._settle()
         if self._zero is not None and self._zero.stage == 3:
             # A collective: every rank asks for the same parameters in the same order.
             if slot.fetches > 0:
@@ -1361,7 +1449,7 @@ class TierEngine(torch.nn.Module):
 
     def state_dict_fp32(self):
         """Every trainable parameter's fp32 master value, by name (CPU tensors)."""
-        self._cancel_overlap()
+        self._settle()
         out = {}
         if self._zero is not None:
             # Collectives: the masters' shards gathered from their owners.
@@ -1406,7 +1494,7 @@ class TierEngine(torch.nn.Module):
                 "save_checkpoint(exclude_frozen_parameters=True): tier checkpoints always hold the frozen "
                 "parameters (load checks them against the model); drop the argument"
             )
-        self._cancel_overlap()
+        self._settle()
         if self._zero is not None:
             from .zero_checkpoint import save as save_ranks
 
@@ -1451,6 +1539,7 @@ class TierEngine(torch.nn.Module):
                     f"load_checkpoint({key}={value!r}): a tier checkpoint is restored whole (module, optimizer and "
                     f"scheduler state together, names checked strictly); leave {key} at {default!r}"
                 )
+        self._settle()
         self.zero_grad()
         from .zero_checkpoint import is_rank_checkpoint
 
@@ -1554,7 +1643,7 @@ class TierEngine(torch.nn.Module):
     def _fill_state_dict(self, module, state_dict, prefix):
         if self.__dict__.get("native") is None:
             return
-        self._cancel_overlap()
+        self._settle()
         key = (id(state_dict), self._param_version)
         memo_key, memo = self.__dict__.get("_gather_memo", (None, None))
         if memo_key != key:
@@ -1609,6 +1698,11 @@ class TierEngine(torch.nn.Module):
         if self.__dict__.get("native") is None:
             return
         self._drain_grads()
+        if self.optimizer is not None:
+            try:
+                self._join_delayed()
+            except Exception as e:  # noqa: BLE001 (the engine goes anyway; say what was lost)
+                warnings.warn(f"engine.destroy(): the last delayed update failed and is dropped: {e}", stacklevel=2)
         self._end_finished_leases(wait=True)
         self.close()
         for mod, owned in self._module_slots.items():

@@ -1,0 +1,114 @@
+"""tier.optimizer.overlap "delayed": the update of step k runs while step k+1's forward and
+backward compute on the params of step k (ZeRO-Offload's delayed parameter update). The losses and
+final params equal a plain-PyTorch loop that does exactly that."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import tier.torch  # noqa: E402
+from test_torch_llama import LR, batch, make_model, max_rel_diff, tier_config  # noqa: E402
+
+STEPS = 5
+GAS = 2
+
+
+def dpu_reference(steps=STEPS, gas=GAS, clip=1.0):
+    """AdamW where step k's gradients are taken on the params before update k-1 was applied."""
+    theta = make_model()
+    stale = copy.deepcopy(theta)  # what forward and backward see: one update behind
+    opt = torch.optim.AdamW(theta.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            out = stale(**batch(step * gas + micro))
+            losses.append(out.loss.item())
+            (out.loss / gas).backward()
+        for p, q in zip(theta.parameters(), stale.parameters()):
+            p.grad, q.grad = q.grad, None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(theta.parameters(), clip)
+        before = [p.detach().clone() for p in theta.parameters()]
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for q, b in zip(stale.parameters(), before):
+                q.copy_(b)
+    return losses, {n: p.detach().clone() for n, p in theta.named_parameters()}
+
+
+def delayed_config(swap_dir, home="nvme", overlap="delayed", **extra):
+    cfg = tier_config(swap_dir, gas=GAS, **extra)
+    cfg["tier"]["optimizer"]["overlap"] = overlap
+    cfg["zero_optimization"]["offload_optimizer"]["device"] = home
+    return cfg
+
+
+def train(engine, steps, start=0):
+    losses = []
+    for step in range(start, steps):
+        for micro in range(GAS):
+            out = engine(**batch(step * GAS + micro))
+            losses.append(out.loss.item())
+            engine.backward(out.loss)
+            engine.step()
+    return losses
+
+
+@pytest.mark.parametrize("home", ["nvme", "cpu"])
+def test_delayed_update_matches_the_delayed_reference(swap_dir, home):
+    ref_losses, ref_params = dpu_reference()
+    engine, *_ = tier.torch.initialize(make_model(), delayed_config(swap_dir, home))
+    losses = train(engine, STEPS)
+    assert engine.last_report is not None and engine.last_report["clip_coefficient"] < 1.0  # clipping ran
+    assert max_rel_diff(losses, ref_losses) <= 1e-5
+    params = engine.state_dict_fp32()  # waits for the last update
+    assert engine.global_steps == STEPS
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-5, atol=2e-5)
+    engine.destroy()
+
+
+def test_delayed_is_not_serial(swap_dir, tmp_path):
+    """The delay is real: from the second step on, the losses are not the serial loop's."""
+    engine, *_ = tier.torch.initialize(make_model(), delayed_config(swap_dir))
+    delayed = train(engine, 3)
+    engine.destroy()
+    other = tmp_path / "serial"
+    other.mkdir()
+    engine, *_ = tier.torch.initialize(make_model(), delayed_config(str(other), overlap="serial"))
+    serial = train(engine, 3)
+    engine.destroy()
+    assert delayed[:GAS] == pytest.approx(serial[:GAS], rel=1e-6)  # the first step: the initial params
+    # The second step still computes on the initial params in "delayed", on the updated ones in "serial".
+    assert max_rel_diff(delayed[GAS : 2 * GAS], serial[GAS : 2 * GAS]) > 1e-4
+
+
+def test_a_checkpoint_waits_for_the_update_and_resumes_identically(swap_dir, tmp_path):
+    engine, *_ = tier.torch.initialize(make_model(), delayed_config(swap_dir))
+    train(engine, 2)
+    assert engine.optimizer.step_async_running
+    engine.save_checkpoint(tmp_path / "ckpt")  # completes the pending update first
+    assert not engine.optimizer.step_async_running and engine.global_steps == 2
+    rest = train(engine, 4, start=2)
+    engine.destroy()
+
+    other = tmp_path / "swap2"
+    other.mkdir()
+    engine, *_ = tier.torch.initialize(make_model(seed=1), delayed_config(str(other)))
+    engine.load_checkpoint(tmp_path / "ckpt")
+    resumed = train(engine, 4, start=2)
+    engine.destroy()
+    assert resumed == rest
+
+
+def test_delayed_refuses_what_it_cannot_do(swap_dir):
+    with pytest.raises(ValueError, match='overlap: "delayed": fp16 loss scaling is not supported'):
+        tier.torch.initialize(make_model(), delayed_config(swap_dir, fp16={"enabled": True}))
+    cfg = delayed_config(swap_dir)
+    cfg["optimizer"] = {"type": "Lamb", "params": {"lr": LR}}
+    with pytest.raises(ValueError, match='overlap: "delayed": Lamb is not supported'):
+        tier.torch.initialize(make_model(), cfg)
