@@ -1263,6 +1263,7 @@ class TierEngine(torch.nn.Module):
         self._grads.flush(self.optimizer)
         grad_tensors = self._grads.tensors if self._grads_in_engine else []
         self._apply_lr()
+        self._optimizer_stats = self.optimizer.stats()
         self.optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
         self._delayed_pending = (self._grads, lr_kwargs)
         if self._grads_in_engine:
@@ -1399,7 +1400,11 @@ class TierEngine(torch.nn.Module):
         """The engine's snapshot (tiers, links, metrics) with the optimizer's figures."""
         s = json.loads(self.native.stats_json())
         if self.optimizer is not None:
-            s["optimizer"] = self.optimizer.stats()
+            if self.optimizer.step_async_running:
+                # A delayed update is running: the figures as it found them (it owns the optimizer).
+                s["optimizer"] = dict(self.__dict__.get("_optimizer_stats") or {}, update_running=True)
+            else:
+                s["optimizer"] = self._optimizer_stats = self.optimizer.stats()
         z = self.__dict__.get("_zero")
         if z is not None:
             pf = self.__dict__.get("_prefetcher")
