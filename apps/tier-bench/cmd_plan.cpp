@@ -125,9 +125,10 @@ struct Rates {
   // Bytes/s, read and written together, of a pass that reads and writes at once (the optimizer's);
   // 0: not known, taken as the two directions served in turn (see mixed_rate).
   double nvme_mixed = 0;
-  double h2d = 20e9, d2h = 20e9;  // bytes/s
-  double adam = 1.0e9;            // parameters/s
-  double compute = 0;             // FLOP/s; 0: unknown
+  std::string mixed_source = "from read and write";  // or "given", "measured"
+  double h2d = 20e9, d2h = 20e9;                     // bytes/s
+  double adam = 1.0e9;                               // parameters/s
+  double compute = 0;                                // FLOP/s; 0: unknown
   std::string source = "assumed";
 };
 
@@ -239,7 +240,7 @@ int run_plan(Args& args) {
   // Rates: measured (--measure), given, or assumed.
   if (nvme_read > 0) rates.nvme_read = nvme_read * 1e9, rates.source = "given";
   if (nvme_write > 0) rates.nvme_write = nvme_write * 1e9, rates.source = "given";
-  if (nvme_mixed > 0) rates.nvme_mixed = nvme_mixed * 1e9, rates.source = "given";
+  if (nvme_mixed > 0) rates.nvme_mixed = nvme_mixed * 1e9, rates.source = rates.mixed_source = "given";
   if (h2d > 0) rates.h2d = rates.d2h = h2d * 1e9, rates.source = "given";
   if (adam > 0) rates.adam = adam * 1e9, rates.source = "given";
   rates.compute = tflops * 1e12;
@@ -268,6 +269,7 @@ int run_plan(Args& args) {
         return 1;
       }
       rates.nvme_mixed = *m;
+      rates.mixed_source = "measured";
     }
     const std::uint64_t n = 16u << 20;
     std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g(n, 1e-3f);
@@ -404,7 +406,7 @@ int run_plan(Args& args) {
                   {"nvme_read_bytes_per_second", rates.nvme_read},
                   {"nvme_write_bytes_per_second", rates.nvme_write},
                   {"nvme_mixed_bytes_per_second", mixed_rate(rates)},
-                  {"nvme_mixed_measured", rates.nvme_mixed > 0},
+                  {"nvme_mixed_source", rates.mixed_source},
                   {"h2d_bytes_per_second", rates.h2d},
                   {"adam_params_per_second", rates.adam},
                   {"compute_flops_per_second", rates.compute}};
@@ -434,8 +436,9 @@ int run_plan(Args& args) {
   std::printf(
       "rates (%s): NVMe read %s, write %s, mixed %s%s; host->device %s; CPU Adam %.2f G params/s; compute %s\n\n",
       rates.source.c_str(), format_rate(rates.nvme_read).c_str(), format_rate(rates.nvme_write).c_str(),
-      format_rate(mixed_rate(rates)).c_str(), rates.nvme_mixed > 0 ? "" : " (from read and write)",
-      format_rate(rates.h2d).c_str(), rates.adam / 1e9,
+      format_rate(mixed_rate(rates)).c_str(),
+      rates.mixed_source == "from read and write" ? " (from read and write)" : "", format_rate(rates.h2d).c_str(),
+      rates.adam / 1e9,
       rates.compute > 0 ? str(fmt(rates.compute / 1e12, 1), " TFLOP/s").c_str() : "not given (times exclude it)");
   Table table({"offload", "device", "host", "NVMe", "fwd+bwd s", "optimizer s", "step s", "fits"});
   for (const Choice& c : choices) {
