@@ -8,6 +8,8 @@ install(TARGETS ${TIER_MODULE_TARGETS} tier EXPORT tierTargets
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 if(TARGET tier-bench)
   install(TARGETS tier-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  # `tier-bench summary --plot` runs this beside itself.
+  install(PROGRAMS ${PROJECT_SOURCE_DIR}/apps/tier-bench/tier-bench-plot DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 install(EXPORT tierTargets NAMESPACE tier:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tier)
 

@@ -6,8 +6,12 @@
 //
 // Model of a step (single GPU, as tier runs today): forward and backward stream the offloaded
 // parameters in (twice: forward and backward) and the gradients out, overlapped with compute, so
-// they cost max(compute, transfers); the optimizer pass follows (it waits for backward): the NVMe
-// state read and written back through the pipeline beside the CPU Adam, max(I/O, update).
+// they cost max(compute, transfers); the optimizer pass follows (it waits for backward): every
+// byte it moves on the disk beside the CPU Adam, max(I/O, update). Those bytes are the state
+// records read and written back, the gradients read (their engine leases) and the updated params
+// written back; they share the disk at once, so they are charged at the mixed read+write rate
+// (`--measure`: OffloadedOptimizer::measure_io_seconds over a scratch state, tier's own pipeline
+// and request shapes), not at each direction's sequential rate.
 // Compute is an input (--compute-tflops); without it the predicted time is the offload part only.
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -25,6 +29,7 @@
 #include "cli.hpp"
 #include "io_bench.hpp"
 #include "tier/cpu_adam.hpp"
+#include "tier/offloaded_optimizer.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {
@@ -117,9 +122,13 @@ Result<Shape> shape_of(const json& c, const std::string& where) {
 
 struct Rates {
   double nvme_read = 3.0e9, nvme_write = 2.5e9;  // bytes/s
-  double h2d = 20e9, d2h = 20e9;                 // bytes/s
-  double adam = 1.0e9;                           // parameters/s
-  double compute = 0;                            // FLOP/s; 0: unknown
+  // Bytes/s, read and written together, of a pass that reads and writes at once (the optimizer's);
+  // 0: not known, taken as the two directions served in turn (see mixed_rate).
+  double nvme_mixed = 0;
+  std::string mixed_source = "from read and write";  // or "given", "measured"
+  double h2d = 20e9, d2h = 20e9;                     // bytes/s
+  double adam = 1.0e9;                               // parameters/s
+  double compute = 0;                                // FLOP/s; 0: unknown
   std::string source = "assumed";
 };
 
@@ -133,6 +142,39 @@ struct Choice {
 
 double gib(double b) {
   return b / double(1ull << 30);
+}
+
+// The rate a 1:1 read+write pass is charged at: the measured one, else each direction's
+// sequential rate for half the bytes (what a disk that never overlaps the two would do).
+double mixed_rate(const Rates& r) {
+  return r.nvme_mixed > 0 ? r.nvme_mixed : 2.0 / (1.0 / r.nvme_read + 1.0 / r.nvme_write);
+}
+
+// The optimizer's own mixed pass (measure_io_seconds: every chunk record read from its committed
+// slot and written to its shadow through the pipeline) over a scratch state of `elements` in
+// `dir`: bytes read + written per second. One untimed pass first (a file system may convert
+// preallocated extents on their first write); the mean of two timed passes.
+Result<double> measure_mixed(const std::string& dir, std::uint64_t elements) {
+  optim::OffloadedOptimizerOptions o;
+  o.home = optim::StateHome::kNvme;
+  o.max_elements = elements;
+  o.max_partitions = 1;
+  o.groups = {cpu::AdamHyperParams{}};
+  o.swap_options.paths = {dir};
+  TIER_ASSIGN_OR_RETURN(auto opt, optim::OffloadedOptimizer::create(o));
+  optim::PartitionSpec ps;
+  ps.numel = elements;
+  TIER_RETURN_IF_ERROR(opt->add_partition(ps).status());
+  TIER_RETURN_IF_ERROR(opt->finish_registration());
+  TIER_RETURN_IF_ERROR(opt->measure_io_seconds().status());
+  double bytes = 0, seconds = 0;
+  for (int k = 0; k < 2; ++k) {
+    TIER_ASSIGN_OR_RETURN(optim::PassReport r, opt->measure_io_seconds());
+    bytes += static_cast<double>(r.bytes_read + r.bytes_written);
+    seconds += r.seconds;
+  }
+  if (seconds <= 0) return internal_error("the mixed pass took no time");
+  return bytes / seconds;
 }
 
 int run_plan(Args& args) {
@@ -152,10 +194,11 @@ int run_plan(Args& args) {
   take(args.choice("dtype", {"bf16", "fp16", "fp32"}, "bf16"), dtype);
   const bool no_checkpointing = args.flag("no-checkpointing");
   Rates rates;
-  double tflops = 0, nvme_read = 0, nvme_write = 0, h2d = 0, adam = 0;
+  double tflops = 0, nvme_read = 0, nvme_write = 0, nvme_mixed = 0, h2d = 0, adam = 0;
   take(args.number("compute-tflops", 0), tflops);
   take(args.number("nvme-read-gbps", 0), nvme_read);
   take(args.number("nvme-write-gbps", 0), nvme_write);
+  take(args.number("nvme-mixed-gbps", 0), nvme_mixed);
   take(args.number("h2d-gbps", 0), h2d);
   take(args.number("adam-gparams", 0), adam);
   const bool measure = args.flag("measure");
@@ -197,6 +240,7 @@ int run_plan(Args& args) {
   // Rates: measured (--measure), given, or assumed.
   if (nvme_read > 0) rates.nvme_read = nvme_read * 1e9, rates.source = "given";
   if (nvme_write > 0) rates.nvme_write = nvme_write * 1e9, rates.source = "given";
+  if (nvme_mixed > 0) rates.nvme_mixed = nvme_mixed * 1e9, rates.source = rates.mixed_source = "given";
   if (h2d > 0) rates.h2d = rates.d2h = h2d * 1e9, rates.source = "given";
   if (adam > 0) rates.adam = adam * 1e9, rates.source = "given";
   rates.compute = tflops * 1e12;
@@ -215,6 +259,17 @@ int run_plan(Args& args) {
         return 1;
       }
       (write ? rates.nvme_write : rates.nvme_read) = r->bytes_per_second;
+    }
+    if (nvme_mixed <= 0) {
+      // 64 Mi elements: 768 MiB of fp32 records each way per pass, 1.5 GiB of files (removed).
+      auto m = measure_mixed(nvme_dir, 64ull << 20);
+      if (!m.ok()) {
+        std::fprintf(stderr, "tier-bench plan: measuring the optimizer's mixed pass in %s: %s\n", nvme_dir.c_str(),
+                     m.status().message().c_str());
+        return 1;
+      }
+      rates.nvme_mixed = *m;
+      rates.mixed_source = "measured";
     }
     const std::uint64_t n = 16u << 20;
     std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g(n, 1e-3f);
@@ -280,8 +335,11 @@ int run_plan(Args& args) {
     if (o_off) stream += pb * N / rates.d2h * static_cast<double>(gas);
     c.fwd_bwd = std::max(compute, stream);
     if (o_nvme) {
-      // Read 12 B of state and 4 B of gradient, write 12 B of state and the params, per parameter.
-      const double io = (16.0 * N) / rates.nvme_read + (12.0 * N + pb * N) / rates.nvme_write;
+      // Every byte the pass moves, per parameter: 12 B of state records read and 12 B written
+      // back, the 4 B fp32 gradient read (p_nvme: from the engine's NVMe file, through its lease),
+      // and the updated params written (pb B; p_nvme: to the engine's file). They go at once, so
+      // all at the mixed rate.
+      const double io = (12.0 + 12.0 + 4.0 + pb) * N / mixed_rate(rates);
       c.optimizer = std::max(io, N / rates.adam);
     } else if (o_off) {
       c.optimizer = N / rates.adam;
@@ -347,6 +405,8 @@ int run_plan(Args& args) {
     j["rates"] = {{"source", rates.source},
                   {"nvme_read_bytes_per_second", rates.nvme_read},
                   {"nvme_write_bytes_per_second", rates.nvme_write},
+                  {"nvme_mixed_bytes_per_second", mixed_rate(rates)},
+                  {"nvme_mixed_source", rates.mixed_source},
                   {"h2d_bytes_per_second", rates.h2d},
                   {"adam_params_per_second", rates.adam},
                   {"compute_flops_per_second", rates.compute}};
@@ -374,9 +434,11 @@ int run_plan(Args& args) {
               static_cast<unsigned long long>(seq), static_cast<unsigned long long>(gas),
               no_checkpointing ? "" : ", activation checkpointing");
   std::printf(
-      "rates (%s): NVMe read %s, write %s; host->device %s; CPU Adam %.2f G params/s; compute %s\n\n",
+      "rates (%s): NVMe read %s, write %s, mixed %s%s; host->device %s; CPU Adam %.2f G params/s; compute %s\n\n",
       rates.source.c_str(), format_rate(rates.nvme_read).c_str(), format_rate(rates.nvme_write).c_str(),
-      format_rate(rates.h2d).c_str(), rates.adam / 1e9,
+      format_rate(mixed_rate(rates)).c_str(),
+      rates.mixed_source == "from read and write" ? " (from read and write)" : "", format_rate(rates.h2d).c_str(),
+      rates.adam / 1e9,
       rates.compute > 0 ? str(fmt(rates.compute / 1e12, 1), " TFLOP/s").c_str() : "not given (times exclude it)");
   Table table({"offload", "device", "host", "NVMe", "fwd+bwd s", "optimizer s", "step s", "fits"});
   for (const Choice& c : choices) {
@@ -406,8 +468,11 @@ const CommandRegistrar kRegister(
      "  --dtype D             bf16|fp16|fp32 compute dtype (default bf16)\n"
      "  --no-checkpointing    activations without activation checkpointing\n"
      "  --compute-tflops F    the device's sustained TFLOP/s (default: not counted)\n"
-     "  --measure             time the NVMe (in --nvme) and the CPU Adam here\n"
-     "  --nvme-read-gbps F --nvme-write-gbps F --h2d-gbps F --adam-gparams F   rates to assume\n"
+     "  --measure             time the NVMe (in --nvme: sequential reads, writes, and the optimizer's mixed\n"
+     "                        read+write pass over 1.5 GiB of scratch files) and the CPU Adam here\n"
+     "  --nvme-read-gbps F --nvme-write-gbps F --nvme-mixed-gbps F --h2d-gbps F --adam-gparams F\n"
+     "                        rates to assume (mixed: read and written bytes together per second;\n"
+     "                        default: the read and write rates served in turn)\n"
      "  --write-config FILE   write the recommended config\n"
      "  --json                print one JSON object",
      run_plan});

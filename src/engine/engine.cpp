@@ -347,7 +347,7 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
   }
   if (count_trace) {
     ++m_acquires;
-    trace.on_acquire(id, tier);
+    trace.on_acquire(id, tier, access == Access::kWrite);
   }
   const bool writes = access != Access::kRead;
   if ((writes && (t.readers > 0 || t.writer)) || (!writes && t.writer)) {

@@ -33,9 +33,9 @@ void AccessTrace::end_step() {
   mode_ = trace_.empty() ? Mode::kIdle : Mode::kReplaying;
 }
 
-bool AccessTrace::on_acquire(TensorId tensor, Tier tier) {
+bool AccessTrace::on_acquire(TensorId tensor, Tier tier, bool write_only) {
   if (!in_step_) return true;
-  const TraceEntry e{tensor, tier};
+  const TraceEntry e{tensor, tier, write_only};
   if (mode_ == Mode::kRecording) {
     recording_.push_back(e);
     return true;

@@ -15,6 +15,9 @@ void PrefetchScheduler::issue(const AccessTrace& trace, PrefetchTarget& target) 
     const std::uint64_t bytes = target.bytes(e.tensor);
     window += bytes;
     if (k > 0 && window > limits_.window_bytes) break;  // staging further would evict copies needed sooner
+    // A write-only acquire reads nothing: fetching the old bytes would only cost a read (and the
+    // room of copies needed sooner). Its bytes still count in the window: it will take room.
+    if (e.write_only) continue;
     if (!target.prefetchable(e.tensor)) continue;
     if (target.present_or_coming(e.tensor, e.tier)) continue;
     if (final_open && target.inflight_bytes() + bytes <= limits_.max_inflight_bytes) {

@@ -114,6 +114,23 @@ TEST(PrefetchScheduler, SkipsWhatIsThereOrHeldAndKeepsCountingItsBytes) {
   EXPECT_EQ(f.final_hops(), (std::vector<TensorId>{2}));
 }
 
+TEST(PrefetchScheduler, SkipsWriteOnlyAcquiresAndKeepsCountingTheirBytes) {
+  // 1 is overwritten whole when acquired (an optimizer step's updated params): nothing to read.
+  AccessTrace t;
+  t.begin_step();
+  t.on_acquire(0, Tier::kHost);
+  t.on_acquire(1, Tier::kHost, /*write_only=*/true);
+  t.on_acquire(2, Tier::kHost);
+  t.on_acquire(3, Tier::kHost);
+  t.end_step();
+  t.begin_step();
+  FakeTarget f = tensors({0, 1, 2, 3});
+  PrefetchLimits l = roomy();
+  l.window_bytes = 300;  // 0, 1, 2 fit; 3 does not
+  PrefetchScheduler(l).issue(t, f);
+  EXPECT_EQ(f.final_hops(), (std::vector<TensorId>{0, 2}));
+}
+
 TEST(PrefetchScheduler, StopsAtTheInflightBudgetAndStagesBeyondIt) {
   AccessTrace t = recorded({0, 1, 2, 3, 4});
   t.begin_step();

@@ -95,3 +95,45 @@ def test_bad_input_is_named(tmp_path):
     assert r.returncode == 2 and "'vocab_size' is missing" in r.stderr
     r = plan("--model", tmp_path / "nowhere", check=False)
     assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def _nvme_row(got):
+    return next(c for c in got["choices"] if c["name"] == "params + optimizer on NVMe")
+
+
+def test_optimizer_pass_is_every_byte_at_the_mixed_rate(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,
+                                   num_attention_heads=16)
+    cfg.save_pretrained(tmp_path)
+    common = ("--model", tmp_path, "--dtype", "fp32", "--nvme-size", "1T", "--adam-gparams", 1000)
+    # Without a mixed rate, reads and writes are taken as served in turn.
+    got = plan(*common, "--nvme-read-gbps", 2, "--nvme-write-gbps", 4)
+    n = got["parameters"]
+    rates = got["rates"]
+    assert rates["nvme_mixed_source"] == "from read and write"
+    assert rates["nvme_mixed_bytes_per_second"] == pytest.approx(2 / (1 / 2e9 + 1 / 4e9))
+    # The state read and written (12 + 12 B), the fp32 gradient read (4 B), the params written (4 B).
+    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(32 * n / rates["nvme_mixed_bytes_per_second"])
+    # A given mixed rate replaces it.
+    got = plan(*common, "--nvme-read-gbps", 2, "--nvme-write-gbps", 4, "--nvme-mixed-gbps", 1.5)
+    assert got["rates"]["nvme_mixed_bytes_per_second"] == pytest.approx(1.5e9)
+    assert got["rates"]["nvme_mixed_source"] == "given"
+    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(32 * n / 1.5e9)
+    # bf16: params written back in 2 bytes.
+    got = plan("--model", tmp_path, "--nvme-size", "1T", "--adam-gparams", 1000, "--nvme-mixed-gbps", 1.5)
+    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(30 * n / 1.5e9)
+
+
+def test_measure_times_the_optimizers_mixed_pass(tmp_path):
+    st = os.statvfs(tmp_path)
+    if st.f_bavail * st.f_frsize < 6 << 30:
+        pytest.skip("--measure writes about 2.5 GiB of scratch files; less than 6 GiB free here")
+    cfg = transformers.LlamaConfig(**SMALL, intermediate_size=172)
+    cfg.save_pretrained(tmp_path / "model")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    got = plan("--model", tmp_path / "model", "--nvme", nvme, "--measure")
+    rates = got["rates"]
+    assert rates["source"] == "measured" and rates["nvme_mixed_source"] == "measured"
+    assert rates["nvme_mixed_bytes_per_second"] > 0
+    assert list(nvme.iterdir()) == []  # the scratch files are gone

@@ -24,6 +24,9 @@ namespace tier {
 struct TraceEntry {
   TensorId tensor = kInvalidTensor;
   Tier tier = Tier::kDevice;
+  // The acquire overwrites the whole tensor (Access::kWrite): its old bytes are never read, so
+  // there is nothing to prefetch (an optimizer step's updated params). Not part of the match.
+  bool write_only = false;
   friend bool operator==(const TraceEntry& a, const TraceEntry& b) { return a.tensor == b.tensor && a.tier == b.tier; }
 };
 
@@ -36,7 +39,8 @@ class AccessTrace {
   void begin_step();
   void end_step();
   // Records or matches one acquire. Returns false when it did not match a replayed trace.
-  bool on_acquire(TensorId tensor, Tier tier);
+  // `write_only`: the acquire is Access::kWrite (see TraceEntry).
+  bool on_acquire(TensorId tensor, Tier tier, bool write_only = false);
   // Forgets the trace (e.g. when tensors are unregistered).
   void reset();
 
