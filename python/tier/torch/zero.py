@@ -168,11 +168,6 @@ class ZeroGroup:
         self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(t, group=self.pg))
         return float(t.item())
 
-    def all_reduce_max(self, value):
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg))
-        return float(t.item())
-
     def reduce_scatter(self, flat, async_op=False):
         """``flat`` holds ``world`` equal segments, segment ``q`` for rank ``q``: returns the sum over
         ranks of this rank's segment (with ``async_op``: (it, work), valid after ``wait(work)``)."""
@@ -195,8 +190,6 @@ class ZeroGroup:
     def wait(self, work, what):
         self._run(what, work.wait)
 
-    def barrier(self):
-        self._run("barrier", lambda: dist.barrier(group=self.pg))
 
 
 class GradReducer:
@@ -325,11 +318,15 @@ def gather_full(group, bucket, read_shard):
     """All-gathers the shards of ``bucket``'s slots (``read_shard(slot)`` gives this rank's, padded
     to the shard size) and returns ``{id(slot): full flat tensor of numel}``."""
     width = sum(s.zero_shard for s in bucket)
-    local = torch.cat([read_shard(s).reshape(-1) for s in bucket]) if len(bucket) > 1 else read_shard(bucket[0]).reshape(-1)
-    assert local.numel() == width
-    full = group.all_gather(local).view(group.world, width)
+    local = torch.cat([read_shard(s).reshape(-1) for s in bucket])
+    return _split(group, bucket, group.all_gather(local), width)
+
+
+def _split(group, slots, gathered, width):
+    """The whole flat values of ``slots`` from an all-gather of their concatenated shards."""
+    full = gathered.view(group.world, width)
     out, off = {}, 0
-    for s in bucket:
+    for s in slots:
         out[id(s)] = full[:, off : off + s.zero_shard].reshape(-1)[: s.numel]
         off += s.zero_shard
     return out
@@ -381,15 +378,6 @@ class GatherPrefetcher:
         gathered, work = self.group.all_gather(local, async_op=True)
         return gathered, work, width
 
-    @staticmethod
-    def _split(group, slots, gathered, width):
-        full = gathered.view(group.world, width)
-        out, off = {}, 0
-        for s in slots:
-            out[id(s)] = full[:, off : off + s.zero_shard].reshape(-1)[: s.numel]
-            off += s.zero_shard
-        return out
-
     def gather(self, slots):
         """{id(slot): full flat value} for ``slots`` (a collective, maybe started earlier)."""
         slots = tuple(slots)
@@ -401,7 +389,7 @@ class GatherPrefetcher:
             self.inflight_elems -= width * self.group.world
             self.group.wait(work, "all_gather of parameters")
             self.hits += 1
-            result = self._split(self.group, slots, gathered, width)
+            result = _split(self.group, slots, gathered, width)
         else:
             if hit is not None or (pos < len(self.record) and self.record[pos] != slots):
                 if hit is not None:
@@ -411,7 +399,7 @@ class GatherPrefetcher:
             self.misses += 1
             gathered, work, width = self._start(slots)
             self.group.wait(work, "all_gather of parameters")
-            result = self._split(self.group, slots, gathered, width)
+            result = _split(self.group, slots, gathered, width)
         self._prefetch(pos + 1)
         return result
 
