@@ -495,12 +495,7 @@ def load(engine, load_dir, tag):
     # Everything is checked; from here on the engine changes. The optimizer's reader checks its
     # records before it replaces any state, so a failure there still leaves the engine as it was.
     engine.optimizer.load_checkpoint(os.path.join(path, "optimizer.bin"))
-    for s in engine._slots:
-        if s.pid is None:
-            continue
-        low = torch.empty(s.shape, dtype=engine.compute_dtype)
-        engine.optimizer.read_params(s.pid, engine.compute_dtype_name, low)
-        engine.native.write(s.tid, low)
+    engine._params_from_masters()
     if plan["frozen"]:
         with open(plan["frozen_path"], "rb") as f:
             for s, nbytes in plan["frozen"]:

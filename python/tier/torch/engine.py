@@ -1300,14 +1300,19 @@ class TierEngine(torch.nn.Module):
                 self._spare_grads = grads
         if report["applied"]:
             # The update wrote the masters only (the params were in use meanwhile): derive them.
-            for slot in self._slots:
-                if slot.pid is None:
-                    continue
-                low = torch.empty(slot.shape, dtype=self.compute_dtype)
-                self.optimizer.read_params(slot.pid, self.compute_dtype_name, low)
-                self.native.write(slot.tid, low)
+            self._params_from_masters()
         self._after_report(report, lr_kwargs)
         return report
+
+    def _params_from_masters(self):
+        """Writes every trainable parameter (one process: whole partitions) from its fp32 master,
+        converted as the optimizer converts its outputs."""
+        for slot in self._slots:
+            if slot.pid is None:
+                continue
+            low = torch.empty(slot.shape, dtype=self.compute_dtype)
+            self.optimizer.read_params(slot.pid, self.compute_dtype_name, low)
+            self.native.write(slot.tid, low)
 
     def _settle(self):
         """The params and state as the steps so far leave them: no overlapped pass in flight, the
