@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tier.torch  # noqa: E402
-from test_torch_llama import LR, batch, make_model, max_rel_diff, tier_config  # noqa: E402
+from test_torch_llama import LR, batch, make_model, max_rel_diff, tier_config, tier_losses  # noqa: E402
 
 STEPS = 5
 GAS = 2
@@ -48,14 +48,7 @@ def delayed_config(swap_dir, home="nvme", overlap="delayed", **extra):
 
 
 def train(engine, steps, start=0):
-    losses = []
-    for step in range(start, steps):
-        for micro in range(GAS):
-            out = engine(**batch(step * GAS + micro))
-            losses.append(out.loss.item())
-            engine.backward(out.loss)
-            engine.step()
-    return losses
+    return tier_losses(engine, steps, gas=GAS, start=start)
 
 
 @pytest.mark.parametrize("home", ["nvme", "cpu"])
