@@ -290,6 +290,17 @@ nb::dict report_dict(const optim::StepReport& r) {
 
 struct OverlapContext;
 
+// An overlapped step started with start_overlap_to: the destination pointers, and the arrays they
+// point into, held until the pass has stopped.
+struct DestinationOverlap {
+  std::vector<void*> dest;
+  std::vector<nb::object> keep;
+  ~DestinationOverlap() {
+    nb::gil_scoped_acquire locked;  // (dropped where the GIL may be released)
+    keep.clear();
+  }
+};
+
 // A step running on a thread of its own (start_step_async .. finish_step_async): the delayed
 // parameter update, which runs while the caller computes the next step's gradients.
 struct AsyncStep {
@@ -308,7 +319,8 @@ struct PyOptimizer {
   // An overlapped step's callbacks (start_overlap_into .. finish_overlap): dropped after `opt`'s
   // pass has stopped.
   std::shared_ptr<OverlapContext> overlap;
-  std::unique_ptr<AsyncStep> async;  // joined before anything else touches `opt`
+  std::shared_ptr<DestinationOverlap> overlap_to;  // or one started with start_overlap_to
+  std::unique_ptr<AsyncStep> async;                // joined before anything else touches `opt`
 
   PyOptimizer() = default;
   PyOptimizer(PyOptimizer&&) = default;
@@ -321,7 +333,10 @@ struct PyOptimizer {
     async.reset();
     opt.reset();
     overlap.reset();
+    overlap_to.reset();
   }
+
+  bool overlap_started() const { return overlap != nullptr || overlap_to != nullptr; }
 
   // Read-only accessors that an asynchronous step does not change (counts, the lr, a loss scale
   // that is not dynamic) may peek while it runs.
@@ -356,6 +371,25 @@ void* state_view(PyOptimizer& o, optim::PartitionId id, nb::handle arr, const ch
                                " elements for partition ", id)));
   }
   return a.data();
+}
+
+// step_to's and start_overlap_to's destinations: per partition a writable C-contiguous CPU array of
+// its numel in its output dtype, or None.
+std::vector<void*> destination_pointers(PyOptimizer& o, const std::vector<nb::object>& destinations, const char* what) {
+  std::vector<void*> dest(destinations.size(), nullptr);
+  for (std::size_t i = 0; i < destinations.size(); ++i) {
+    if (destinations[i].is_none()) continue;
+    const auto id = static_cast<optim::PartitionId>(i);
+    if (id >= o.get().partition_count()) raise(invalid_argument(str(what, ": no partition ", i)));
+    const std::uint64_t want = o.get().partition_numel(id) * optim::param_output_size(o.get().partition_output(id));
+    nb::ndarray<nb::c_contig, nb::device::cpu> a;
+    if (!nb::try_cast(destinations[i], a) || a.nbytes() != want) {
+      raise(invalid_argument(str(what, ": destination ", i, " must be a writable C-contiguous CPU array of ", want,
+                                 " bytes (the partition's numel in its output dtype)")));
+    }
+    dest[i] = a.data();
+  }
+  return dest;
 }
 
 cpu::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, double wd, bool decoupled,
@@ -750,10 +784,11 @@ NB_MODULE(_tier, m) {
           [](PyOptimizer& o, Engine& engine, const std::vector<std::int64_t>& tensors,
              const std::vector<std::int64_t>& grad_tensors, const std::vector<std::int64_t>& offsets,
              nb::object reduce_sumsq) {
-            if (o.overlap && o.get().overlapped_step_running()) {
+            if (o.overlap_started() && o.get().overlapped_step_running()) {
               raise(failed_precondition("start_overlap_into: an overlapped step is already running"));
             }
             o.overlap.reset();  // one that clear_grads() cancelled
+            o.overlap_to.reset();
             auto ctx = std::make_shared<OverlapContext>(engine, tensors, grad_tensors, o.get(), offsets,
                                                         std::move(reduce_sumsq));
             check(o.get().start_overlapped_step(engine_step_options(*ctx)));
@@ -764,19 +799,48 @@ NB_MODULE(_tier, m) {
           "Starts the step of this accumulation boundary while backward runs (step_into's arguments): its "
           "pass updates chunks, in reverse, as their gradients become final; finish_overlap() validates.")
       .def(
+          "start_overlap_to",
+          [](PyOptimizer& o, const std::vector<nb::object>& destinations, bool skip_missing_grads) {
+            if (o.overlap_started() && o.get().overlapped_step_running()) {
+              raise(failed_precondition("start_overlap_to: an overlapped step is already running"));
+            }
+            o.overlap.reset();  // one that clear_grads() cancelled
+            o.overlap_to.reset();
+            auto ctx = std::make_shared<DestinationOverlap>();
+            ctx->dest = destination_pointers(o, destinations, "start_overlap_to");
+            ctx->keep.assign(destinations.begin(), destinations.end());
+            optim::StepOptions so;
+            so.skip_missing_grads = skip_missing_grads;
+            so.redeliver_abandoned_outputs = false;  // the destinations are the caller's staging
+            const std::vector<void*>* dest = &ctx->dest;
+            so.destination = [dest](optim::PartitionId id) -> void* {
+              return id < dest->size() ? (*dest)[id] : nullptr;
+            };
+            check(o.get().start_overlapped_step(so));
+            o.overlap_to = std::move(ctx);
+          },
+          "destinations"_a, "skip_missing_grads"_a = false,
+          "Starts an overlapped step (step_to's arguments) whose gradients come through add_grad(borrow=True) "
+          "as they become final, in any order; the pass updates chunks in reverse as theirs are in. The "
+          "destinations are the caller's staging: they hold the speculative update until finish_overlap() "
+          "validates it, and are not put back if the pass is abandoned. finish_overlap() returns step_to's "
+          "report (the step redone serially when clipped or skipped).")
+      .def(
           "finish_overlap",
           [](PyOptimizer& o) {
-            if (!o.overlap || !o.get().overlapped_step_running()) {
+            if (!o.overlap_started() || !o.get().overlapped_step_running()) {
               o.overlap.reset();
+              o.overlap_to.reset();
               raise(failed_precondition("finish_overlap: no overlapped step is running"));
             }
             std::shared_ptr<OverlapContext> ctx = std::move(o.overlap);
+            std::shared_ptr<DestinationOverlap> to = std::move(o.overlap_to);
             Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
             Status closed;
             {
               nb::gil_scoped_release unlocked;
               r = o.get().finish_overlapped_step();
-              closed = ctx->sink.close();
+              if (ctx) closed = ctx->sink.close();
             }
             auto report = unwrap(std::move(r));
             check(closed);
@@ -787,34 +851,23 @@ NB_MODULE(_tier, m) {
       .def(
           "cancel_overlap",
           [](PyOptimizer& o) {
-            if (!o.overlap) return;
+            if (!o.overlap_started()) return;
             std::shared_ptr<OverlapContext> ctx = std::move(o.overlap);
+            std::shared_ptr<DestinationOverlap> to = std::move(o.overlap_to);
             nb::gil_scoped_release unlocked;
             o.get().cancel_overlapped_step();
-            ctx->sink.close().ignore();
+            if (ctx) ctx->sink.close().ignore();
           },
           "Drops an overlapped step in flight (nothing committed; the gradients are kept).")
       .def_prop_ro("overlap_running",
                    [](PyOptimizer& o) {
-                     return o.overlap != nullptr && o.opt != nullptr && !o.async && o.opt->overlapped_step_running();
+                     return o.overlap_started() && o.opt != nullptr && !o.async && o.opt->overlapped_step_running();
                    })
       .def(
           "step_to",
           [](PyOptimizer& o, const std::vector<nb::object>& destinations, bool skip_missing_grads) {
             // Raw pointers taken with the GIL held; the arrays stay referenced by `destinations`.
-            std::vector<void*> dest(destinations.size(), nullptr);
-            for (std::size_t i = 0; i < destinations.size(); ++i) {
-              if (destinations[i].is_none()) continue;
-              const auto id = static_cast<optim::PartitionId>(i);
-              const std::uint64_t want =
-                  o.get().partition_numel(id) * optim::param_output_size(o.get().partition_output(id));
-              nb::ndarray<nb::c_contig, nb::device::cpu> a;
-              if (!nb::try_cast(destinations[i], a) || a.nbytes() != want) {
-                raise(invalid_argument(str("step_to: destination ", i, " must be a writable C-contiguous CPU array of ",
-                                           want, " bytes (the partition's numel in its output dtype)")));
-              }
-              dest[i] = a.data();
-            }
+            const std::vector<void*> dest = destination_pointers(o, destinations, "step_to");
             optim::StepOptions so;
             so.skip_missing_grads = skip_missing_grads;
             so.destination = [&](optim::PartitionId id) -> void* { return id < dest.size() ? dest[id] : nullptr; };
@@ -966,6 +1019,7 @@ NB_MODULE(_tier, m) {
         o.async.reset();
         o.opt.reset();  // stops an overlapped pass first
         o.overlap.reset();
+        o.overlap_to.reset();
       });
 }
 

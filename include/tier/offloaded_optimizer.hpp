@@ -230,6 +230,12 @@ struct StepOptions {
   // for an overlapped step), before anything is updated; every rank must step for it to return.
   // An error fails the step with nothing changed.
   std::function<Status(double& sumsq)> reduce_sumsq;
+  // Overlapped steps only: whether params that an abandoned speculative pass had written (to a
+  // destination or through on_output) are delivered again from the committed masters when the
+  // pass is cancelled or its step skipped for an overflow. Keep it on when the outputs land where
+  // the training reads its params; turn it off when they land in the caller's private staging,
+  // which it discards with the pass (it saves reading those masters back from the home).
+  bool redeliver_abandoned_outputs = true;
 };
 
 // One stream of the pipeline.

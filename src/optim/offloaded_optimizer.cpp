@@ -1334,7 +1334,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
                                  : str("the speculative pass failed: ", pass.status().to_string());
   const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : 0;
   for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
-  if (overflow) {
+  if (overflow && held->options.redeliver_abandoned_outputs) {
     // The skipped step must leave the params as they were: deliver the committed ones again.
     TIER_RETURN_IF_ERROR(restore_outputs(*this, im, held->options, held->touched));
   }
@@ -1376,6 +1376,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
   // The params the pass delivered are not the committed state's: deliver those again.
+  if (!held->options.redeliver_abandoned_outputs) return;
   Status s = restore_outputs(*this, im, held->options, held->touched);
   if (!s.ok()) {
     log(LogLevel::kError, str("optimizer: cancelling an overlapped step: ", s.to_string(),

@@ -264,6 +264,40 @@ TEST_P(Overlap, ACancelledStepChangesNothing) {
   EXPECT_TRUE(test::state_matches(opt, ref));
 }
 
+// With redeliver_abandoned_outputs off (outputs into the caller's private staging), a cancel
+// leaves what the pass wrote there (ACancelledStepChangesNothing: with it on, the committed params
+// are delivered again); the state is untouched all the same.
+TEST_P(Overlap, WithoutRedeliveryACancelLeavesThePassOutputsAlone) {
+  Reference ref(test::mixed_model(), test::three_groups(), 11);
+  auto rig = test::make_rig(GetParam(), opts(0), ref);
+  OffloadedOptimizer& opt = rig->opt();
+  test::Outputs out(ref.model());
+  StepOptions so;
+  so.redeliver_abandoned_outputs = false;
+  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  const auto g = grads_for(ref, 1, 0, 1e-2f);
+  const std::uint64_t chunks = opt.stats().chunks;
+  ASSERT_TRUE(opt.start_overlapped_step(so).ok());
+  for (std::size_t i = ref.model().size(); i-- > 1;) ASSERT_TRUE(give(opt, ref, g, i).ok());
+  wait_taken(opt, chunks - 1);  // all but the chunk that holds partition 0
+  ASSERT_GT(opt.overlapped_chunks_taken(), 0u);
+  opt.cancel_overlapped_step();
+  EXPECT_FALSE(opt.overlapped_step_running());
+  EXPECT_EQ(*opt.group_step(0), 0);
+  EXPECT_TRUE(test::state_matches(opt, ref));
+  // The outputs still hold the speculative update: they differ from the committed params.
+  std::size_t ahead = 0;
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    if (ref.model()[i].output == ParamOutput::kNone) continue;
+    const std::size_t bytes = ref.model()[i].numel * param_output_size(ref.model()[i].output);
+    std::vector<std::uint8_t> committed(bytes);
+    ASSERT_TRUE(
+        opt.read_params(static_cast<PartitionId>(i), param_output_dtype(ref.model()[i].output), committed.data()).ok());
+    if (std::memcmp(out.data[i].data(), committed.data(), bytes) != 0) ++ahead;
+  }
+  EXPECT_GT(ahead, 0u) << "every output was put back to the committed params";
+}
+
 TEST_P(Overlap, PartitionsWithoutGradientsAreLeftAloneAsStepLeavesThem) {
   for (double clip : {1e6, 0.05}) {  // speculation kept, then dropped early
     SCOPED_TRACE(str("max_grad_norm ", clip));

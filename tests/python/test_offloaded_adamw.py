@@ -190,7 +190,117 @@ def test_refuses_what_it_does_not_run():
 # ------------------------------------------------------------------ Hugging Face Trainer
 
 
-def trainer_run(tmp_path, name, make_opt, max_steps, resume=None):
+# ------------------------------------------------------------------ overlap "exact"
+
+
+def overlap_pair(tmp_path, dtype=torch.float32, **kw):
+    """The same model twice, with a serial and an exact OffloadedAdamW (state on NVMe)."""
+    models, opts = [], []
+    for mode in ("serial", "exact"):
+        m = make_model().to(dtype)
+        models.append(m)
+        opts.append(
+            tier.torch.OffloadedAdamW(
+                m.parameters(), lr=1e-2, weight_decay=0.1, nvme_path=str(tmp_path / mode), overlap=mode, **kw
+            )
+        )
+    return models, opts
+
+
+def assert_same_params(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "clip,gas,frozen_at,dtype",
+    [
+        (0, 1, None, torch.float32),  # the speculation holds from the second step on
+        (1e3, 2, None, torch.float32),  # clip_grad_norm_ multiplies by 1.0: the same bits, kept
+        (0.05, 2, None, torch.float32),  # clipped: every step redone serially
+        (0, 2, 3, torch.float32),  # grads set to None after backward: redone
+        (0, 1, None, torch.bfloat16),
+    ],
+)
+def test_exact_overlap_is_the_serial_step_bit_for_bit(tmp_path, clip, gas, frozen_at, dtype):
+    (ms, mx), (os_, ox) = overlap_pair(tmp_path, dtype)
+    assert ox.overlap == "exact" and os_.overlap == "serial"
+    if dtype == torch.bfloat16:
+        ms.forward = lambda x, m=ms: torch.nn.Sequential.forward(m, x.bfloat16()).float()
+        mx.forward = lambda x, m=mx: torch.nn.Sequential.forward(m, x.bfloat16()).float()
+    a = train(ms, os_, 6, gas=gas, clip=clip, frozen_at=frozen_at)
+    b = train(mx, ox, 6, gas=gas, clip=clip, frozen_at=frozen_at)
+    assert a == b
+    assert_same_params(ms, mx)
+    st = ox.stats()["overlap_steps"]
+    assert st["steps"] == 6
+    if clip in (0, 1e3) and frozen_at is None:
+        # The first step teaches the backward count; every later one is committed as speculated.
+        assert st["overlapped"] == st["committed"] == 5 and st["redone"] == 0, st
+        assert ox.last_report["overlapped"] and not ox.last_report["redone"]
+    elif clip == 0.05:
+        assert st["committed"] == 0 and st["redone"] == 5, st
+        assert "changed after backward" in st["last_redo_reason"]
+    else:
+        assert st["committed"] == 2 and st["redone"] == 3, st  # steps 2 and 3 held, 4-6 lost layer 0's grads
+        assert "dropped" in st["last_redo_reason"]
+    # The state dicts (read from NVMe) agree too.
+    sa, sb = os_.state_dict()["state"], ox.state_dict()["state"]
+    for k in sa:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[k][kind], sb[k][kind])
+
+
+def test_exact_overlap_follows_a_changing_loop(tmp_path):
+    """More or fewer backward passes than the last step, a learning rate changed between backward
+    and step(), a step skipped with zero_grad(): each is noticed, and the result stays serial's."""
+    (ms, mx), (os_, ox) = overlap_pair(tmp_path)
+    x, y = data()
+
+    def micro_steps(model, opt, n):
+        for i in range(n):
+            loss = torch.nn.functional.mse_loss(model(x[i * 16 : (i + 1) * 16]), y[i * 16 : (i + 1) * 16])
+            loss.backward()
+
+    for model, opt in ((ms, os_), (mx, ox)):
+        for n in (2, 2, 3, 1, 2):  # accumulation changes: 3 after 2 (more), 1 after 3 (fewer)
+            micro_steps(model, opt, n)
+            opt.step()
+            opt.zero_grad()
+        micro_steps(model, opt, 2)
+        opt.param_groups[0]["lr"] = 3e-3  # between backward and step
+        opt.step()
+        opt.zero_grad()
+        micro_steps(model, opt, 2)
+        opt.zero_grad()  # a skipped step (as GradScaler skips one after an overflow)
+        micro_steps(model, opt, 2)
+        opt.step()
+        opt.zero_grad()
+    assert_same_params(ms, mx)
+    st = ox.stats()["overlap_steps"]
+    assert st["steps"] == 7
+    # 2 (learned 2): kept; 3 (learned 2): the third backward accumulates again: redone; 1 (learned 3):
+    # never reaches 3, serial; 2 (learned 1): the second backward accumulates again: redone; the lr
+    # change: redone; after the skipped step's zero_grad: kept.
+    assert st["committed"] == 2, st
+    assert st["redone"] == 3, st
+
+
+def test_overlap_values_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="'serial' or 'exact'"):
+        tier.torch.OffloadedAdamW(make_model().parameters(), overlap="eager")
+    with pytest.raises(ValueError, match="delayed"):
+        tier.torch.OffloadedAdamW(make_model().parameters(), nvme_path=str(tmp_path / "a"), overlap="delayed")
+    # From the config, as tier.torch.initialize reads it.
+    cfg = {"tier": {"optimizer": {"overlap": "exact"}}}
+    opt = tier.torch.OffloadedAdamW(make_model().parameters(), nvme_path=str(tmp_path / "b"), config=cfg)
+    assert opt.overlap == "exact"
+    # The host home updates in place, so it steps serially; CPU parameters default to serial.
+    assert tier.torch.OffloadedAdamW(make_model().parameters(), overlap="exact").overlap == "serial"
+    assert tier.torch.OffloadedAdamW(make_model().parameters(), nvme_path=str(tmp_path / "c")).overlap == "serial"
+
+
+def trainer_run(tmp_path, name, make_opt, max_steps, resume=None, max_grad_norm=0.5):
     import transformers
     from test_hf_trainer import Tokens, make_model as tiny_qwen2
 
@@ -199,7 +309,7 @@ def trainer_run(tmp_path, name, make_opt, max_steps, resume=None):
         output_dir=str(tmp_path / name),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
-        max_grad_norm=0.5,
+        max_grad_norm=max_grad_norm,
         max_steps=max_steps,
         save_steps=2,
         save_strategy="steps",
@@ -241,3 +351,26 @@ def test_hf_trainer_matches_adamw_and_resumes_from_its_checkpoint(tmp_path):
     assert max(abs(p - q) / abs(p) for p, q in zip(losses[2:], resumed_losses[-2:])) <= 1e-4, (losses, resumed_losses)
     assert max_param_diff(model, resumed) <= 1e-4
     assert os.path.isdir(swap)
+
+
+def test_hf_trainer_with_the_exact_overlap_matches_the_serial_step(tmp_path):
+    """The Trainer's loop (accumulation through accelerate, clip_grad_norm_ every step, a cosine
+    schedule): with a clip threshold above the gradient norm the speculative updates are kept."""
+    pytest.importorskip("accelerate")
+    opts = {}
+
+    def make(mode):
+        def f(model):
+            opts[mode] = tier.torch.OffloadedAdamW(
+                model.parameters(), lr=3e-3, weight_decay=0.01, nvme_path=str(tmp_path / mode), overlap=mode
+            )
+            return opts[mode]
+
+        return f
+
+    serial_losses, serial_model = trainer_run(tmp_path, "serial", make("serial"), 4, max_grad_norm=1e3)
+    exact_losses, exact_model = trainer_run(tmp_path, "exact", make("exact"), 4, max_grad_norm=1e3)
+    assert serial_losses == exact_losses
+    assert_same_params(serial_model, exact_model)
+    st = opts["exact"].stats()["overlap_steps"]
+    assert st["committed"] == 3 and st["redone"] == 0, st

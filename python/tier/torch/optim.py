@@ -13,6 +13,8 @@ is skipped as ``torch.optim.AdamW`` skips it, and ``state_dict()`` / ``load_stat
 
 import json
 import os
+import threading
+import weakref
 
 import torch
 
@@ -48,6 +50,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
     supported and are refused. The per-parameter ``step`` of ``torch.optim.AdamW`` is a per-group
     counter here: a parameter that missed a step's gradient keeps its values and moments, but its
     next bias correction uses the group's count.
+
+    ``overlap`` (or the config's ``tier.optimizer.overlap``): ``"exact"`` runs the step's update
+    during the backward that finishes the step's gradients, ``"serial"`` runs it in ``step()``.
+    Default: ``"exact"`` when the state is on NVMe and a parameter is on a GPU (its gradient is
+    copied to host memory during backward instead of in ``step()``), ``"serial"`` otherwise. The
+    exact mode learns how many backward passes make a step (gradient accumulation) from the steps
+    so far; at the last one each gradient is copied as backward finishes it and the update of
+    its chunks starts at once, writing into staging. ``step()`` then checks that every gradient
+    is bit for bit the one the update took: if the loop clipped (a coefficient below 1), unscaled
+    or edited the gradients after backward, or changed a hyper-parameter or a parameter, the
+    speculative update is dropped and the step runs serially, so the result is always the serial
+    step's. It costs host memory for one copy of the gradients and one of the parameters. See
+    ``overlap_stats``.
     """
 
     def __init__(
@@ -66,6 +81,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         capturable=False,
         differentiable=False,
         fused=None,
+        overlap=None,
     ):
         if amsgrad:
             raise ValueError("OffloadedAdamW: amsgrad=True is not supported (tier's CPU Adam keeps no max of v)")
@@ -136,17 +152,180 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.last_report = None
         for p in self._params:
             self._note_version(p)
+        self._setup_overlap(overlap if overlap is not None else cfg.get("tier", {}).get("optimizer", {}).get("overlap"))
 
     # ------------------------------------------------------------------ helpers
     def _note_version(self, p):
         self._seen[p] = (p.data_ptr(), p._version)
 
     def _resync_changed(self):
+        changed = False
         for p in self._params:
             if self._seen.get(p) != (p.data_ptr(), p._version):
                 master = _flat_fp32(p)
                 self._native.write_state(self._pid[p], "master", master)
                 self._note_version(p)
+                changed = True
+        return changed
+
+    def _hyper_params(self):
+        return [(float(g["lr"]), *map(float, g["betas"]), float(g["eps"]), float(g["weight_decay"])) for g in self.param_groups]
+
+    # ------------------------------------------------------------------ the overlapped step
+    def _setup_overlap(self, overlap):
+        if overlap is None:
+            on_gpu = any(p.device.type != "cpu" for p in self._params)
+            overlap = "exact" if self._home == "nvme" and on_gpu else "serial"
+        if overlap not in ("serial", "exact", "delayed"):
+            raise ValueError(f"OffloadedAdamW: overlap must be 'serial' or 'exact', not {overlap!r}")
+        if overlap == "delayed":
+            raise ValueError(
+                "OffloadedAdamW: overlap 'delayed' is not supported: a torch optimizer's step() must leave the "
+                "updated parameters in place; use tier.torch.initialize for the delayed update"
+            )
+        # The host home updates the state in place: a speculative update could not be undone.
+        self.overlap = "exact" if overlap == "exact" and self._home == "nvme" else "serial"
+        self.overlap_stats = {"steps": 0, "overlapped": 0, "committed": 0, "redone": 0, "last_redo_reason": ""}
+        self._hooks = []
+        if self.overlap != "exact":
+            return
+        self._lock = threading.Lock()
+        self._counts = {}  # parameter -> gradients accumulated into it since the last step
+        self._micro = None  # backward passes per step, learned from the last step
+        self._spec = None  # the running overlapped step: parameter -> the gradient copy it took
+        self._spec_hp = None
+        self._spec_off = False  # given up for this step
+        self._started = False  # an overlapped update was started for this step
+        self._snap = {}  # parameter -> host buffer for its gradient copy (kept across steps)
+        self._spec_out = {}  # parameter -> staging for its speculative update
+        ref = weakref.ref(self)
+
+        def hook(p, ref=ref):
+            opt = ref()
+            if opt is not None:
+                opt._grad_ready(p)
+
+        for p in self._params:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _grad_ready(self, p):
+        """A backward pass has accumulated p's gradient (the post-accumulate-grad hook)."""
+        with self._lock:
+            n = self._counts.get(p, 0) + 1
+            self._counts[p] = n
+            if self._spec is not None:
+                if p in self._spec:
+                    self._abandon("a gradient was accumulated again after the update had taken it")
+                elif n == self._micro:
+                    self._take(p)
+                return
+            if self._spec_off or self._micro is None or n != self._micro:
+                return
+            try:
+                self._start_spec()
+                self._take(p)
+            except Exception as e:  # never fail the user's backward: the step runs serially
+                self._abandon(f"the overlapped update could not start: {e}")
+
+    def _buffer(self, table, p, dtype):
+        buf = table.get(p)
+        if buf is None:
+            buf = torch.empty(p.numel(), dtype=dtype, pin_memory=torch.cuda.is_available() and p.device.type == "cuda")
+            table[p] = buf
+        return buf
+
+    def _start_spec(self):
+        self._resync_changed()
+        self._push_hyper_params()
+        self._spec_hp = self._hyper_params()
+        dests = [None] * len(self._params)
+        for p in self._params:
+            if p.requires_grad:
+                dests[self._pid[p]] = self._buffer(self._spec_out, p, p.dtype)
+        self._native.start_overlap_to(dests, skip_missing_grads=True)
+        self._spec = {}
+        self._started = True
+        self.overlap_stats["overlapped"] += 1
+
+    def _take(self, p):
+        g = p.grad
+        if g is None or g.is_sparse or g.dtype not in _OUTPUT_OF or g.numel() != p.numel():
+            return  # step() takes it, or says what is wrong with it
+        snap = self._buffer(self._snap, p, g.dtype)
+        snap.copy_(g.detach().reshape(-1))
+        self._native.add_grad(self._pid[p], snap, borrow=True)
+        self._spec[p] = snap
+
+    def _abandon(self, reason):
+        """Drops the running overlapped step (nothing was committed); step() runs serially."""
+        if self._spec is not None:
+            self._native.cancel_overlap()
+            self._native.clear_grads()
+            self._spec = None
+        self._spec_off = True
+        self.overlap_stats["last_redo_reason"] = reason
+
+    def _quiesce(self):
+        """Drops an overlapped step in flight (before reading or replacing the state)."""
+        if self.overlap == "exact":
+            with self._lock:
+                if self._spec is not None:
+                    self._abandon("the state was read or replaced between backward and step()")
+
+    def _finish_spec(self):
+        """step() of an overlapped step: its report, or None when the step must run serially."""
+        spec = self._spec
+        reason = None
+        if self._hyper_params() != self._spec_hp:
+            reason = "a hyper-parameter changed after backward"
+        elif any(self._seen.get(p) != (p.data_ptr(), p._version) for p in self._params):
+            reason = "a parameter changed after backward"
+        late = []
+        for p in self._params:
+            if reason is not None:
+                break
+            g = p.grad
+            snap = spec.get(p)
+            if snap is None:
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    reason = "a sparse gradient"
+                    break
+                gc = g.detach().to("cpu").contiguous().reshape(-1)  # a gradient backward did not announce
+                self._native.add_grad(self._pid[p], gc, borrow=True)
+                late.append(gc)
+            elif g is None or g.is_sparse or g.dtype != snap.dtype:
+                reason = "a gradient was dropped or replaced after backward"
+            else:
+                now = g.detach().reshape(-1)
+                if now.device.type != "cpu":
+                    now = now.to("cpu")
+                ints = {2: torch.int16, 4: torch.int32}[snap.element_size()]
+                if not torch.equal(now.contiguous().view(ints), snap.view(ints)):
+                    reason = "the gradients changed after backward (clipped, unscaled or edited)"
+        if reason is not None:
+            self._abandon(reason)
+            return None
+        self._spec = None
+        try:
+            report = self._native.finish_overlap()
+        except BaseException:
+            self._native.clear_grads()
+            raise
+        finally:
+            del late
+        if report.get("redone"):
+            self.overlap_stats["redone"] += 1
+            self.overlap_stats["last_redo_reason"] = report.get("redo_reason", "")
+        else:
+            self.overlap_stats["committed"] += 1
+        for p in self._params:
+            if p.grad is not None:
+                p.data.copy_(self._spec_out[p].view_as(p))
+                self._note_version(p)
+        return report
 
     def _destination(self, p):
         if p.device.type == "cpu" and p.is_contiguous():
@@ -170,6 +349,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.overlap_stats["steps"] += 1
+        if self.overlap == "exact":
+            with self._lock:
+                try:
+                    report = self._finish_spec() if self._spec is not None else None
+                except BaseException:
+                    self._abandon("step() failed")
+                    raise
+                if report is None and self._started:
+                    self.overlap_stats["redone"] += 1  # given up during backward or at step()
+                counts = [n for n in self._counts.values() if n > 0]
+                self._micro = max(counts) if counts else None
+                self._counts.clear()
+                self._spec_off = False
+                self._started = False
+            if report is not None:
+                self.last_report = report
+                return loss
         self._resync_changed()
         self._push_hyper_params()
         held = []  # CPU views of the gradients, borrowed by the native optimizer until step returns
@@ -206,6 +403,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none=True):
+        if self.overlap == "exact":
+            with self._lock:
+                if self._spec is not None:  # backward without a step (e.g. a skipped fp16 step)
+                    self._abandon("zero_grad() before step()")
+                self._counts.clear()
+                self._spec_off = False
+                self._started = False
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state dicts
@@ -217,6 +421,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ``exp_avg_sq`` (fp32, the parameter's shape), plus ``master`` (the fp32 master weights)
         for fp16/bf16 parameters. It gathers the whole state in host memory, as torch's does; for
         a streamed checkpoint use ``save_checkpoint``."""
+        self._quiesce()
         state = {}
         groups = []
         index = 0
@@ -238,6 +443,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        self._quiesce()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
@@ -296,9 +502,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def save_checkpoint(self, path):
         """Streams the whole native state (masters, moments, step counters, hyper-parameters) to
         one checksummed file without gathering it in host memory."""
+        self._quiesce()
         self._native.save_checkpoint(os.fspath(path))
 
     def load_checkpoint(self, path):
+        self._quiesce()
         self._native.load_checkpoint(os.fspath(path))
         for gi, g in enumerate(self.param_groups):
             g["lr"] = self._native.lr(gi)
@@ -309,8 +517,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._note_version(p)
 
     def stats(self):
-        """The native optimizer's figures: where the state lives, chunks, bytes."""
-        return self._native.stats()
+        """The native optimizer's figures (where the state lives, chunks, bytes), with ``overlap``
+        (the mode in effect) and ``overlap_steps`` (``overlap_stats``)."""
+        self._quiesce()
+        d = dict(self._native.stats())
+        d["overlap"] = self.overlap
+        d["overlap_steps"] = dict(self.overlap_stats)
+        return d
 
     @property
     def home(self):
@@ -319,4 +532,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def close(self):
         """Frees the native optimizer (its files and buffers) now rather than at garbage collection."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self._native.close()
