@@ -135,6 +135,10 @@ struct Rates {
 struct Choice {
   std::string name, params_home, optimizer_home;
   double device = 0, host = 0, nvme = 0;  // bytes
+  // Streamed params: the device bytes with room to prefetch two blocks ahead (`device` is the
+  // least the engine can run in: the largest block and its gradient, no prefetch).
+  double device_prefetch = 0;
+  bool prefetch_limited = false;  // fits in device, not in device_prefetch: transfers stall compute
   double fwd_bwd = 0, optimizer = 0, step = 0;
   bool fits = false;
   std::string why_not;
@@ -303,8 +307,10 @@ int run_plan(Args& args) {
   const double per_layer = S * B * H * (34.0 + 5.0 * a * S / H) * (pb / 2.0);
   const double acts = (no_checkpointing ? L * per_layer : per_layer + L * S * B * H * pb) +
                       2.0 * tokens * static_cast<double>(sh.vocab) * 4.0;
-  // Streaming working set: the largest block in flight, the next two prefetched, their gradients.
-  const double working = 4.0 * static_cast<double>(sh.largest_layer) * pb;
+  // Streaming working set: the largest block in flight and its gradient at least; with the next
+  // two prefetched (and their gradients' room), twice that.
+  const double working_min = 2.0 * static_cast<double>(sh.largest_layer) * pb;
+  const double working = 2.0 * working_min;
   const double buffers = 256.0 * (1 << 20);  // the optimizer's pipeline buffers (tier.optimizer.buffer_bytes)
   const double hb = host_budget ? static_cast<double>(host_budget)
                                 : std::max(2.0 * (1ull << 30), 6.0 * static_cast<double>(sh.largest_layer) * 4.0);
@@ -320,7 +326,8 @@ int run_plan(Args& args) {
     const bool p_off = c.params_home != "none", o_off = c.optimizer_home != "none";
     const bool p_nvme = c.params_home == "nvme", o_nvme = c.optimizer_home == "nvme";
     // Device.
-    c.device = (p_off ? working : 2.0 * pb * N) + acts + (o_off ? 0.0 : 12.0 * N);
+    c.device = (p_off ? working_min : 2.0 * pb * N) + acts + (o_off ? 0.0 : 12.0 * N);
+    c.device_prefetch = p_off ? working + acts + (o_off ? 0.0 : 12.0 * N) : c.device;
     // Host: what lives there, or (for NVMe homes) the host budget that stages it.
     if (p_nvme || o_nvme) c.host = hb;
     if (c.params_home == "cpu") c.host += pb * N + 4.0 * N;  // params and fp32 gradient sums
@@ -355,6 +362,7 @@ int run_plan(Args& args) {
                                 : "no --nvme given");
     }
     c.fits = over.empty();
+    c.prefetch_limited = c.fits && c.device_prefetch > static_cast<double>(gpu);
     for (std::size_t i = 0; i < over.size(); ++i) c.why_not += (i ? "; " : "") + over[i];
     choices.push_back(c);
   };
@@ -416,6 +424,8 @@ int run_plan(Args& args) {
                               {"offload_param", c.params_home},
                               {"offload_optimizer", c.optimizer_home},
                               {"device_bytes", c.device},
+                              {"device_prefetch_bytes", c.device_prefetch},
+                              {"prefetch_limited", c.prefetch_limited},
                               {"host_bytes", c.host},
                               {"nvme_bytes", c.nvme},
                               {"forward_backward_seconds", c.fwd_bwd},
@@ -444,7 +454,10 @@ int run_plan(Args& args) {
   for (const Choice& c : choices) {
     table.add({c.name, str(fmt(gib(c.device), 2), " GiB"), str(fmt(gib(c.host), 2), " GiB"),
                c.nvme > 0 ? str(fmt(gib(c.nvme), 2), " GiB") : "-", fmt(c.fwd_bwd, 2), fmt(c.optimizer, 2),
-               fmt(c.step, 2), c.fits ? "yes" : str("no: ", c.why_not)});
+               fmt(c.step, 2),
+               c.fits ? (c.prefetch_limited ? str("yes, without prefetch (", fmt(gib(c.device_prefetch), 2), " GiB with)")
+                                            : std::string("yes"))
+                      : str("no: ", c.why_not)});
   }
   table.print();
   if (best == nullptr) {

@@ -137,3 +137,25 @@ def test_measure_times_the_optimizers_mixed_pass(tmp_path):
     assert rates["source"] == "measured" and rates["nvme_mixed_source"] == "measured"
     assert rates["nvme_mixed_bytes_per_second"] > 0
     assert list(nvme.iterdir()) == []  # the scratch files are gone
+
+
+def test_a_device_that_holds_only_the_largest_block_fits_without_prefetch(tmp_path):
+    """The main job's 1.5b preset at 768 MiB: the engine runs it (the embedding and its gradient
+    fit), but with no room to prefetch; the plan says so instead of "nothing fits"."""
+    cfg = transformers.LlamaConfig(vocab_size=28000, hidden_size=2560, intermediate_size=6912, num_hidden_layers=20,
+                                   num_attention_heads=20)
+    cfg.save_pretrained(tmp_path / "m")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ("--model", tmp_path / "m", "--dtype", "fp32", "--batch", 1, "--seq", 64, "--host-budget", "2G",
+              "--nvme", nvme, "--nvme-size", "1T")
+    got = plan(*common, "--gpu", "768M")
+    row = _nvme_row(got)
+    largest = got["largest_block_parameters"]
+    assert row["device_bytes"] >= 2 * 4 * largest  # the block and its gradient
+    assert row["device_prefetch_bytes"] >= 4 * 4 * largest > 768 * 2**20
+    assert row["fits"] and row["prefetch_limited"]
+    assert got["recommended"] == "params + optimizer on NVMe"
+    roomy = _nvme_row(plan(*common, "--gpu", "24G"))
+    assert roomy["fits"] and not roomy["prefetch_limited"]
+    assert not _nvme_row(plan(*common, "--gpu", "256M"))["fits"]
