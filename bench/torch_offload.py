@@ -6,7 +6,8 @@ the default), after it ("serial") and one step delayed ("delayed", which changes
 and the optimizer's NVMe traffic is set beside the disk's
 mixed read/write rate measured outside tier (tier-bench step's plain pread/pwrite reference).
 
-    python bench/torch_offload.py [--steps 8] [--hidden 256] [--layers 4] [--clip 1.0] [--json]
+    python bench/torch_offload.py [--steps 8] [--hidden 256] [--layers 4] [--clip 1.0]
+                                  [--param-home nvme|cpu] [--json]
 
 Uses the installed package (pip install .) or, failing that, the in-tree build in build/python.
 """
@@ -63,6 +64,8 @@ def run_tier(args, data, swap, overlap):
     cfg = ex.default_config(args, ex.model_shape(args))
     cfg["gradient_clipping"] = args.clip
     cfg["tier"]["optimizer"] = {"overlap": overlap}
+    if args.param_home != "nvme":
+        cfg["zero_optimization"]["offload_param"] = {"device": args.param_home, "pin_memory": True}
     model = ex.make_model(args, cfg)  # built into the engine (the same weights as the baseline's)
     engine, *_ = tier.torch.initialize(model, cfg)
     times, reports = [], []
@@ -116,6 +119,8 @@ def main():
     p.add_argument("--device-fraction", type=float, default=0.4)
     p.add_argument("--device-budget", type=int, default=0)
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
+    p.add_argument("--param-home", choices=("nvme", "cpu"), default="nvme",
+                   help="offload_param device (the optimizer state is on NVMe either way)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.steps = max(2, args.steps)
@@ -138,6 +143,7 @@ def main():
     reports = exact["reports"]
     result = {
         "parameters": params,
+        "param_home": args.param_home,
         "baseline_step_seconds": med(base),
         "tier_step_seconds": med(tier_times),
         "ratio": med(tier_times) / med(base),

@@ -452,12 +452,12 @@ int run_plan(Args& args) {
       rates.compute > 0 ? str(fmt(rates.compute / 1e12, 1), " TFLOP/s").c_str() : "not given (times exclude it)");
   Table table({"offload", "device", "host", "NVMe", "fwd+bwd s", "optimizer s", "step s", "fits"});
   for (const Choice& c : choices) {
-    table.add({c.name, str(fmt(gib(c.device), 2), " GiB"), str(fmt(gib(c.host), 2), " GiB"),
-               c.nvme > 0 ? str(fmt(gib(c.nvme), 2), " GiB") : "-", fmt(c.fwd_bwd, 2), fmt(c.optimizer, 2),
-               fmt(c.step, 2),
-               c.fits ? (c.prefetch_limited ? str("yes, without prefetch (", fmt(gib(c.device_prefetch), 2), " GiB with)")
-                                            : std::string("yes"))
-                      : str("no: ", c.why_not)});
+    table.add(
+        {c.name, str(fmt(gib(c.device), 2), " GiB"), str(fmt(gib(c.host), 2), " GiB"),
+         c.nvme > 0 ? str(fmt(gib(c.nvme), 2), " GiB") : "-", fmt(c.fwd_bwd, 2), fmt(c.optimizer, 2), fmt(c.step, 2),
+         c.fits ? (c.prefetch_limited ? str("yes, without prefetch (", fmt(gib(c.device_prefetch), 2), " GiB with)")
+                                      : std::string("yes"))
+                : str("no: ", c.why_not)});
   }
   table.print();
   if (best == nullptr) {

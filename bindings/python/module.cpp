@@ -211,13 +211,15 @@ struct OverlapContext {
         grad_tensors(std::move(grads)),
         reduce_sumsq(std::move(reduce)) {}
   ~OverlapContext() {
-    nb::gil_scoped_acquire locked;  // (dropped where the GIL may be released)
+    for (auto& [id, f] : grad_ahead) f.cancel();  // hinted, never asked for (the step failed)
+    nb::gil_scoped_acquire locked;                // (dropped where the GIL may be released)
     reduce_sumsq = nb::object();
   }
   Engine& engine;
   EngineParamSink sink;
   std::vector<std::int64_t> grad_tensors;
   std::unordered_map<optim::PartitionId, Lease> grad_leases;
+  std::unordered_map<optim::PartitionId, AcquireFuture> grad_ahead;  // started by grad_prefetch
   nb::object reduce_sumsq;  // None, or float -> float: this rank's sum of squares -> the global one
 };
 
@@ -232,10 +234,25 @@ optim::StepOptions engine_step_options(OverlapContext& ctx) {
     }
     const auto tid = static_cast<TensorId>(ctx.grad_tensors[id]);
     TIER_ASSIGN_OR_RETURN(TensorInfo info, ctx.engine.info(tid));
-    TIER_ASSIGN_OR_RETURN(Lease lease, ctx.engine.acquire_now(tid, Tier::kHost, Access::kRead));
+    auto ahead = ctx.grad_ahead.find(id);
+    Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
+    if (ahead != ctx.grad_ahead.end()) {
+      got = ahead->second.wait();
+      ctx.grad_ahead.erase(ahead);
+    } else {
+      got = ctx.engine.acquire_now(tid, Tier::kHost, Access::kRead);
+    }
+    TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
     const void* data = lease.data();
     ctx.grad_leases[id] = std::move(lease);
     return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
+  };
+  // The serial step names the next chunk's gradients while it updates the current one: their
+  // reads from NVMe start then, instead of stalling the update when it gets there.
+  so.grad_prefetch = [&ctx](optim::PartitionId id) {
+    if (id >= ctx.grad_tensors.size() || ctx.grad_tensors[id] < 0 || ctx.grad_ahead.count(id)) return;
+    ctx.grad_ahead.emplace(id,
+                           ctx.engine.acquire(static_cast<TensorId>(ctx.grad_tensors[id]), Tier::kHost, Access::kRead));
   };
   so.grad_done = [&ctx](optim::PartitionId id) {
     auto it = ctx.grad_leases.find(id);

@@ -217,6 +217,12 @@ struct StepOptions {
   // (optional) The gradient of a declared partition is no longer needed (after its last chunk, or
   // when the step fails); called once per grad_source call.
   std::function<void(PartitionId)> grad_done;
+  // (optional) A hint: grad_source(id) will be called soon, after the chunk being updated (a serial
+  // step names the declared partitions of the next chunk in its walk as it fetches the current
+  // one's), so the caller may start bringing that gradient in. At most once per partition and
+  // step; a hinted partition may still not be asked for (the step fails first), so whatever the
+  // hint started must be let go when the step returns.
+  std::function<void(PartitionId)> grad_prefetch;
   // Partitions that got no gradient this step keep their state and params untouched, as
   // torch.optim skips a parameter whose .grad is None (no decay, no momentum step; nothing is
   // written to their destination or handed to on_output). Off: they are updated with zeros (as

@@ -1027,13 +1027,30 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     fs.clear();
   };
   bool updated_any = false;
+  // Serial steps hint the next chunk's declared gradients while the current chunk is updated (an
+  // overlapped pass does not: its gradients are declared while it runs).
+  std::vector<std::uint8_t> hinted;
+  auto hint_next = [&](std::size_t i) {
+    if (spec || !options.grad_prefetch || i + 1 >= im.chunks.size()) return;
+    if (hinted.empty()) hinted.assign(im.parts.size(), 0);
+    const Chunk& next = im.chunks[i + 1];
+    for (PartitionId pid = next.first; pid <= next.last; ++pid) {
+      const Partition& p = im.parts[pid];
+      if (!p.declared || p.grad != nullptr || hinted[pid]) continue;
+      hinted[pid] = 1;
+      options.grad_prefetch(pid);
+    }
+  };
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
     const Chunk& c = im.chunks[i];
     drain(pending[b]);  // the staging is about to be overwritten
     if (spec && !wait_for_chunk(*spec, c, &r.speculated_chunks)) {
       return cancelled("the overlapped step's speculation was stopped");
     }
-    if (any_declared) TIER_RETURN_IF_ERROR(fetch_grads(c));
+    if (any_declared) {
+      TIER_RETURN_IF_ERROR(fetch_grads(c));
+      hint_next(i);
+    }
     TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
     updated_any = true;
     if (spec) {

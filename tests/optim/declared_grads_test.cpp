@@ -4,6 +4,7 @@
 // state and the declarations for a retry.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -87,6 +88,46 @@ TEST_P(DeclaredGrads, MatchAddGradBitForBitAndAreFetchedInOrderOnce) {
     EXPECT_EQ(std::multiset<PartitionId>(src.returned.begin(), src.returned.end()),
               std::multiset<PartitionId>(expected.begin(), expected.end()));
     EXPECT_EQ(rig->opt().partitions_with_grads(), 0u);
+  }
+}
+
+// grad_prefetch: a serial step names each declared gradient once, while updating the chunk before
+// the one that first needs it, so every hinted partition is fetched after its hint; partitions
+// without a gradient are never named, and the result is the same bytes.
+TEST_P(DeclaredGrads, TheNextChunksGradientsAreHintedBeforeTheyAreFetched) {
+  const auto model = test::mixed_model();
+  const auto groups = test::three_groups();
+  OffloadedOptimizerOptions o;
+  o.groups = groups;
+  o.chunk_elements = 4096;  // several chunks
+  Reference ref(model, groups, 11);
+  auto rig = make(o, ref);
+  ASSERT_TRUE(rig->status().ok());
+  ASSERT_GT(rig->opt().stats().chunks, 2u);
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    Source src;
+    src.declare(rig->opt(), ref, step, 2);
+    ASSERT_TRUE(ref.step(1.0, 0));
+    StepOptions so = src.options(model);
+    std::vector<PartitionId> hinted;
+    std::vector<std::size_t> fetched_when_hinted;  // how many fetches had happened at each hint
+    so.grad_prefetch = [&](PartitionId id) {
+      hinted.push_back(id);
+      fetched_when_hinted.push_back(src.fetched.size());
+    };
+    auto r = rig->opt().step(so);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "after step " << step;
+    ASSERT_FALSE(hinted.empty());
+    EXPECT_EQ(std::set<PartitionId>(hinted.begin(), hinted.end()).size(), hinted.size()) << "a partition hinted twice";
+    for (std::size_t k = 0; k < hinted.size(); ++k) {
+      EXPECT_NE(hinted[k], 2u) << "a partition without a gradient was hinted";
+      auto at = std::find(src.fetched.begin(), src.fetched.end(), hinted[k]);
+      ASSERT_NE(at, src.fetched.end()) << "partition " << hinted[k] << " hinted but never fetched";
+      EXPECT_GE(static_cast<std::size_t>(at - src.fetched.begin()), fetched_when_hinted[k])
+          << "partition " << hinted[k] << " was hinted after its fetch";
+    }
+    EXPECT_NE(hinted.front(), src.fetched.front());  // the first chunk's are fetched without a hint
   }
 }
 
