@@ -108,3 +108,21 @@ def test_delayed_refuses_what_it_cannot_do(swap_dir):
     cfg["optimizer"] = {"type": "Lamb", "params": {"lr": LR}}
     with pytest.raises(ValueError, match='overlap: "delayed": Lamb is not supported'):
         tier.torch.initialize(make_model(), cfg)
+
+
+def test_a_nvme_budget_without_room_for_the_second_gradients_is_an_error_at_initialize(swap_dir):
+    """The delayed update's second set of fp32 gradients lives on NVMe beside the first: a budget
+    that cannot hold it is refused at initialize (naming the key and the figure), instead of a
+    registration timing out at the first step."""
+    engine, *_ = tier.torch.initialize(make_model(), delayed_config(swap_dir, overlap="exact"))
+    held = engine.stats()["tiers"]["nvme"]["resident_bytes"] - engine.optimizer.stats()["nvme_bytes"]
+    need = 4 * sum(p.numel() for p in make_model().parameters())
+    engine.destroy()
+    cfg = delayed_config(swap_dir)
+    cfg["tier"]["budgets"]["nvme"] = held + need - 4096
+    with pytest.raises(ValueError, match=r'"delayed" keeps a second set .* raise tier.budgets.nvme|tier.budgets.nvme is'):
+        tier.torch.initialize(make_model(), cfg)
+    cfg["tier"]["budgets"]["nvme"] = held + need + (8 << 20)
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
+    assert len(train(engine, 2)) == 2 * GAS
+    engine.destroy()

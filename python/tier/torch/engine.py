@@ -731,6 +731,8 @@ class TierEngine(torch.nn.Module):
                     why = f"it is not supported across ranks yet (this run has {self._zero.world}); use \"exact\""
                 if why:
                     raise ValueError(f'tier.optimizer.overlap: "delayed": {why}')
+                if self._grads_in_engine:
+                    self._spare_grads = self._register_spare_grads()
             self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
             self._tensor_of_partition = [-1] * self.optimizer.partition_count
             # Where each partition's updated params go in its tensor: a rank's shard of a whole
@@ -1268,18 +1270,35 @@ class TierEngine(torch.nn.Module):
         self._delayed_pending = (self._grads, lr_kwargs)
         if self._grads_in_engine:
             spare = self._spare_grads
-            if spare is None:  # the second set of gradient tensors, made once
-                spare = _EngineGrads(self, self.optimizer.partition_count)
-                for slot in self._slots:
-                    if slot.pid is not None:
-                        spare.tensors[slot.pid] = self.native.register(
-                            f"grad.next/{slot.name}", "fp32", slot.zero_count, "grad", 0, "nvme"
-                        )
+            if spare is None:  # (made at initialize)
+                spare = self._register_spare_grads()
             self._grads = spare
             self._spare_grads = None
         else:
             self._grads = _MicroStepGrads(self)
         return report
+
+    def _register_spare_grads(self):
+        """overlap "delayed" with NVMe state: the second set of gradient tensors, which the next
+        micro-steps fill while an update reads the first. Checked against tier.budgets.nvme first,
+        so that a budget without room for it is an error at initialize, not a timeout mid-run."""
+        need = sum(4 * slot.zero_count for slot in self._slots if slot.pid is not None)
+        nvme = json.loads(self.native.stats_json())["tiers"]["nvme"]
+        # The NVMe figures include the optimizer's own files, which have no part in the budget.
+        held = nvme["resident_bytes"] - self.optimizer.stats()["nvme_bytes"]
+        if held + need > nvme["budget_bytes"]:
+            raise ValueError(
+                f'tier.optimizer.overlap: "delayed" keeps a second set of fp32 gradients on NVMe ({need} bytes) '
+                f"beside the {held} bytes of tensors there; tier.budgets.nvme is {nvme['budget_bytes']}: "
+                f"raise it to at least {held + need} (plus room to stage transfers)"
+            )
+        spare = _EngineGrads(self, self.optimizer.partition_count)
+        for slot in self._slots:
+            if slot.pid is not None:
+                spare.tensors[slot.pid] = self.native.register(
+                    f"grad.next/{slot.name}", "fp32", slot.zero_count, "grad", 0, "nvme"
+                )
+        return spare
 
     def _join_delayed(self):
         """Waits for the update started by the last boundary step() in "delayed" mode, writes the
