@@ -106,7 +106,7 @@ def test_tier_trainer_matches_the_plain_trainer_and_resumes(swap_dir, tmp_path):
     trainer.train()
     got = losses_of(trainer)
     assert len(got) == len(expected) == 6
-    assert rel(expected, got) <= 1e-4, (expected, got)
+    assert rel(expected, got) <= 1e-5, (expected, got)
     grad_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     plain_norms = [h["grad_norm"] for h in plain.state.log_history if "grad_norm" in h]
     # The first norm is of the same gradients (summation order apart); later ones follow params that
@@ -128,7 +128,7 @@ def test_tier_trainer_matches_the_plain_trainer_and_resumes(swap_dir, tmp_path):
         model=make_model(), args=args(tmp_path, "resumed"), train_dataset=Tokens(), tier_config=ds_config(swap_dir)
     )
     resumed.train(resume_from_checkpoint=str(ckpt))
-    assert rel(got[3:], losses_of(resumed)[-3:]) <= 1e-4, (got, losses_of(resumed))
+    assert rel(got[3:], losses_of(resumed)[-3:]) <= 1e-5, (got, losses_of(resumed))
     resumed.tier_engine.destroy()
 
 

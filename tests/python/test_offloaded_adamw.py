@@ -341,15 +341,15 @@ def test_hf_trainer_matches_adamw_and_resumes_from_its_checkpoint(tmp_path):
     ref_losses, ref_model = trainer_run(tmp_path, "ref", adamw, 4)
     losses, model = trainer_run(tmp_path, "tier", ours, 4)
     assert len(losses) == len(ref_losses) == 4
-    assert max(abs(p - q) / abs(p) for p, q in zip(ref_losses, losses)) <= 1e-4, (ref_losses, losses)
-    assert max_param_diff(ref_model, model) <= 1e-4
+    assert max(abs(p - q) / abs(p) for p, q in zip(ref_losses, losses)) <= 1e-5, (ref_losses, losses)
+    assert max_param_diff(ref_model, model) <= 1e-5
 
     # The Trainer saved optimizer.pt from state_dict() at step 2; resuming there reproduces steps 3-4.
     ckpt = tmp_path / "tier" / "checkpoint-2"
     assert (ckpt / "optimizer.pt").exists()
     resumed_losses, resumed = trainer_run(tmp_path, "tier-resumed", ours, 4, resume=str(ckpt))
-    assert max(abs(p - q) / abs(p) for p, q in zip(losses[2:], resumed_losses[-2:])) <= 1e-4, (losses, resumed_losses)
-    assert max_param_diff(model, resumed) <= 1e-4
+    assert max(abs(p - q) / abs(p) for p, q in zip(losses[2:], resumed_losses[-2:])) <= 1e-5, (losses, resumed_losses)
+    assert max_param_diff(model, resumed) <= 1e-5
     assert os.path.isdir(swap)
 
 
