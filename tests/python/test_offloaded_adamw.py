@@ -225,6 +225,7 @@ def assert_same_params(a, b):
 def test_exact_overlap_is_the_serial_step_bit_for_bit(tmp_path, clip, gas, frozen_at, dtype):
     (ms, mx), (os_, ox) = overlap_pair(tmp_path, dtype)
     assert ox.overlap == "exact" and os_.overlap == "serial"
+    ox.overlap_max_backoff = 0  # speculate at every step (the back-off has its own test)
     if dtype == torch.bfloat16:
         ms.forward = lambda x, m=ms: torch.nn.Sequential.forward(m, x.bfloat16()).float()
         mx.forward = lambda x, m=mx: torch.nn.Sequential.forward(m, x.bfloat16()).float()
@@ -255,6 +256,7 @@ def test_exact_overlap_follows_a_changing_loop(tmp_path):
     """More or fewer backward passes than the last step, a learning rate changed between backward
     and step(), a step skipped with zero_grad(): each is noticed, and the result stays serial's."""
     (ms, mx), (os_, ox) = overlap_pair(tmp_path)
+    ox.overlap_max_backoff = 0
     x, y = data()
 
     def micro_steps(model, opt, n):
@@ -284,6 +286,20 @@ def test_exact_overlap_follows_a_changing_loop(tmp_path):
     # change: redone; after the skipped step's zero_grad: kept.
     assert st["committed"] == 2, st
     assert st["redone"] == 3, st
+
+
+def test_a_loop_that_always_clips_backs_off(tmp_path):
+    """Clipped at every step, the speculation fails at every try: after each failure the next 1,
+    2, 4, ... steps run serially, so few passes are wasted; the results stay serial's."""
+    (ms, mx), (os_, ox) = overlap_pair(tmp_path)
+    a = train(ms, os_, 12, gas=1, clip=0.01)
+    b = train(mx, ox, 12, gas=1, clip=0.01)
+    assert a == b
+    assert_same_params(ms, mx)
+    st = ox.stats()["overlap_steps"]
+    # Step 1 teaches the count; tries at 2, 4, 7, 12 fail (skipping 1, 2, 4 steps between).
+    assert st["overlapped"] == st["redone"] == 4 and st["committed"] == 0, st
+    assert st["backed_off"] == 7, st
 
 
 def test_overlap_values_are_checked(tmp_path):

@@ -185,7 +185,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             )
         # The host home updates the state in place: a speculative update could not be undone.
         self.overlap = "exact" if overlap == "exact" and self._home == "nvme" else "serial"
-        self.overlap_stats = {"steps": 0, "overlapped": 0, "committed": 0, "redone": 0, "last_redo_reason": ""}
+        self.overlap_stats = {
+            "steps": 0,
+            "overlapped": 0,
+            "committed": 0,
+            "redone": 0,
+            "backed_off": 0,
+            "last_redo_reason": "",
+        }
         self._hooks = []
         if self.overlap != "exact":
             return
@@ -196,6 +203,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._spec_hp = None
         self._spec_off = False  # given up for this step
         self._started = False  # an overlapped update was started for this step
+        # After a speculation that failed, the next `backoff` steps run serially (1, 2, 4, ... up
+        # to overlap_max_backoff; a kept one resets it): a loop that clips every step pays for a
+        # wasted pass only now and then.
+        self.overlap_max_backoff = 64
+        self._backoff = 1
+        self._skip_left = 0
+        self._skip_this = False
         self._snap = {}  # parameter -> host buffer for its gradient copy (kept across steps)
         self._spec_out = {}  # parameter -> staging for its speculative update
         ref = weakref.ref(self)
@@ -220,7 +234,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 elif n == self._micro:
                     self._take(p)
                 return
-            if self._spec_off or self._micro is None or n != self._micro:
+            if self._spec_off or self._skip_this or self._micro is None or n != self._micro:
                 return
             try:
                 self._start_spec()
@@ -357,8 +371,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 except BaseException:
                     self._abandon("step() failed")
                     raise
+                failed = (report is None and self._started) or (report is not None and report.get("redone"))
                 if report is None and self._started:
                     self.overlap_stats["redone"] += 1  # given up during backward or at step()
+                if self._skip_this:
+                    self.overlap_stats["backed_off"] += 1
+                if failed and self.overlap_max_backoff > 0:
+                    self._skip_left = min(self._backoff, self.overlap_max_backoff)
+                    self._backoff = min(2 * self._backoff, self.overlap_max_backoff)
+                elif report is not None:
+                    self._backoff = 1
+                self._skip_this = self._skip_left > 0
+                self._skip_left -= 1 if self._skip_this else 0
                 counts = [n for n in self._counts.values() if n > 0]
                 self._micro = max(counts) if counts else None
                 self._counts.clear()
