@@ -232,7 +232,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if p in self._spec:
                     self._abandon("a gradient was accumulated again after the update had taken it")
                 elif n == self._micro:
-                    self._take(p)
+                    try:
+                        self._take(p)
+                    except Exception as e:  # never fail the user's backward: the step runs serially
+                        self._abandon(f"a gradient could not be handed over: {e}")
                 return
             if self._spec_off or self._skip_this or self._micro is None or n != self._micro:
                 return
@@ -244,7 +247,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _buffer(self, table, p, dtype):
         buf = table.get(p)
-        if buf is None:
+        if buf is None or buf.dtype != dtype:
             buf = torch.empty(p.numel(), dtype=dtype, pin_memory=torch.cuda.is_available() and p.device.type == "cuda")
             table[p] = buf
         return buf
