@@ -178,6 +178,13 @@ class EngineParamSink {
     return Status::Ok();
   }
 
+  // An abandoned overlapped pass: the partitions it left half written keep their contents (the
+  // leases are abandoned), and the pieces that follow (the redo's) are counted afresh.
+  void drop_open() {
+    for (auto& [pid, o] : open_) o.lease.abandon().ignore();
+    open_.clear();
+  }
+
   Status close() {
     Status first;
     for (auto& [pid, o] : open_) {
@@ -228,6 +235,7 @@ struct OverlapContext {
 optim::StepOptions engine_step_options(OverlapContext& ctx) {
   optim::StepOptions so;
   so.on_output = [&ctx](const optim::OutputChunk& c) { return ctx.sink.on_output(c); };
+  so.outputs_abandoned = [&ctx] { ctx.sink.drop_open(); };
   so.grad_source = [&ctx](optim::PartitionId id) -> Result<cpu::ConstTensorRef> {
     if (id >= ctx.grad_tensors.size() || ctx.grad_tensors[id] < 0) {
       return invalid_argument(str("partition ", id, " has a declared gradient but no gradient tensor"));
@@ -301,6 +309,7 @@ nb::dict report_dict(const optim::StepReport& r) {
   d["speculated_chunks"] = r.speculated_chunks;
   d["redone"] = r.redone;
   d["redo_reason"] = r.redo_reason;
+  d["reused_chunks"] = r.reused_chunks;
   d["chunks"] = r.chunks;
   return d;
 }

@@ -242,6 +242,12 @@ struct StepOptions {
   // the training reads its params; turn it off when they land in the caller's private staging,
   // which it discards with the pass (it saves reading those masters back from the home).
   bool redeliver_abandoned_outputs = true;
+  // Overlapped steps only (optional): called when the pass is abandoned (redone, skipped or
+  // cancelled) after it may have handed pieces to on_output or written destinations, before the
+  // redo or the re-delivery starts over. A sink that gathers each partition's pieces until it has
+  // them all must drop what it gathered from the pass (its counts, and any partition left half
+  // written: that piece's tensor keeps its contents), since the redo delivers every piece again.
+  std::function<void()> outputs_abandoned;
 };
 
 // One stream of the pipeline.
@@ -276,6 +282,10 @@ struct StepReport {
   std::uint64_t speculated_chunks = 0;
   bool redone = false;
   std::string redo_reason;
+  // A redone step: the chunks whose committed records the abandoned pass had already read into
+  // the pipeline's buffers (it stops when clipping becomes certain), used by the redo as they
+  // were instead of being read again.
+  std::uint64_t reused_chunks = 0;
 };
 
 // Bytes and timings of a diagnostic pass (measure_io_seconds / measure_update_seconds).

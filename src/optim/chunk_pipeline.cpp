@@ -42,20 +42,27 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
         read_state_(chunks.size(), 0),
         buf_free_(bufs.size(), 1) {}
 
-  Status run(const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats) {
+  Status run(const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
+             const std::vector<std::uint8_t>* preloaded, std::vector<LeftoverRead>* leftover) {
     const std::size_t n = chunks_.size();
     const std::size_t nb = bufs_.size();
     double update_busy = 0, update_wait = 0;
     if (read_) {
       for (std::size_t k = 0; k < std::min(nb, n); ++k) {
+        const bool have = preloaded && k < preloaded->size() && (*preloaded)[k] && write_;
         {
           std::lock_guard<std::mutex> lk(mu_);
-          reserve_locked(true);
           buf_free_[k] = 0;
+          if (have) {
+            read_state_[k] = 1;  // already in buffer k: no transfer
+            continue;
+          }
+          reserve_locked(true);
         }
         issue_read(k);
       }
     }
+    std::size_t processed = 0;  // positions [0, processed) were handed to `process`
     for (std::size_t i = 0; i < n; ++i) {
       Buffer& b = bufs_[i % nb];
       {
@@ -71,9 +78,11 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
         if (!error_.ok() || (read_ && read_state_[i] != 1)) break;
       }
       const auto t1 = Clock::now();
+      processed = i + 1;
       Status s = process(at(i), b);
       update_busy += seconds_between(t1, Clock::now());
       ++updates_;
+      if (s.code() == StatusCode::kCancelled) processed = i;  // it left the buffer as it was
       if (!s.ok()) {
         std::lock_guard<std::mutex> lk(mu_);
         if (error_.ok()) error_ = std::move(s);
@@ -102,6 +111,14 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
     }
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return in_flight_ == 0; });
+    if (leftover && read_ && write_) {
+      // A position handed to `process` may have been changed by it, even if it failed; later
+      // positions whose reads completed hold their committed records untouched.
+      leftover->clear();
+      for (std::size_t k = processed; k < n; ++k) {
+        if (read_state_[k] == 1) leftover->push_back({at(k), k % nb});
+      }
+    }
     if (stats) {
       stats->read = {read_bytes_, reads_, read_clock_.total};
       stats->write = {write_bytes_, writes_, write_clock_.total};
@@ -208,11 +225,12 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 
 Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
                     const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
-                    const std::vector<std::size_t>* order) {
+                    const std::vector<std::size_t>* order, const std::vector<std::uint8_t>* preloaded,
+                    std::vector<LeftoverRead>* leftover) {
   if (bufs.empty()) return internal_error("optimizer pipeline: no buffers");
   if (order && order->size() != chunks.size()) return internal_error("optimizer pipeline: a partial chunk order");
   auto p = std::make_shared<Pipeline>(swap, chunks, bufs, read, write, order);
-  return p->run(process, stats);
+  return p->run(process, stats, preloaded, leftover);
 }
 
 }  // namespace tier::optim::detail

@@ -27,8 +27,15 @@ struct PipelineStats {
 
 // process(i, buffer) handles chunk i in `buffer` (laid out with chunk i's stride). `order`, when
 // given, is the sequence of chunk indices to go through instead of 0, 1, ... (e.g. reversed).
+// `preloaded` (read-write form), when given: for the first min(B, n) positions k, whether buffer k
+// already holds the committed record of the chunk at position k (a LeftoverRead of an earlier run,
+// nothing written since); those reads are not issued again. `leftover`, when given, receives the
+// chunks read but not processed when the run stops early (after an error from `process`; one that
+// returns kCancelled promises it left its buffer untouched, so its chunk counts as not processed).
 Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
                     const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
-                    const std::vector<std::size_t>* order = nullptr);
+                    const std::vector<std::size_t>* order = nullptr,
+                    const std::vector<std::uint8_t>* preloaded = nullptr,
+                    std::vector<LeftoverRead>* leftover = nullptr);
 
 }  // namespace tier::optim::detail

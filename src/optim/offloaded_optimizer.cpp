@@ -819,8 +819,43 @@ bool wait_for_chunk(detail::Overlap& ov, const Chunk& c, std::uint64_t* speculat
 // The step, serial (spec null) or as an overlapped pass (see start_overlapped_step): the pass
 // walks the chunks in reverse, waits for each chunk's gradients, assumes no clipping and no
 // overflow, and commits nothing.
+// A serial step's walk over the chunks other than 0, 1, ...: a redo that starts with the chunks an
+// abandoned pass left read in the buffers (`preloaded`, run_pipeline's).
+struct Walk {
+  std::vector<std::size_t> order;
+  std::vector<std::uint8_t> preloaded;
+};
+
+// The redo's walk after a pass that stopped with `leftover` read: the buffers' chunks first, each
+// at a position that maps to its buffer (position k uses buffer k % B), the others in order.
+Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, std::size_t chunks, std::size_t buffers) {
+  Walk w;
+  const std::size_t first = std::min(chunks, buffers);
+  std::vector<std::size_t> holds(first, chunks);  // chunks: none
+  std::vector<std::uint8_t> placed(chunks, 0);
+  for (const detail::LeftoverRead& l : leftover) {
+    if (l.buffer < first && l.chunk < chunks && !placed[l.chunk]) {
+      holds[l.buffer] = l.chunk;
+      placed[l.chunk] = 1;
+    }
+  }
+  std::size_t next = 0;
+  auto take = [&] {
+    while (placed[next]) ++next;
+    placed[next] = 1;
+    return next++;
+  };
+  for (std::size_t b = 0; b < first; ++b) {
+    const bool have = holds[b] < chunks;
+    w.order.push_back(have ? holds[b] : take());
+    w.preloaded.push_back(have ? 1 : 0);
+  }
+  while (w.order.size() < chunks) w.order.push_back(take());
+  return w;
+}
+
 Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& options,
-                            detail::Overlap* spec) {
+                            detail::Overlap* spec, const Walk* walk = nullptr) {
   TIER_RETURN_IF_ERROR(im.usable("step"));
   struct SkipScope {  // the partitions left untouched, for this step only
     std::vector<std::uint8_t>* v;
@@ -940,13 +975,23 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     return {};
   };
+  // A walk in any order (a redo's) hands a gradient back after the last of its partition's chunks:
+  // chunks left per partition.
+  std::vector<std::uint32_t> chunks_left;
+  if (walk && any_declared) {
+    chunks_left.assign(im.parts.size(), 0);
+    for (const Chunk& c : im.chunks) {
+      for (PartitionId pid = c.first; pid <= c.last; ++pid) ++chunks_left[pid];
+    }
+  }
   auto return_grads = [&](const Chunk* c) {
     for (PartitionId pid = c ? c->first : 0; pid < (c ? c->last + 1 : im.parts.size()); ++pid) {
       if (!fetched[pid]) continue;
       Partition& p = im.parts[pid];
       if (!p.declared || p.grad == nullptr) continue;
-      // The partition continues in the next chunk of the walk.
-      if (c && (spec ? p.start < c->start : p.start + p.numel > c->start + c->numel)) continue;
+      // The partition continues in a later chunk of the walk.
+      if (c && !chunks_left.empty() && --chunks_left[pid] > 0) continue;
+      if (c && chunks_left.empty() && (spec ? p.start < c->start : p.start + p.numel > c->start + c->numel)) continue;
       fetched[pid] = 0;
       p.grad = nullptr;
       if (options.grad_done) options.grad_done(pid);
@@ -1030,10 +1075,11 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   // Serial steps hint the next chunk's declared gradients while the current chunk is updated (an
   // overlapped pass does not: its gradients are declared while it runs).
   std::vector<std::uint8_t> hinted;
-  auto hint_next = [&](std::size_t i) {
-    if (spec || !options.grad_prefetch || i + 1 >= im.chunks.size()) return;
+  std::size_t position = 0;  // of the chunk being processed in the walk
+  auto hint_next = [&] {
+    if (spec || !options.grad_prefetch || position + 1 >= im.chunks.size()) return;
     if (hinted.empty()) hinted.assign(im.parts.size(), 0);
-    const Chunk& next = im.chunks[i + 1];
+    const Chunk& next = im.chunks[walk ? walk->order[position + 1] : position + 1];
     for (PartitionId pid = next.first; pid <= next.last; ++pid) {
       const Partition& p = im.parts[pid];
       if (!p.declared || p.grad != nullptr || hinted[pid]) continue;
@@ -1049,7 +1095,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     if (any_declared) {
       TIER_RETURN_IF_ERROR(fetch_grads(c));
-      hint_next(i);
+      hint_next();
     }
     TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
     updated_any = true;
@@ -1081,14 +1127,20 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       for (std::size_t i = im.chunks.size(); i-- > 0;) reverse.push_back(i);
     }
     // Buffers are taken in the walk's order: position k uses buffer k % B.
-    std::size_t position = 0;
+    std::size_t next_position = 0;
     st = detail::run_pipeline(
         *im.swap, im.chunks, im.bufs, true, true,
         [&](std::size_t i, Buffer& b) {
-          const std::size_t k = position++;
-          return process(i, k % im.bufs.size(), b.state, b.staging);
+          position = next_position++;
+          return process(i, position % im.bufs.size(), b.state, b.staging);
         },
-        &ps, spec ? &reverse : nullptr);
+        &ps,
+        spec   ? &reverse
+        : walk ? &walk->order
+               : nullptr,
+        walk ? &walk->preloaded : nullptr, spec ? &spec->leftover : nullptr);
+    if (walk)
+      r.reused_chunks = static_cast<std::uint64_t>(std::count(walk->preloaded.begin(), walk->preloaded.end(), 1));
     r.read = ps.read;
     r.write = ps.write;
     r.update = ps.update;
@@ -1098,6 +1150,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   } else {
     const auto tu = Clock::now();
     for (std::size_t i = 0; i < im.chunks.size() && st.ok(); ++i) {
+      position = i;
       st = process(i, 0, im.chunks[i].host.get(), im.bufs[0].staging);
       ++r.update.transfers;
     }
@@ -1349,8 +1402,9 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   const std::string reason = pass.ok() || pass.status().code() == StatusCode::kCancelled
                                  ? std::string(held->abort_reason)
                                  : str("the speculative pass failed: ", pass.status().to_string());
-  const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : 0;
+  const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : held->speculated;
   for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+  if (held->options.outputs_abandoned) held->options.outputs_abandoned();
   if (overflow && held->options.redeliver_abandoned_outputs) {
     // The skipped step must leave the params as they were: deliver the committed ones again.
     TIER_RETURN_IF_ERROR(restore_outputs(*this, im, held->options, held->touched));
@@ -1363,7 +1417,9 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
       return Status::Ok();
     };
   }
-  Result<StepReport> r = run_step(*this, im, redo, nullptr);
+  // The chunks the pass had read when it stopped go first, as they are in the buffers.
+  const Walk walk = walk_after(held->leftover, im.chunks.size(), im.bufs.size());
+  Result<StepReport> r = run_step(*this, im, redo, nullptr, im.nvme() ? &walk : nullptr);
   if (r.ok()) {
     r->overlapped = true;
     r->redone = true;
@@ -1393,6 +1449,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
   // The params the pass delivered are not the committed state's: deliver those again.
+  if (held->options.outputs_abandoned) held->options.outputs_abandoned();
   if (!held->options.redeliver_abandoned_outputs) return;
   Status s = restore_outputs(*this, im, held->options, held->touched);
   if (!s.ok()) {

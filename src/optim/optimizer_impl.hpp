@@ -99,6 +99,13 @@ struct Buffer {
 
 // An overlapped step in flight (OffloadedOptimizer::start_overlapped_step): its thread, the
 // readiness of each partition's gradient, and what the validation needs.
+// A chunk whose committed record sits read in a pipeline buffer and was not processed: what a run
+// of the chunk pipeline that stopped early leaves behind (chunk_pipeline.hpp).
+struct LeftoverRead {
+  std::size_t chunk = 0;
+  std::size_t buffer = 0;
+};
+
 struct Overlap {
   std::mutex mu;
   std::condition_variable cv;
@@ -112,6 +119,8 @@ struct Overlap {
   std::vector<std::uint8_t> touched;  // per partition: updated by the pass (its thread only)
   std::vector<std::int64_t> old_steps;
   std::uint64_t speculated = 0;  // chunks taken before all gradients were in (under mu)
+  // Chunks the pass had read but not updated when it stopped (its thread; read after the join).
+  std::vector<LeftoverRead> leftover;
   Result<StepReport> result{Status(StatusCode::kInternal, "the overlapped pass has not ended")};
   std::thread thread;
 };

@@ -130,6 +130,10 @@ TEST_P(Overlap, ClippedStepsAreRedoneAndMatchTheSerialStep) {
     EXPECT_TRUE(r.redone);
     EXPECT_NE(r.redo_reason.find("gradient_clipping"), std::string::npos) << r.redo_reason;
     EXPECT_LT(r.clip_coefficient, 1.0);
+    // The pass stops at its first chunk, with a read in each of the 3 buffers: the redo starts
+    // from those (bit for bit the serial step all the same, as run_both checks) and reads the rest.
+    EXPECT_EQ(r.reused_chunks, std::min<std::uint64_t>(3, r.chunks));
+    EXPECT_EQ(r.read.transfers, r.chunks - r.reused_chunks);
   }
 }
 
@@ -195,11 +199,21 @@ TEST_P(Overlap, AnOverflowSkipsTheStepAndDeliversTheCommittedParamsAgain) {
   }
 }
 
-TEST_P(Overlap, DeclaredGradientsComeThroughTheGradSource) {
+// Unclipped (the pass takes them as declared) and clipped (the redo walks the buffers' chunks
+// first, then the rest, and hands each gradient back after its partition's last chunk).
+class OverlapDeclared : public testing::TestWithParam<std::tuple<Home, double>> {
+ protected:
+  void SetUp() override {
+    const std::string why = test::home_unavailable(std::get<0>(GetParam()));
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(OverlapDeclared, DeclaredGradientsComeThroughTheGradSource) {
   Reference ref(test::mixed_model(), test::three_groups(), 11);
-  OffloadedOptimizerOptions o = opts(0);
-  auto serial = test::make_rig(GetParam(), o, ref);
-  auto over = test::make_rig(GetParam(), o, ref);
+  OffloadedOptimizerOptions o = opts(std::get<1>(GetParam()));
+  auto serial = test::make_rig(std::get<0>(GetParam()), o, ref);
+  auto over = test::make_rig(std::get<0>(GetParam()), o, ref);
   const auto g = grads_for(ref, 1, 0, 1e-2f);
   StepOptions so;
   int fetched = 0, done = 0;
@@ -217,6 +231,13 @@ TEST_P(Overlap, DeclaredGradientsComeThroughTheGradSource) {
   auto b = over->opt().finish_overlapped_step();
   ASSERT_TRUE(b.ok()) << b.status();
   ASSERT_TRUE(serial->opt().step().ok());
+  EXPECT_EQ(b->redone, std::get<1>(GetParam()) > 0);
+  if (b->redone) {
+    EXPECT_GT(b->reused_chunks, 0u);
+  }
+  // Once each: the clipped pass stops before its first chunk (the first gradient declared already
+  // exceeds the norm), and the redo's walk, out of order, keeps each partition's gradient (20000
+  // elements span five chunks) until its last chunk.
   EXPECT_EQ(fetched, static_cast<int>(ref.model().size()));
   EXPECT_EQ(done, fetched);
   for (std::size_t i = 0; i < ref.model().size(); ++i) {
@@ -225,6 +246,68 @@ TEST_P(Overlap, DeclaredGradientsComeThroughTheGradSource) {
     ASSERT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, x.data(), 0, n).ok());
     ASSERT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, y.data(), 0, n).ok());
     ASSERT_TRUE(test::same_bits(y.data(), x.data(), n, str("master ", i)));
+  }
+}
+
+// A sink that gathers each partition's pieces and publishes the partition once it has numel
+// elements (as tier.torch's engine sink does). A pass that delivers pieces and is then redone
+// (clipping found late) must tell it to start over (outputs_abandoned): otherwise its counts
+// include the pass's pieces, and a partition is published half made of them.
+TEST_P(Overlap, ARedoneStepRestartsAGatheringSink) {
+  for (bool tell : {true, false}) {
+    SCOPED_TRACE(tell ? "outputs_abandoned set" : "outputs_abandoned not set");
+    Reference ref(test::mixed_model(), test::three_groups(), 11);
+    const OffloadedOptimizerOptions o = opts(0.5);
+    auto serial = test::make_rig(GetParam(), o, ref);
+    auto over = test::make_rig(GetParam(), o, ref);
+    const std::size_t parts = ref.model().size();
+    std::vector<std::vector<std::uint8_t>> gathering(parts), published(parts);
+    std::vector<std::uint64_t> count(parts, 0);
+    StepOptions so;
+    so.on_output = [&](const OutputChunk& c) -> Status {
+      const std::size_t es = param_output_size(c.dtype);
+      auto& g = gathering[c.partition];
+      g.resize(ref.model()[c.partition].numel * es);
+      std::memcpy(g.data() + c.offset * es, c.data, c.numel * es);
+      count[c.partition] += c.numel;
+      if (count[c.partition] >= ref.model()[c.partition].numel) {
+        published[c.partition] = g;
+        count[c.partition] = 0;
+      }
+      return {};
+    };
+    if (tell) so.outputs_abandoned = [&] { std::fill(count.begin(), count.end(), 0); };
+    // Small gradients everywhere but in partition 0 (what backward finishes last), whose large
+    // one makes the step clipped only once the pass has updated the other chunks.
+    auto g = grads_for(ref, 1, 0, 1e-4f);
+    g[0] = test::make_grad(ref.model()[0].numel, DType::kBF16, 99, 100.0f);
+    const std::uint64_t chunks = over->opt().stats().chunks;
+    ASSERT_TRUE(over->opt().start_overlapped_step(so).ok());
+    for (std::size_t i = parts; i-- > 1;) ASSERT_TRUE(give(over->opt(), ref, g, i).ok());
+    wait_taken(over->opt(), chunks - 1);
+    ASSERT_TRUE(give(over->opt(), ref, g, 0).ok());
+    auto b = over->opt().finish_overlapped_step();
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_TRUE(b->redone);
+    EXPECT_GT(b->speculated_chunks, 0u);
+    test::Outputs expect(ref.model());
+    StepOptions ss;
+    ss.destination = [&](PartitionId id) -> void* { return expect.data[id].data(); };
+    for (std::size_t i = parts; i-- > 0;) ASSERT_TRUE(give(serial->opt(), ref, g, i).ok());
+    ASSERT_TRUE(serial->opt().step(ss).ok());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < parts; ++i) {
+      const std::size_t bytes = ref.model()[i].numel * param_output_size(ref.model()[i].output);
+      if (bytes == 0) continue;
+      if (published[i].size() != bytes || std::memcmp(published[i].data(), expect.data[i].data(), bytes) != 0) {
+        ++wrong;
+      }
+    }
+    if (tell) {
+      EXPECT_EQ(wrong, 0u);
+    } else {
+      EXPECT_GT(wrong, 0u) << "the stale counts did not show: the test no longer covers the restart";
+    }
   }
 }
 
@@ -331,6 +414,12 @@ TEST_P(Overlap, PartitionsWithoutGradientsAreLeftAloneAsStepLeavesThem) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Homes, Overlap, testing::ValuesIn(test::nvme_homes()), test::home_name);
+INSTANTIATE_TEST_SUITE_P(Homes, OverlapDeclared,
+                         testing::Combine(testing::ValuesIn(test::nvme_homes()), testing::Values(0.0, 0.05)),
+                         [](const testing::TestParamInfo<std::tuple<Home, double>>& info) {
+                           return test::home_name(testing::TestParamInfo<Home>(std::get<0>(info.param), info.index)) +
+                                  (std::get<1>(info.param) > 0 ? "_clipped" : "_unclipped");
+                         });
 
 TEST(OverlapOptions, HostHomeAndLambAreRefused) {
   const Home host{"host", StateHome::kHost, IoEngineKind::kAuto, false};
