@@ -180,6 +180,9 @@ def main():
         "optimizer_hidden_fraction": (med(serial["times"]) - med(tier_times)) / serial_opt if serial_opt else None,
         "redone_fraction": sum(1 for r in reports if r["redone"]) / len(reports),
         "redo_reasons": sorted({r["redo_reason"] for r in reports if r["redone"]}),
+        # Of the redone steps' chunks, those the abandoned pass had already read (not read again).
+        "reused_chunk_fraction": sum(r.get("reused_chunks", 0) for r in reports if r["redone"])
+        / max(1, sum(r["chunks"] for r in reports if r["redone"])),
         # Chunks the pass updated before backward had finished, of all chunks of the exact run's steps.
         "speculated_chunk_fraction": sum(r["speculated_chunks"] for r in reports) / max(1, sum(r["chunks"] for r in reports)),
         "stall_fraction": exact["stall"] / sum(tier_times),
