@@ -16,7 +16,9 @@
 #      pinned arena through the device layer, beside plain cudaMemcpyAsync from cudaHostAlloc'd
 #      memory measured in the same run (target: a ratio of at least 0.9 each way);
 #   5. times the main job's Llama steps with params, gradients and optimizer state on NVMe (92M
-#      parameters on the GPU; the default small model with --no-gpu);
+#      parameters on the GPU; the default small model with --no-gpu), then times
+#      tier.torch.OffloadedAdamW with the update after backward and during it (bench/
+#      offloaded_adamw.py: serial / exact, the ratio to max(AdamW in memory, the I/O bound));
 #   6. prints one JSON line of figures (figures.json, from bench/gpu_figures.py: copy rates and
 #      ratios, the Llama step time), then a table, also written to summary.txt (--out).
 # Exit status: 0 all ran and passed; 1 something failed; 2 not run (no GPU, bad usage);
@@ -335,6 +337,25 @@ else
   else
     tail -20 "$log_dir/llama.log"
     fail "llama step" "the main job failed (llama.log)"
+  fi
+fi
+
+# ---------------------------------------------------------------- 5b. OffloadedAdamW's exact overlap
+# The optimizer-only mode on the device: backward runs on the GPU, so the pass has the CPU to
+# itself (on the 2-core dev machine it competes with backward). serial / exact is the figure.
+adamw_json="$log_dir/offloaded_adamw.json"
+if [ "$py_ok" != 1 ] || [ "$no_gpu" = 1 ]; then
+  not_run "offloaded adamw overlap" "needs the Python package and a GPU"
+elif [ "$(left)" -lt 40 ]; then
+  not_run "offloaded adamw overlap" "the time budget is spent"
+else
+  if (cd "$log_dir" && TIER_BENCH="$bin/tier-bench" TIER_BENCH_DIR="$log_dir" timeout "$(step_limit 5)" \
+        "$venv/bin/python" "$root_dir/bench/offloaded_adamw.py" --device cuda --hidden 1024 --layers 8 --steps 6 \
+        --json >"$adamw_json" 2>"$log_dir/offloaded_adamw.log"); then
+    row "offloaded adamw overlap" "$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("serial/exact %.2f, exact/max(AdamW,bound) %.2f, kept %.0f%%" % (d["serial_over_exact"], d["exact_over_max_adamw_bound"], 100*d["committed_fraction"]))' "$adamw_json")"
+  else
+    tail -20 "$log_dir/offloaded_adamw.log"
+    fail "offloaded adamw overlap" "bench/offloaded_adamw.py failed (offloaded_adamw.log)"
   fi
 fi
 
