@@ -816,9 +816,6 @@ bool wait_for_chunk(detail::Overlap& ov, const Chunk& c, std::uint64_t* speculat
   return !ov.abort;
 }
 
-// The step, serial (spec null) or as an overlapped pass (see start_overlapped_step): the pass
-// walks the chunks in reverse, waits for each chunk's gradients, assumes no clipping and no
-// overflow, and commits nothing.
 // A serial step's walk over the chunks other than 0, 1, ...: a redo that starts with the chunks an
 // abandoned pass left read in the buffers (`preloaded`, run_pipeline's).
 struct Walk {
@@ -854,6 +851,9 @@ Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, std::size_t c
   return w;
 }
 
+// The step, serial (spec null) or as an overlapped pass (see start_overlapped_step): the pass
+// walks the chunks in reverse, waits for each chunk's gradients, assumes no clipping and no
+// overflow, and commits nothing. A serial step walks `walk` when given, else 0, 1, ...
 Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& options,
                             detail::Overlap* spec, const Walk* walk = nullptr) {
   TIER_RETURN_IF_ERROR(im.usable("step"));
