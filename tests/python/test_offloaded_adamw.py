@@ -390,3 +390,51 @@ def test_hf_trainer_with_the_exact_overlap_matches_the_serial_step(tmp_path):
     assert_same_params(serial_model, exact_model)
     st = opts["exact"].stats()["overlap_steps"]
     assert st["committed"] == 3 and st["redone"] == 0, st
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mistral"])
+def test_exact_overlap_on_transformers_models_with_tied_and_frozen_weights(tmp_path, family):
+    """GPT-2 (Conv1D layers, the embedding tied to the head: one hook for a weight used twice) and
+    Mistral with its embedding frozen (a parameter the optimizer holds that never gets a gradient):
+    the exact overlap equals serial bit for bit over accumulated, clipped steps, and keeps its
+    speculation when the clip threshold is above the norm."""
+    transformers = pytest.importorskip("transformers")
+
+    def model():
+        torch.manual_seed(0)
+        if family == "gpt2":
+            cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+            m = transformers.GPT2LMHeadModel(cfg)
+        else:
+            cfg = transformers.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+            m = transformers.MistralForCausalLM(cfg)
+            m.get_input_embeddings().weight.requires_grad_(False)
+        return m
+
+    def run(mode, steps=4, gas=2):
+        m = model()
+        opt = tier.torch.OffloadedAdamW(m.parameters(), lr=3e-3, nvme_path=str(tmp_path / mode), overlap=mode)
+        opt.overlap_max_backoff = 0
+        g = torch.Generator().manual_seed(5)
+        losses = []
+        for _ in range(steps):
+            for _ in range(gas):
+                ids = torch.randint(0, 96, (2, 16), generator=g)
+                loss = m(input_ids=ids, labels=ids).loss / gas
+                loss.backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e3)
+            opt.step()
+            opt.zero_grad()
+        return losses, m, opt
+
+    a, ma, _ = run("serial")
+    b, mb, ob = run("exact")
+    assert a == b
+    assert_same_params(ma, mb)
+    st = ob.stats()["overlap_steps"]
+    assert st["committed"] == 3 and st["redone"] == 0, st
+    if family == "mistral":
+        frozen = mb.get_input_embeddings().weight
+        assert torch.equal(frozen, model().get_input_embeddings().weight)  # untouched
