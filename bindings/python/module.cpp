@@ -178,10 +178,12 @@ class EngineParamSink {
     return Status::Ok();
   }
 
-  // An abandoned overlapped pass: the partitions it left half written keep their contents (the
-  // leases are abandoned), and the pieces that follow (the redo's) are counted afresh.
+  // An abandoned overlapped pass: the leases of the partitions it left half written are released
+  // as they are (their memory was written, so they cannot be abandoned; the redo or the
+  // re-delivery that follows writes each of them again whole), and the pieces that follow are
+  // counted afresh.
   void drop_open() {
-    for (auto& [pid, o] : open_) o.lease.abandon().ignore();
+    for (auto& [pid, o] : open_) o.lease.release().ignore();
     open_.clear();
   }
 

@@ -245,8 +245,8 @@ struct StepOptions {
   // Overlapped steps only (optional): called when the pass is abandoned (redone, skipped or
   // cancelled) after it may have handed pieces to on_output or written destinations, before the
   // redo or the re-delivery starts over. A sink that gathers each partition's pieces until it has
-  // them all must drop what it gathered from the pass (its counts, and any partition left half
-  // written: that piece's tensor keeps its contents), since the redo delivers every piece again.
+  // them all must drop what it gathered from the pass (its counts; a partition left half written
+  // is written again whole by the redo, or by the re-delivery when the pass had touched it).
   std::function<void()> outputs_abandoned;
 };
 
