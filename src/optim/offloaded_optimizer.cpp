@@ -975,23 +975,24 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     return {};
   };
-  // A walk in any order (a redo's) hands a gradient back after the last of its partition's chunks:
-  // chunks left per partition.
+  // A gradient is handed back after the last of its partition's chunks in the walk, whatever its
+  // order (ascending, the pass's reverse, a redo's): chunks left per partition, counted afresh for
+  // each walk over the chunks.
   std::vector<std::uint32_t> chunks_left;
-  if (walk && any_declared) {
+  auto count_chunks = [&] {
     chunks_left.assign(im.parts.size(), 0);
     for (const Chunk& c : im.chunks) {
       for (PartitionId pid = c.first; pid <= c.last; ++pid) ++chunks_left[pid];
     }
-  }
+  };
+  if (any_declared) count_chunks();
   auto return_grads = [&](const Chunk* c) {
     for (PartitionId pid = c ? c->first : 0; pid < (c ? c->last + 1 : im.parts.size()); ++pid) {
       if (!fetched[pid]) continue;
       Partition& p = im.parts[pid];
       if (!p.declared || p.grad == nullptr) continue;
       // The partition continues in a later chunk of the walk.
-      if (c && !chunks_left.empty() && --chunks_left[pid] > 0) continue;
-      if (c && chunks_left.empty() && (spec ? p.start < c->start : p.start + p.numel > c->start + c->numel)) continue;
+      if (c && --chunks_left[pid] > 0) continue;
       fetched[pid] = 0;
       p.grad = nullptr;
       if (options.grad_done) options.grad_done(pid);
@@ -1041,6 +1042,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
                                  " (lamb norms pass) was not applied; the state is intact and the gradients are kept "
                                  "(call step() again to retry, or clear_grads())"));
     }
+    if (any_declared) count_chunks();  // pass 2 walks every chunk again
     part_steps.reserve(im.parts.size());
     for (std::size_t i = 0; i < im.parts.size(); ++i) {
       const cpu::AdamStep& st = steps[static_cast<std::size_t>(im.parts[i].group)];
