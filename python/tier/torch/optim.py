@@ -144,7 +144,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     p.numel(), gi, _OUTPUT_OF[p.dtype], master, f"param{len(self._pid)}"
                 )
         self._native.finish_registration()
-        # Updated params land here (CPU params are written in place when contiguous), and each
+        # Updated params land here (a serial step writes contiguous CPU params in place; the
+        # exact overlap stages every parameter, since backward still reads them), and each
         # parameter's version after the write: a parameter changed since (model.load_state_dict,
         # an in-place edit) is re-read into the master before the next step.
         self._staging = {}
@@ -211,7 +212,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._skip_left = 0
         self._skip_this = False
         self._snap = {}  # parameter -> host buffer for its gradient copy (kept across steps)
-        self._spec_out = {}  # parameter -> staging for its speculative update
         ref = weakref.ref(self)
 
         def hook(p, ref=ref):
@@ -259,7 +259,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         dests = [None] * len(self._params)
         for p in self._params:
             if p.requires_grad:
-                dests[self._pid[p]] = self._buffer(self._spec_out, p, p.dtype)
+                dests[self._pid[p]] = self._buffer(self._staging, p, p.dtype)
         self._native.start_overlap_to(dests, skip_missing_grads=True)
         self._spec = {}
         self._started = True
@@ -340,19 +340,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self.overlap_stats["committed"] += 1
         for p in self._params:
             if p.grad is not None:
-                p.data.copy_(self._spec_out[p].view_as(p))
+                p.data.copy_(self._staging[p].view_as(p))
                 self._note_version(p)
         return report
 
     def _destination(self, p):
         if p.device.type == "cpu" and p.is_contiguous():
             return p.data.view(-1)
-        buf = self._staging.get(p)
-        if buf is None:
-            pin = torch.cuda.is_available() and p.device.type == "cuda"
-            buf = torch.empty(p.numel(), dtype=p.dtype, pin_memory=pin)
-            self._staging[p] = buf
-        return buf
+        return self._buffer(self._staging, p, p.dtype)
 
     def _push_hyper_params(self):
         for gi, g in enumerate(self.param_groups):
