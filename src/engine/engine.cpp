@@ -607,6 +607,11 @@ Tier Engine::Impl::toward_home(Tier from, Tier home) const {
 
 void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
   Copy& c = t.copies[static_cast<int>(tier)];
+  if (c.prefetched && c.state == CopyState::kValid) {
+    // Brought in for a use that has not come: the room was needed sooner. See Target::start.
+    c.dropped_unused_at = trace.advances();
+    ++m_prefetch_dropped_unused;
+  }
   if (c.buf) {
     const std::uint64_t bytes = c.buf.bytes;
     c.buf = Buffer{};
@@ -876,6 +881,13 @@ void Engine::Impl::issue_prefetches() {
     std::uint64_t inflight_bytes() const override { return e.prefetch_inflight_bytes; }
     std::uint64_t staging_bytes() const override { return e.staging_inflight_bytes; }
     Started start(TensorId id, Tier tier, std::size_t distance, bool staging) override {
+      // Its last prefetch to this tier was dropped before its use and no acquire of the trace has
+      // come since: the tier has no room for it now, and loading it again would only evict it
+      // again (or evict what is needed sooner). Between steps, while an optimizer pass fills the
+      // host, this stopped prefetches restaging the next forward's layers over and over.
+      if (e.tensors[id].copies[static_cast<int>(tier)].dropped_unused_at == e.trace.advances()) {
+        return Started::kNoRoom;
+      }
       e.prefetch_blocked = false;
       ++e.m_prefetches;
       e.ensure_copy(
@@ -1241,6 +1253,7 @@ StatsSnapshot Engine::stats() const {
     c.set_metric("prefetch.issued", static_cast<double>(e.m_prefetches));
     c.set_metric("prefetch.hits", static_cast<double>(e.m_prefetch_hits));
     c.set_metric("prefetch.late", static_cast<double>(e.m_late_prefetch));
+    c.set_metric("prefetch.dropped_unused", static_cast<double>(e.m_prefetch_dropped_unused));
     c.set_metric("prefetch.trace_length", static_cast<double>(e.trace.entries().size()));
     c.set_metric("prefetch.order_changes", static_cast<double>(e.trace.order_changes()));
     c.set_metric("prefetch.inflight_bytes", static_cast<double>(e.prefetch_inflight_bytes));

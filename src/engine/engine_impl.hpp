@@ -80,13 +80,17 @@ struct Engine::Impl {
   using Clock = detail::Clock;
   static constexpr std::chrono::milliseconds kWritebackRetry{200};
   enum class CopyState : std::uint8_t { kAbsent, kReserved, kLoading, kValid, kStale };
+  static constexpr std::uint64_t kNoMark = ~std::uint64_t{0};
 
   struct Copy {
     CopyState state = CopyState::kAbsent;
     detail::Buffer buf;
-    std::uint32_t pins = 0;                     // leases and transfers using this copy
-    bool writing_back = false;                  // being copied one tier toward home for an eviction
-    bool prefetched = false;                    // loaded by the prefetcher and not used yet
+    std::uint32_t pins = 0;     // leases and transfers using this copy
+    bool writing_back = false;  // being copied one tier toward home for an eviction
+    bool prefetched = false;    // loaded by the prefetcher and not used yet
+    // trace.advances() when a prefetched copy was last dropped unused (kNoMark: never); while the
+    // trace has not moved on since, the tensor is not prefetched to this tier again.
+    std::uint64_t dropped_unused_at = kNoMark;
     std::uint64_t last_use = 0;                 // LRU clock
     Clock::time_point retry_writeback_after{};  // after a failed write-back, wait before the next
     std::vector<detail::Done> on_ready;         // waiters for a load in flight
@@ -201,6 +205,7 @@ struct Engine::Impl {
   Status last_writeback_error;
 
   // ---- metrics (scheduler thread) and stall accounting (any thread)
+  std::uint64_t m_prefetch_dropped_unused = 0;
   std::uint64_t m_acquires = 0, m_hits = 0, m_late_prefetch = 0, m_prefetch_hits = 0, m_prefetches = 0,
                 m_writebacks = 0, m_room_waits = 0;
   std::array<std::uint64_t, kNumTiers> m_evictions{};

@@ -7,6 +7,7 @@ namespace tier {
 void AccessTrace::begin_step() {
   in_step_ = true;
   pos_ = 0;
+  ++advances_;
   diverged_ = false;
   if (trace_.empty()) {
     mode_ = Mode::kRecording;
@@ -43,6 +44,7 @@ bool AccessTrace::on_acquire(TensorId tensor, Tier tier, bool write_only) {
   if (mode_ != Mode::kReplaying) return true;
   if (pos_ < trace_.size() && trace_[pos_] == e) {
     ++pos_;
+    ++advances_;
     return true;
   }
   // Divergence: drop the trace and record this step afresh from here on is not possible (its

@@ -580,6 +580,60 @@ TEST(Engine, ForwardBackwardStepMovesFewBytesOnDemandAndWithPrefetch) {
   }
 }
 
+// Between two steps an optimizer pass (acquires outside the trace) reads each layer's gradient
+// and rewrites the layer on a host too small for the pass and the next forward's first layers
+// together. The scheduler stages those layers as soon as the host has room, and the pass's
+// demands, and the stagings of nearer layers, evict them before their use. A layer whose prefetch
+// was dropped unused is not prefetched again until the trace moves on, so each is staged at most
+// once per pass: the pass reads from NVMe its gradients and about one set of staged layers, not
+// the same layers over and over.
+TEST(Engine, APrefetchDroppedUnusedIsNotReloadedUntilTheTraceMovesOn) {
+  const std::size_t n = 16 * 1024;
+  const int layers = 12;
+  EngineConfig cfg = config(false);
+  // The device holds one layer, the host five tensors: the pass's two leases and a few stagings.
+  auto m = make(1 * n * 4, 5 * n * 4, 64 * n * 4, cfg);
+  m.mover->delay_us = 300;
+  std::vector<TensorId> params, grads;
+  for (int i = 0; i < layers; ++i) {
+    const auto init = pattern(n, static_cast<float>(i));
+    params.push_back(*m.engine->register_tensor(desc(str("L", i), n), Tier::kNvme, init.data()));
+    grads.push_back(*m.engine->register_tensor(desc(str("G", i), n), Tier::kNvme, init.data()));
+  }
+  ASSERT_TRUE(m.engine->flush().ok());
+  auto forward = [&] {
+    m.engine->begin_step();
+    for (int i = 0; i < layers; ++i) {
+      auto lease = m.engine->acquire_now(params[i], Tier::kDevice, Access::kRead);
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      std::this_thread::sleep_for(200us);
+    }
+    m.engine->end_step();
+  };
+  std::vector<double> staged_per_pass;
+  for (int step = 0; step < 4; ++step) {
+    forward();
+    const auto before = m.engine->stats();
+    for (int i = layers - 1; i >= 0; --i) {  // the pass, outside the trace
+      auto g = m.engine->acquire_now(grads[i], Tier::kHost, Access::kRead);
+      ASSERT_TRUE(g.ok()) << g.status();
+      auto w = m.engine->acquire_now(params[i], Tier::kHost, Access::kWrite);
+      ASSERT_TRUE(w.ok()) << w.status();
+      std::this_thread::sleep_for(500us);
+      ASSERT_TRUE(w->release().ok());
+      ASSERT_TRUE(g->release().ok());
+    }
+    const auto d = m.engine->stats().since(before);
+    // NVMe reads of the pass beyond its gradients, in layers: the next forward's stagings.
+    const double reads = static_cast<double>(d.link(Link::kNvmeToHost).bytes) / (n * 4);
+    if (step >= 1) staged_per_pass.push_back(reads - layers);
+  }
+  EXPECT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
+  // At most once each (1 here; 21 to 40 when a dropped layer was restaged at once).
+  for (double s : staged_per_pass) EXPECT_LE(s, static_cast<double>(layers)) << "layers staged during a pass";
+  EXPECT_GT(m.engine->stats().metrics.at("prefetch.dropped_unused"), 0) << "the pass did not contend with prefetching";
+}
+
 TEST(Engine, OrderChangeIsDetectedAndReRecorded) {
   auto m = make(1 << 20, 1 << 20, 1 << 20, config(false));
   std::vector<TensorId> ids;

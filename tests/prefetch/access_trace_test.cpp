@@ -77,5 +77,26 @@ TEST(AccessTrace, AcquiresOutsideAStepAreIgnored) {
   EXPECT_EQ(t.entries().size(), 2u);
 }
 
+// advances() moves with the replay only: each step begun and each matched acquire, never an
+// acquire outside a step (an optimizer pass between steps), so the engine can tell whether the
+// trace moved on since a prefetched copy was dropped unused.
+TEST(AccessTrace, AdvancesCountTheReplayOnly) {
+  AccessTrace t;
+  step(t, {0, 1});  // recorded
+  const std::uint64_t a0 = t.advances();
+  t.on_acquire(7, Tier::kHost);  // outside a step
+  t.on_acquire(8, Tier::kHost);
+  EXPECT_EQ(t.advances(), a0);
+  t.begin_step();
+  EXPECT_EQ(t.advances(), a0 + 1);
+  t.on_acquire(0, Tier::kDevice);
+  EXPECT_EQ(t.advances(), a0 + 2);
+  t.on_acquire(1, Tier::kDevice);
+  EXPECT_EQ(t.advances(), a0 + 3);
+  t.end_step();
+  t.on_acquire(0, Tier::kDevice);  // between steps again
+  EXPECT_EQ(t.advances(), a0 + 3);
+}
+
 }  // namespace
 }  // namespace tier

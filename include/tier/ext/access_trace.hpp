@@ -58,6 +58,10 @@ class AccessTrace {
   // The entry `ahead` acquires after the current position (cyclic). Requires has_trace().
   const TraceEntry& upcoming(std::size_t ahead) const { return trace_[(pos_ + ahead) % trace_.size()]; }
 
+  // How many times the replay moved on (each matched acquire, each step begun): equal counts mean
+  // that no acquire of the trace happened in between.
+  std::uint64_t advances() const noexcept { return advances_; }
+
   std::uint64_t steps_recorded() const noexcept { return steps_recorded_; }
   std::uint64_t order_changes() const noexcept { return order_changes_; }
 
@@ -72,6 +76,7 @@ class AccessTrace {
   bool diverged_ = false;
   // For each tensor, the sorted trace positions that touch it (for next_use in O(log n)).
   std::vector<std::vector<std::uint32_t>> uses_;
+  std::uint64_t advances_ = 0;
   std::uint64_t steps_recorded_ = 0;
   std::uint64_t order_changes_ = 0;
 };
