@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host memory at scale: runs tier's main job at large presets with a fixed host budget and
 prints, per size, the parameters, peak RSS, host bytes per parameter, NVMe bytes and the time of
-a step split into forward, backward and the optimizer. Host memory should be flat in the model's
+a step split into forward, backward and the optimizer (also over the steps after the first, the
+steady state that `tier-bench plan` predicts). Host memory should be flat in the model's
 size: the last line prints RSS(largest) / RSS(smallest), the issue's target being <= 1.3.
 
     python3 bench/scale.py [--presets 737m,1.5b] [--host 2G] [--swap-dir DIR] [--steps 3]
@@ -72,8 +73,12 @@ def main():
             print(r.stdout[-2000:], r.stderr[-3000:], sep="\n")
             sys.exit(f"{preset}: the main job failed (exit {r.returncode})")
         out = r.stdout
-        summary = json.loads(out[out.index("{\n"):])["summary"]
+        result = json.loads(out[out.index("{\n"):])
+        summary = result["summary"]
         ph = summary["phase_seconds"]
+        # Steady state: the steps after the first (which records the access trace, so nothing is
+        # prefetched in it); what `tier-bench plan` predicts.
+        later = [h["phase_seconds"] for h in result["history"][1:]]
         rows.append({
             "preset": preset,
             "parameters": summary["parameters"],
@@ -85,17 +90,20 @@ def main():
             "forward_per_step": ph["forward"] / a.steps,
             "backward_per_step": ph["backward"] / a.steps,
             "optimizer_per_step": ph["step"] / a.steps,
+            "optimizer_per_later_step": sum(h["step"] for h in later) / len(later) if later else None,
             "wall_seconds": time.perf_counter() - t0,
         })
     if not rows:
         sys.exit("no preset fits the free space")
     print()
     print(f"{'preset':>6} {'params':>8} {'peak RSS':>9} {'B/param':>8} {'NVMe':>8} {'s/step':>7} {'fwd':>6} "
-          f"{'bwd':>6} {'optim':>6}")
+          f"{'bwd':>6} {'optim':>6} {'optim, steps 2+':>15}")
     for r in rows:
+        later = r["optimizer_per_later_step"]
         print(f"{r['preset']:>6} {r['parameters'] / 1e9:7.2f}B {gib(r['peak_rss_bytes']):7.2f}Gi "
               f"{r['host_bytes_per_param']:8.2f} {gib(r['nvme_peak_bytes']):6.1f}Gi {r['seconds_per_step']:7.1f} "
-              f"{r['forward_per_step']:6.1f} {r['backward_per_step']:6.1f} {r['optimizer_per_step']:6.1f}")
+              f"{r['forward_per_step']:6.1f} {r['backward_per_step']:6.1f} {r['optimizer_per_step']:6.1f} "
+              f"{later if later is not None else float('nan'):15.1f}")
     if len(rows) > 1:
         ratio = rows[-1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"]
         size = rows[-1]["parameters"] / rows[0]["parameters"]

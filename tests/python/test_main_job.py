@@ -17,11 +17,18 @@ def test_the_summary_reports_host_memory_per_parameter_and_phase_times(tmp_path,
     assert finetune_llama.main(TINY + ["--steps", "2", "--swap-dir", str(tmp_path), "--json"]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    summary = json.loads(out[out.index("{\n"):])["summary"]
+    result = json.loads(out[out.index("{\n"):])
+    summary = result["summary"]
     assert summary["peak_rss_bytes"] > 0
     assert summary["host_bytes_per_param"] == pytest.approx(summary["peak_rss_bytes"] / summary["parameters"], rel=0.2)
     assert set(summary["phase_seconds"]) == {"forward", "backward", "step"}
     assert all(v > 0 for v in summary["phase_seconds"].values())
+    # Each step's own split (bench/scale.py takes the steady state from it), adding up to the whole.
+    history = result["history"]
+    assert [h["step"] for h in history] == [1, 2]
+    for phase, total in summary["phase_seconds"].items():
+        assert all(h["phase_seconds"][phase] > 0 for h in history)
+        assert sum(h["phase_seconds"][phase] for h in history) == pytest.approx(total, rel=1e-6)
     assert "too few to judge the loss" in captured.err
 
 

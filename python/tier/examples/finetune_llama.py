@@ -243,6 +243,7 @@ def run(args, swap_dir):
     history = []
     t_start = time.perf_counter()
     prev = engine.stats()
+    prev_phases = dict(engine.timers())
     for step in range(args.steps):
         t0 = time.perf_counter()
         losses = []
@@ -257,13 +258,17 @@ def run(args, swap_dir):
         now = engine.stats()
         moved = {k: now["links"][k]["bytes"] - prev["links"][k]["bytes"] for k, _ in LINKS}
         prev = now
+        phases = dict(engine.timers())
+        phase_seconds = {k: phases[k] - prev_phases.get(k, 0.0) for k in phases}
+        prev_phases = phases
         loss = sum(losses) / len(losses)
         if world > 1:  # the mean over every rank's batches
             t = torch.tensor([loss], dtype=torch.float64)
             torch.distributed.all_reduce(t)
             loss = float(t) / world
         history.append({"step": step + 1, "loss": loss, "seconds": dt, "tokens_per_second": tokens_per_step / dt,
-                        "bytes": moved, "grad_norm": (engine.last_report or {}).get("grad_norm")})
+                        "bytes": moved, "phase_seconds": phase_seconds,
+                        "grad_norm": (engine.last_report or {}).get("grad_norm")})
         tiers = now["tiers"]
         say(f"step {step + 1:>3}/{args.steps} {bar((step + 1) / args.steps)} loss {loss:6.3f} | "
               f"{tokens_per_step / dt:8.0f} tok/s | "
