@@ -15,6 +15,8 @@
 #   4. `tier-bench copy` on the CUDA device: host-to-device and device-to-host bandwidth from the
 #      pinned arena through the device layer, beside plain cudaMemcpyAsync from cudaHostAlloc'd
 #      memory measured in the same run (target: a ratio of at least 0.9 each way);
+#   4b. `tier-bench adam` with fp32, bf16 and int8 optimizer state on every core, each beside its
+#      roofline (issue #16's target: int8 at >= 0.8);
 #   5. times the main job's Llama steps with params, gradients and optimizer state on NVMe (92M
 #      parameters on the GPU; the default small model with --no-gpu), then times
 #      tier.torch.OffloadedAdamW with the update after backward and during it (bench/
@@ -318,6 +320,23 @@ if [ "$no_gpu" = 0 ]; then
 else
   run_copy emulated-paced 0.95 1.05 --device emulated --h2d-gbps 1 --d2h-gbps 0.8 --chunk 16M --reps 2 --size 128M
   cp "$log_dir/copy-emulated-paced.json" "$log_dir/copy.json" 2>/dev/null
+fi
+
+# ---------------------------------------------------------------- 4b. the CPU Adam on every core
+# Issue #16's kernel target (int8 state at >= 0.8 of its roofline) on a host with many cores per
+# memory channel; on the 2-core dev machine, whose cores each have ~50 GB/s, the kernel is bound by
+# its arithmetic instead. A miss is reported, not failed: it is a speed figure, not a defect.
+if [ "$(left)" -lt 60 ]; then
+  not_run "cpu adam (state dtypes)" "the time budget is spent"
+else
+  for sd in fp32 bf16 int8; do
+    if timeout "$(step_limit 40)" "$bin/tier-bench" adam --params 128M --state-dtype "$sd" --reps 3 --quiet --json \
+        >"$log_dir/adam-$sd.json" 2>"$log_dir/adam-$sd.log"; then
+      row "cpu adam, $sd state" "$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); r=d["ratio_to_roofline"]; t={"int8":0.8}.get(sys.argv[2]); print("%.2f G params/s on %d threads, %.2f of the roofline%s" % (d["params_per_second"]/1e9, d["threads"], r, "" if t is None else " (target %.1f: %s)" % (t, "pass" if r >= t else "MISS")))' "$log_dir/adam-$sd.json" "$sd")"
+    else
+      fail "cpu adam, $sd state" "tier-bench adam failed (adam-$sd.log)"
+    fi
+  done
 fi
 
 # ---------------------------------------------------------------- 5. a Llama training step
