@@ -159,8 +159,8 @@ class EngineParamSink {
       const auto tid = static_cast<TensorId>(tensors_[c.partition]);
       TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
       const bool whole = base == 0 && info.desc.numel == opt_.partition_numel(c.partition);
-      TIER_ASSIGN_OR_RETURN(o.lease,
-                            engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite));
+      TIER_ASSIGN_OR_RETURN(o.lease, engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite,
+                                                         /*traced=*/false));
       it = open_.emplace(c.partition, std::move(o)).first;
     }
     Open& o = it->second;
@@ -233,7 +233,9 @@ struct OverlapContext {
 };
 
 // step_into's options: outputs into the engine's param tensors; declared gradients read from their
-// engine tensors, one read lease per partition while the step needs it.
+// engine tensors, one read lease per partition while the step needs it. The optimizer's acquires
+// stay out of the engine's access trace: an overlapped pass interleaves them with backward's in an
+// order of its own, which would drop the trace every step.
 optim::StepOptions engine_step_options(OverlapContext& ctx) {
   optim::StepOptions so;
   so.on_output = [&ctx](const optim::OutputChunk& c) { return ctx.sink.on_output(c); };
@@ -250,7 +252,7 @@ optim::StepOptions engine_step_options(OverlapContext& ctx) {
       got = ahead->second.wait();
       ctx.grad_ahead.erase(ahead);
     } else {
-      got = ctx.engine.acquire_now(tid, Tier::kHost, Access::kRead);
+      got = ctx.engine.acquire_now(tid, Tier::kHost, Access::kRead, /*traced=*/false);
     }
     TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
     const void* data = lease.data();
@@ -262,7 +264,8 @@ optim::StepOptions engine_step_options(OverlapContext& ctx) {
   so.grad_prefetch = [&ctx](optim::PartitionId id) {
     if (id >= ctx.grad_tensors.size() || ctx.grad_tensors[id] < 0 || ctx.grad_ahead.count(id)) return;
     ctx.grad_ahead.emplace(id,
-                           ctx.engine.acquire(static_cast<TensorId>(ctx.grad_tensors[id]), Tier::kHost, Access::kRead));
+                           ctx.engine.acquire(static_cast<TensorId>(ctx.grad_tensors[id]), Tier::kHost, Access::kRead,
+                                              /*traced=*/false));
   };
   so.grad_done = [&ctx](optim::PartitionId id) {
     auto it = ctx.grad_leases.find(id);

@@ -146,9 +146,15 @@ class Engine {
   // tier.acquire_timeout_ms (then kTimedOut).
   Status unregister_tensor(TensorId id);
 
-  AcquireFuture acquire(TensorId id, Tier tier, Access access);
+  // `traced` false: the acquire is neither recorded in the step's access trace nor matched against
+  // it (it still counts in the stats). For work beside the step whose order is not the step's own,
+  // such as an optimizer pass overlapped with backward: traced, its acquires would interleave with
+  // backward's differently each step, and each step would drop the trace as a new order.
+  AcquireFuture acquire(TensorId id, Tier tier, Access access, bool traced = true);
   // acquire(...).wait().
-  Result<Lease> acquire_now(TensorId id, Tier tier, Access access) { return acquire(id, tier, access).wait(); }
+  Result<Lease> acquire_now(TensorId id, Tier tier, Access access, bool traced = true) {
+    return acquire(id, tier, access, traced).wait();
+  }
 
   // Copies the tensor's current contents into `dst` (host memory, desc.bytes()), or replaces them
   // from `src`. Convenience over a host-tier lease.

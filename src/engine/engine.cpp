@@ -321,7 +321,7 @@ void Engine::Impl::note_resident(Tier tier, std::int64_t delta) {
 // Acquire
 
 void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st,
-                                 bool count_trace) {
+                                 bool first, bool traced) {
   auto fail = [&](Status s) {
     std::lock_guard<std::mutex> lock(st->mu);
     st->status = std::move(s);
@@ -345,13 +345,13 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
                                        format_bytes(budget[static_cast<int>(tier)]), "); raise tier.budgets.",
                                        tier_name(tier))));
   }
-  if (count_trace) {
+  if (first) {
     ++m_acquires;
-    trace.on_acquire(id, tier, access == Access::kWrite);
+    if (traced) trace.on_acquire(id, tier, access == Access::kWrite);
   }
   const bool writes = access != Access::kRead;
   if ((writes && (t.readers > 0 || t.writer)) || (!writes && t.writer)) {
-    t.blocked.push_back({st, [this, id, tier, access, st] { start_acquire(id, tier, access, st, false); }});
+    t.blocked.push_back({st, [this, id, tier, access, st] { start_acquire(id, tier, access, st, false, false); }});
     return;
   }
   if (writes) {
@@ -360,7 +360,7 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
     ++t.readers;
   }
   Copy& c = t.copies[static_cast<int>(tier)];
-  if (count_trace) {
+  if (first) {
     if (c.state == CopyState::kValid) {
       ++m_hits;
       if (c.prefetched) ++m_prefetch_hits;
@@ -1092,11 +1092,11 @@ Status Engine::unregister_tensor(TensorId id) {
   }
 }
 
-AcquireFuture Engine::acquire(TensorId id, Tier tier, Access access) {
+AcquireFuture Engine::acquire(TensorId id, Tier tier, Access access, bool traced) {
   auto st = std::make_shared<detail::AcquireState>();
   st->link = impl_->link;
   Impl* e = impl_.get();
-  e->post([e, id, tier, access, st] { e->start_acquire(id, tier, access, st, true); });
+  e->post([e, id, tier, access, st, traced] { e->start_acquire(id, tier, access, st, true, traced); });
   return AcquireFuture(st);
 }
 

@@ -138,7 +138,10 @@ struct Engine::Impl {
   void after_event();
 
   // ---- state machine (scheduler thread only)
-  void start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st, bool count_trace);
+  // `first`: the acquire's first attempt (a retry after a lock conflict is not counted again);
+  // `traced`: recorded in / matched against the access trace (Engine::acquire).
+  void start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st, bool first,
+                     bool traced);
   void grant(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st);
   // `horizon`: kNever for a demand (may wait for room, may write back); for a prefetch, the trace
   // distance of its target (only copies used later than that may be evicted, nothing waits).

@@ -655,6 +655,33 @@ TEST(Engine, OrderChangeIsDetectedAndReRecorded) {
   EXPECT_EQ(s.metrics.at("prefetch.trace_length"), 4);
 }
 
+// Untraced acquires (Engine::acquire(..., traced=false): an optimizer pass beside backward) may
+// come anywhere inside a step, in any order, without changing the step's recorded order; they
+// still count as acquires.
+TEST(Engine, UntracedAcquiresInsideAStepLeaveTheTraceAlone) {
+  auto m = make(1 << 20, 1 << 20, 1 << 20, config(false));
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(*m.engine->register_tensor(desc(str("u", i), 64), Tier::kHost));
+  for (int step = 0; step < 4; ++step) {
+    m.engine->begin_step();
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_TRUE(m.engine->acquire_now(ids[i], Tier::kDevice, Access::kRead).ok());
+      // A different tensor and access each step, at a different point.
+      if (i == step % 4) {
+        ASSERT_TRUE(m.engine
+                        ->acquire_now(ids[4 + step % 2], Tier::kHost, step % 2 ? Access::kWrite : Access::kRead,
+                                      /*traced=*/false)
+                        .ok());
+      }
+    }
+    m.engine->end_step();
+  }
+  const auto s = m.engine->stats();
+  EXPECT_EQ(s.metrics.at("prefetch.order_changes"), 0);
+  EXPECT_EQ(s.metrics.at("prefetch.trace_length"), 4);
+  EXPECT_EQ(s.metrics.at("engine.acquires"), 4 * 5);
+}
+
 TEST(Engine, StatsJsonHasTiersLinksAndSchedulerMetrics) {
   auto m = make(1 << 20, 1 << 20, 1 << 20);
   auto id = m.engine->register_tensor(desc("w", 1024), Tier::kNvme, pattern(1024, 0).data());

@@ -46,6 +46,10 @@ def test_exact_overlap_trains_like_serial(tmp_path, clip, redo):
     metrics = engine.stats()["metrics"]
     assert metrics["optim.overlapped_steps"] == len(reports)
     assert metrics.get("optim.redone_steps", 0) == (len(reports) if redo else 0)
+    # The pass's acquires, interleaved with backward's, stay out of the access trace: the step's
+    # order holds and the trace is kept (traced, they dropped it as a new order every other step).
+    assert metrics["prefetch.order_changes"] == 0
+    assert metrics["prefetch.trace_length"] > 0
 
 
 def test_exact_overlap_without_accumulation_and_with_a_zero_grad_in_between(tmp_path):
