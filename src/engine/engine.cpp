@@ -1118,9 +1118,12 @@ struct HostReservation {
   Engine* engine = nullptr;
   TensorId id = 0;
   Lease lease;
+  std::atomic<std::uint64_t>* reserved = nullptr;
+  std::uint64_t bytes = 0;
   ~HostReservation() {
     lease.release().ignore();
     engine->unregister_tensor(id).ignore();
+    if (reserved != nullptr) reserved->fetch_sub(bytes);
   }
 };
 }  // namespace
@@ -1135,6 +1138,13 @@ Result<PinnedRegion> Engine::reserve_host(const std::string& name, std::uint64_t
                               "' inside tier.budgets.host (",
                               format_bytes(impl_->budget[static_cast<int>(Tier::kHost)]), ")"));
   };
+  // Reserved memory is held until its region goes, never evicted: past the budget, waiting for
+  // room would only end in the acquire timeout.
+  const std::uint64_t held = impl_->reserved_host.load();
+  if (held > 0 && held + bytes > impl_->budget[static_cast<int>(Tier::kHost)]) {
+    return why(resource_exhausted(str("the reservations already made hold ", format_bytes(held),
+                                      ", and reserved memory is not given back to make room")));
+  }
   auto id = register_tensor(desc, Tier::kHost);
   if (!id.ok()) return why(id.status());
   auto lease = acquire_now(*id, Tier::kHost, Access::kWrite);
@@ -1146,6 +1156,9 @@ Result<PinnedRegion> Engine::reserve_host(const std::string& name, std::uint64_t
   keep->engine = this;
   keep->id = *id;
   keep->lease = std::move(lease).value();
+  keep->reserved = &impl_->reserved_host;
+  keep->bytes = bytes;
+  impl_->reserved_host.fetch_add(bytes);
   PinnedRegion r;
   r.data = static_cast<std::byte*>(keep->lease.data());
   r.bytes = bytes;

@@ -183,6 +183,8 @@ struct Engine::Impl {
   std::array<std::uint64_t, kNumTiers> budget{};
   std::array<std::uint64_t, kNumTiers> used{};
   std::array<std::uint64_t, kNumTiers> freeing{};  // bytes of write-backs in flight per tier
+  // Bytes held by Engine::reserve_host regions (any thread; never evicted until released).
+  std::atomic<std::uint64_t> reserved_host{0};
 
   // ---- state
   std::vector<TensorRec> tensors;

@@ -116,6 +116,32 @@ TEST_P(OptimizerHostBudget, ABudgetTooSmallForTheBuffersIsAClearError) {
   EXPECT_EQ(engine->tensor_count(), 0u);
 }
 
+// Each buffer fits the budget but not all of them together: the last one fails at once (reserved
+// memory never comes back to make room), not after the acquire timeout, here a minute.
+TEST_P(OptimizerHostBudget, BuffersThatFitOneByOneButNotTogetherFailAtOnce) {
+  EngineConfig c;
+  c.tier.device = DeviceKind::kEmulated;
+  c.tier.device_budget = 1u << 20;
+  c.tier.host_budget = 640u << 10;
+  c.tier.acquire_timeout_ms = 60000;
+  auto engine = Engine::create(c);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto o = options(**engine);
+  o.chunk_elements = 16384;  // 256 KiB per buffer: two fit, three do not
+  o.buffer_count = 3;
+  test::Rig rig(GetParam(), o);
+  if (GetParam().home == StateHome::kHost) {  // one buffer only: it fits
+    EXPECT_TRUE(rig.status().ok()) << rig.status();
+    return;
+  }
+  ASSERT_FALSE(rig.status().ok());
+  const std::string msg = rig.status().to_string();
+  EXPECT_NE(msg.find("optimizer: pinned buffer 3 of 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the reservations already made hold"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tier.budgets.host"), std::string::npos) << msg;
+  EXPECT_EQ((*engine)->tensor_count(), 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Homes, OptimizerHostBudget, testing::ValuesIn(test::all_homes()), test::home_name);
 
 }  // namespace
