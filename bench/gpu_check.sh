@@ -20,7 +20,8 @@
 #   5. times the main job's Llama steps with params, gradients and optimizer state on NVMe (92M
 #      parameters on the GPU; the default small model with --no-gpu), then times
 #      tier.torch.OffloadedAdamW with the update after backward and during it (bench/
-#      offloaded_adamw.py: serial / exact, the ratio to max(AdamW in memory, the I/O bound));
+#      offloaded_adamw.py: serial / exact, the ratio to max(AdamW in memory, the I/O bound)), and
+#      the same for tier.torch's engine (bench/torch_offload.py --device cuda: issue #15's targets);
 #   6. prints one JSON line of figures (figures.json, from bench/gpu_figures.py: copy rates and
 #      ratios, the Llama step time), then a table, also written to summary.txt (--out).
 # Exit status: 0 all ran and passed; 1 something failed; 2 not run (no GPU, bad usage);
@@ -375,6 +376,26 @@ else
   else
     tail -20 "$log_dir/offloaded_adamw.log"
     fail "offloaded adamw overlap" "bench/offloaded_adamw.py failed (offloaded_adamw.log)"
+  fi
+fi
+
+# ---------------------------------------------------------------- 5c. the engine's exact overlap
+# Issue #15's targets with tier.torch's engine on the GPU (params and optimizer state on NVMe):
+# serial / exact (target >= 1.25) and exact / max(in-memory PyTorch on the GPU, the optimizer's I/O
+# bound) (target <= 1.15), from bench/torch_offload.py (three modes, two rounds). Reported, not failed.
+engine_json="$log_dir/torch_offload.json"
+if [ "$py_ok" != 1 ] || [ "$no_gpu" = 1 ]; then
+  not_run "engine overlap" "needs the Python package and a GPU"
+elif [ "$(left)" -lt 60 ]; then
+  not_run "engine overlap" "the time budget is spent"
+else
+  if (cd "$log_dir" && TIER_BENCH="$bin/tier-bench" TIER_BENCH_DIR="$log_dir" timeout "$(step_limit 5)" \
+        "$venv/bin/python" "$root_dir/bench/torch_offload.py" --device cuda --hidden 1024 --layers 8 --heads 8 \
+        --steps 6 --clip 0 --json >"$engine_json" 2>"$log_dir/torch_offload.log"); then
+    row "engine overlap" "$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("serial/exact %.2f (target 1.25), exact/max(PyTorch,bound) %.2f (target 1.15), %.0f%% of chunks during backward" % (d["serial_over_exact"], d["ratio_to_bound"], 100*d["speculated_chunk_fraction"]))' "$engine_json")"
+  else
+    tail -20 "$log_dir/torch_offload.log"
+    fail "engine overlap" "bench/torch_offload.py failed (torch_offload.log)"
   fi
 fi
 

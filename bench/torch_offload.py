@@ -7,7 +7,7 @@ and the optimizer's NVMe traffic is set beside the disk's
 mixed read/write rate measured outside tier (tier-bench step's plain pread/pwrite reference).
 
     python bench/torch_offload.py [--steps 8] [--hidden 256] [--layers 4] [--clip 1.0]
-                                  [--param-home nvme|cpu] [--json]
+                                  [--param-home nvme|cpu] [--device auto|cpu|cuda] [--json]
 
 Uses the installed package (pip install .) or, failing that, the in-tree build in build/python.
 """
@@ -42,18 +42,26 @@ def batches(args, data, n):
     return out
 
 
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_baseline(args, data):
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(ex.llama_config(args))
+    model = transformers.LlamaForCausalLM(ex.llama_config(args)).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     times = []
     for ids in batches(args, data, args.steps + 1):
+        ids = ids.to(args.device)
+        sync(args.device)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        sync(args.device)
         times.append(time.perf_counter() - t0)
     return times[1:]  # the first step pays for allocation
 
@@ -64,6 +72,7 @@ def run_tier(args, data, swap, overlap):
     cfg = ex.default_config(args, ex.model_shape(args))
     cfg["gradient_clipping"] = args.clip
     cfg["tier"]["optimizer"] = {"overlap": overlap}
+    cfg["tier"]["device"] = "cuda" if args.device == "cuda" else "emulated"
     if overlap == "delayed":  # its second set of fp32 gradients on NVMe
         cfg["tier"]["budgets"]["nvme"] += 4 * ex.model_shape(args)[0]
     if args.param_home != "nvme":
@@ -73,13 +82,16 @@ def run_tier(args, data, swap, overlap):
     times, reports = [], []
     before = None
     for i, ids in enumerate(batches(args, data, args.steps + 1)):
+        ids = ids.to(engine.device)
         if i == 1:
             before = engine.stats()
             timers_before = engine.timers()
+        sync(args.device)
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         reports.append(engine.step())
+        sync(args.device)
         times.append(time.perf_counter() - t0)
     after = engine.stats()
     stall = after["metrics"]["engine.stall_seconds"] - before["metrics"]["engine.stall_seconds"]
@@ -138,8 +150,13 @@ def main():
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     p.add_argument("--param-home", choices=("nvme", "cpu"), default="nvme",
                    help="offload_param device (the optimizer state is on NVMe either way)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the baseline and tier compute (auto: cuda when torch sees a GPU; cpu: tier's "
+                   "emulated device)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.steps = max(2, args.steps)
     data = ex.corpus_bytes(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
     swap = tempfile.mkdtemp(prefix="tier-bench-torch-", dir=os.environ.get("TIER_BENCH_DIR", "."))
@@ -164,6 +181,7 @@ def main():
     result = {
         "parameters": params,
         "param_home": args.param_home,
+        "compute_device": args.device,
         "baseline_step_seconds": med(base),
         "tier_step_seconds": med(tier_times),
         "ratio": med(tier_times) / med(base),
