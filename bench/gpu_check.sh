@@ -360,44 +360,40 @@ else
   fi
 fi
 
+# A Python benchmark on the GPU, its JSON made into a row: $1 the row's label, $2 the base name of
+# its .json and .log, $3 a Python expression of `d` (the JSON) giving the row, then the script and
+# its options (--json is added).
+py_bench() {
+  local label=$1 name=$2 fmt=$3
+  shift 3
+  local json="$log_dir/$name.json"
+  if [ "$py_ok" != 1 ] || [ "$no_gpu" = 1 ]; then
+    not_run "$label" "needs the Python package and a GPU"
+  elif [ "$(left)" -lt 40 ]; then
+    not_run "$label" "the time budget is spent"
+  elif (cd "$log_dir" && TIER_BENCH="$bin/tier-bench" TIER_BENCH_DIR="$log_dir" timeout "$(step_limit 5)" \
+          "$venv/bin/python" "$@" --json >"$json" 2>"$log_dir/$name.log"); then
+    row "$label" "$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($fmt)" "$json")"
+  else
+    tail -20 "$log_dir/$name.log"
+    fail "$label" "$(basename "$1") failed ($name.log)"
+  fi
+}
+
 # ---------------------------------------------------------------- 5b. OffloadedAdamW's exact overlap
 # The optimizer-only mode on the device: backward runs on the GPU, so the pass has the CPU to
 # itself (on the 2-core dev machine it competes with backward). serial / exact is the figure.
-adamw_json="$log_dir/offloaded_adamw.json"
-if [ "$py_ok" != 1 ] || [ "$no_gpu" = 1 ]; then
-  not_run "offloaded adamw overlap" "needs the Python package and a GPU"
-elif [ "$(left)" -lt 40 ]; then
-  not_run "offloaded adamw overlap" "the time budget is spent"
-else
-  if (cd "$log_dir" && TIER_BENCH="$bin/tier-bench" TIER_BENCH_DIR="$log_dir" timeout "$(step_limit 5)" \
-        "$venv/bin/python" "$root_dir/bench/offloaded_adamw.py" --device cuda --hidden 1024 --layers 8 --steps 6 \
-        --json >"$adamw_json" 2>"$log_dir/offloaded_adamw.log"); then
-    row "offloaded adamw overlap" "$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("serial/exact %.2f, exact/max(AdamW,bound) %.2f, kept %.0f%%" % (d["serial_over_exact"], d["exact_over_max_adamw_bound"], 100*d["committed_fraction"]))' "$adamw_json")"
-  else
-    tail -20 "$log_dir/offloaded_adamw.log"
-    fail "offloaded adamw overlap" "bench/offloaded_adamw.py failed (offloaded_adamw.log)"
-  fi
-fi
+py_bench "offloaded adamw overlap" offloaded_adamw \
+  '"serial/exact %.2f, exact/max(AdamW,bound) %.2f, kept %.0f%%" % (d["serial_over_exact"], d["exact_over_max_adamw_bound"], 100 * d["committed_fraction"])' \
+  "$root_dir/bench/offloaded_adamw.py" --device cuda --hidden 1024 --layers 8 --steps 6
 
 # ---------------------------------------------------------------- 5c. the engine's exact overlap
 # Issue #15's targets with tier.torch's engine on the GPU (params and optimizer state on NVMe):
 # serial / exact (target >= 1.25) and exact / max(in-memory PyTorch on the GPU, the optimizer's I/O
 # bound) (target <= 1.15), from bench/torch_offload.py (three modes, two rounds). Reported, not failed.
-engine_json="$log_dir/torch_offload.json"
-if [ "$py_ok" != 1 ] || [ "$no_gpu" = 1 ]; then
-  not_run "engine overlap" "needs the Python package and a GPU"
-elif [ "$(left)" -lt 60 ]; then
-  not_run "engine overlap" "the time budget is spent"
-else
-  if (cd "$log_dir" && TIER_BENCH="$bin/tier-bench" TIER_BENCH_DIR="$log_dir" timeout "$(step_limit 5)" \
-        "$venv/bin/python" "$root_dir/bench/torch_offload.py" --device cuda --hidden 1024 --layers 8 --heads 8 \
-        --steps 6 --clip 0 --json >"$engine_json" 2>"$log_dir/torch_offload.log"); then
-    row "engine overlap" "$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("serial/exact %.2f (target 1.25), exact/max(PyTorch,bound) %.2f (target 1.15), %.0f%% of chunks during backward" % (d["serial_over_exact"], d["ratio_to_bound"], 100*d["speculated_chunk_fraction"]))' "$engine_json")"
-  else
-    tail -20 "$log_dir/torch_offload.log"
-    fail "engine overlap" "bench/torch_offload.py failed (torch_offload.log)"
-  fi
-fi
+py_bench "engine overlap" torch_offload \
+  '"serial/exact %.2f (target 1.25), exact/max(PyTorch,bound) %.2f (target 1.15), %.0f%% of chunks during backward" % (d["serial_over_exact"], d["ratio_to_bound"], 100 * d["speculated_chunk_fraction"])' \
+  "$root_dir/bench/torch_offload.py" --device cuda --hidden 1024 --layers 8 --heads 8 --steps 6 --clip 0
 
 # ---------------------------------------------------------------- 6. one JSON line of figures
 python3 "$root_dir/bench/gpu_figures.py" "$log_dir" | tee "$log_dir/figures.json"
