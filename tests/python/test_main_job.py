@@ -22,6 +22,7 @@ def test_the_summary_reports_host_memory_per_parameter_and_phase_times(tmp_path,
     assert summary["peak_rss_bytes"] > 0
     assert summary["host_bytes_per_param"] == pytest.approx(summary["peak_rss_bytes"] / summary["parameters"], rel=0.2)
     assert set(summary["phase_seconds"]) == {"forward", "backward", "step"}
+    assert summary["prefetch_dropped_unused"] >= 0
     assert all(v > 0 for v in summary["phase_seconds"].values())
     # Each step's own split (bench/scale.py takes the steady state from it), adding up to the whole.
     history = result["history"]

@@ -293,6 +293,8 @@ def run(args, swap_dir):
         "device_budget": s["tiers"]["device"]["budget_bytes"],
         "stall_seconds": s["metrics"].get("engine.stall_seconds", 0.0),
         "prefetch_hits": s["metrics"].get("prefetch.hits", 0.0),
+        # Prefetched copies evicted before their use: room taken for nothing (a sign of thrash).
+        "prefetch_dropped_unused": s["metrics"].get("prefetch.dropped_unused", 0.0),
         "acquires": s["metrics"].get("engine.acquires", 0.0),
         "optimizer_pinned_bytes": s["optimizer"]["pinned_bytes"],
         "host_budget": s["tiers"]["host"]["budget_bytes"],
@@ -314,6 +316,7 @@ def run(args, swap_dir):
               f"nvme {fmt_bytes(summary['peak_bytes']['nvme'])}; optimizer pinned buffers "
               f"{fmt_bytes(summary['optimizer_pinned_bytes'])}")
         say(f"  prefetch: {summary['prefetch_hits']:.0f} hits of {summary['acquires']:.0f} acquires, "
+              f"{summary['prefetch_dropped_unused']:.0f} prefetched copies dropped unused, "
               f"stalled {summary['stall_seconds']:.2f} s in total")
         ph = summary["phase_seconds"]
         say(f"  time: forward {ph['forward']:.1f} s, backward {ph['backward']:.1f} s, optimizer {ph['step']:.1f} s")
