@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import tier.torch  # noqa: E402
 from test_torch_llama import make_model, tier_config  # noqa: E402
-from test_torch_llama import LR, batch, max_rel_diff, tier_losses  # noqa: E402
+from test_torch_llama import LR, batch, max_rel_diff  # noqa: E402
 
 
 def run(swap_dir, overlap, steps=4, gas=2, clip=1.0, **extra):
@@ -141,17 +141,36 @@ def _mixtral():
     return transformers.MixtralForCausalLM(cfg)
 
 
-def test_a_mixture_of_experts_model_matches_pytorch_adamw_in_both_modes(tmp_path):
-    """Mixtral (a router and its experts' weights in one module, each token sent to 2 of 4):
-    tier.torch with params and state on NVMe, serial and exact, matches plain PyTorch AdamW with
-    clipping and accumulation, and keeps its access trace (routing changes no acquire order)."""
+def _t5():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=True)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _seq2seq_batch(i):
+    b = batch(i)
+    return {"input_ids": b["input_ids"], "labels": b["labels"].flip(1)}
+
+
+# Families outside the decoder-only dense models above: Mixtral (a router, and all experts'
+# weights in one module, each token sent to 2 of 4) and T5 (encoder-decoder, relative position
+# bias, the embedding shared by encoder, decoder and head).
+OUTSIDERS = {"mixtral": (_mixtral, batch), "t5": (_t5, _seq2seq_batch)}
+
+
+@pytest.mark.parametrize("family", sorted(OUTSIDERS))
+def test_other_architectures_match_pytorch_adamw_in_both_modes(tmp_path, family):
+    """tier.torch with params and state on NVMe, serial and exact, matches plain PyTorch AdamW with
+    clipping and accumulation, and keeps its access trace."""
+    make, batch_of = OUTSIDERS[family]
     steps, gas = 4, 2
-    model = _mixtral()
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     expected = []
     for step in range(steps):
         for micro in range(gas):
-            out = model(**batch(step * gas + micro))
+            out = model(**batch_of(step * gas + micro))
             expected.append(out.loss.item())
             (out.loss / gas).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -160,11 +179,17 @@ def test_a_mixture_of_experts_model_matches_pytorch_adamw_in_both_modes(tmp_path
     for overlap in ("serial", "exact"):
         d = tmp_path / overlap
         d.mkdir()
-        # The experts' module holds all their weights: the device must hold it whole.
+        # Mixtral's experts module holds all their weights: the device must hold it whole.
         cfg = tier_config(str(d), gas=gas, device_budget="640K")
         cfg["tier"]["optimizer"]["overlap"] = overlap
-        engine, *_ = tier.torch.initialize(_mixtral(), cfg)
-        got = tier_losses(engine, steps, gas=gas)
+        engine, *_ = tier.torch.initialize(make(), cfg)
+        got = []
+        for step in range(steps):
+            for micro in range(gas):
+                out = engine(**batch_of(step * gas + micro))
+                got.append(out.loss.item())
+                engine.backward(out.loss)
+                engine.step()
         metrics = engine.stats()["metrics"]
         engine.destroy()
         assert max_rel_diff(got, expected) <= 1e-5, (overlap, got, expected)
