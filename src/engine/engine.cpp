@@ -600,6 +600,14 @@ bool Engine::Impl::has_other_valid(const TensorRec& t, Tier except) const {
   return false;
 }
 
+bool Engine::Impl::backed_toward_home(const TensorRec& t, Tier tier) const {
+  for (Tier x = tier; x != t.home;) {
+    x = toward_home(x, t.home);
+    if (t.copies[static_cast<int>(x)].state == CopyState::kValid) return true;
+  }
+  return false;
+}
+
 Tier Engine::Impl::toward_home(Tier from, Tier home) const {
   if (from == Tier::kDevice || from == Tier::kNvme) return Tier::kHost;
   return home;  // from host: toward the device or NVMe home
@@ -666,7 +674,11 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
     bool dropped = false;
     for (const prefetch::Victim& v : victims) {
       TensorRec& t = tensors[v.tensor];
-      if (has_other_valid(t, tier)) {
+      // Only a copy backed on the way home is dropped as it is. A host copy whose one other
+      // current copy is on the device is written back instead: dropped, it would leave the device
+      // copy the only current one, and that copy's eviction would then go back through the host
+      // (device -> host -> NVMe), taking host room when it is scarcest.
+      if (backed_toward_home(t, tier)) {
         drop_copy(t, tier);
         ++m_evictions[ti];
         dropped = true;

@@ -170,6 +170,9 @@ struct Engine::Impl {
   void issue_prefetches();
   void expire_waiters();
   bool has_other_valid(const TensorRec& t, Tier except) const;
+  // Whether a copy between `tier` and the tensor's home tier, or the home itself, is valid: then
+  // `tier`'s copy can be dropped without writing it back.
+  bool backed_toward_home(const TensorRec& t, Tier tier) const;
   Tier toward_home(Tier from, Tier home) const;
   Status check_invariants_locked() const;
   void note_resident(Tier tier, std::int64_t delta);

@@ -212,6 +212,35 @@ TEST(Engine, DirtyCopiesAreWrittenDownBeforeEviction) {
   EXPECT_TRUE(m.engine->check_invariants().ok());
 }
 
+// A host copy written (the optimizer's updated param) and then loaded onto the device (prefetched
+// for the next forward), with NVMe stale: when the host needs its room, the copy goes home to
+// NVMe rather than being dropped as if the device copy backed it. Dropped, it left the device copy
+// the only current one, and evicting that later meant device -> host -> NVMe (0.94 B/param of
+// device -> host in each forward at 737M).
+TEST(Engine, AHostCopyBackedOnlyByTheDeviceIsWrittenHomeNotDropped) {
+  const std::uint64_t n = 16 * kKiB;
+  auto m = make(2 * n * 4, 2 * n * 4, 16 * n * 4);
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(*m.engine->register_tensor(desc(str("h", i), n), Tier::kNvme));
+  {
+    auto w = m.engine->acquire_now(ids[0], Tier::kHost, Access::kWrite);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const auto v = pattern(n, 7.0f);
+    std::memcpy(w->data(), v.data(), n * 4);
+  }
+  ASSERT_TRUE(m.engine->acquire_now(ids[0], Tier::kDevice, Access::kRead).ok());
+  // The host fills with two others: ids[0]'s host copy must make room.
+  for (int i : {1, 2}) ASSERT_TRUE(m.engine->acquire_now(ids[i], Tier::kHost, Access::kRead).ok());
+  auto info = m.engine->info(ids[0]);
+  ASSERT_TRUE(info.ok());
+  EXPECT_STREQ(info->copy_state[static_cast<int>(Tier::kNvme)], "valid_clean") << "written home";
+  // Evicting the device copy now costs nothing: no device -> host transfer.
+  for (int i : {2, 3}) ASSERT_TRUE(m.engine->acquire_now(ids[i], Tier::kDevice, Access::kRead).ok());
+  EXPECT_EQ(m.engine->stats().link(Link::kDeviceToHost).bytes, 0u);
+  EXPECT_EQ(read_all(*m.engine, ids[0], n), pattern(n, 7.0f));
+  EXPECT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
+}
+
 TEST(Engine, AFullStoreWithRoomInTheBudgetWritesDirtyCopiesBack) {
   // Each host allocation takes 64 KiB of the store; the tensors are 40 KiB, so four dirty copies
   // fill the store while the budget (which counts 160 KiB of 256 KiB) still has room. A fifth
