@@ -392,6 +392,32 @@ def test_hf_trainer_with_the_exact_overlap_matches_the_serial_step(tmp_path):
     assert st["committed"] == 3 and st["redone"] == 0, st
 
 
+def train_transformers(make, tmp_path, mode, vocab, steps=4, gas=2, seq2seq=False):
+    """Accumulated steps of the transformers model make() builds (seeded: built right before its
+    training, so that dropout draws the same), clipped at a threshold above the norm: "torch" is
+    torch.optim.AdamW, else OffloadedAdamW with that overlap and no back-off. Returns the losses,
+    the model and the optimizer."""
+    model = make()
+    if mode == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    else:
+        opt = tier.torch.OffloadedAdamW(model.parameters(), lr=3e-3, nvme_path=str(tmp_path / mode), overlap=mode)
+        opt.overlap_max_backoff = 0
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        for _ in range(gas):
+            ids = torch.randint(0, vocab, (2, 16), generator=g)
+            labels = ids.flip(1) if seq2seq else ids
+            loss = model(input_ids=ids, labels=labels).loss / gas
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
+        opt.step()
+        opt.zero_grad()
+    return losses, model, opt
+
+
 @pytest.mark.parametrize("family", ["gpt2", "mistral"])
 def test_exact_overlap_on_transformers_models_with_tied_and_frozen_weights(tmp_path, family):
     """GPT-2 (Conv1D layers, the embedding tied to the head: one hook for a weight used twice) and
@@ -412,25 +438,8 @@ def test_exact_overlap_on_transformers_models_with_tied_and_frozen_weights(tmp_p
             m.get_input_embeddings().weight.requires_grad_(False)
         return m
 
-    def run(mode, steps=4, gas=2):
-        m = model()
-        opt = tier.torch.OffloadedAdamW(m.parameters(), lr=3e-3, nvme_path=str(tmp_path / mode), overlap=mode)
-        opt.overlap_max_backoff = 0
-        g = torch.Generator().manual_seed(5)
-        losses = []
-        for _ in range(steps):
-            for _ in range(gas):
-                ids = torch.randint(0, 96, (2, 16), generator=g)
-                loss = m(input_ids=ids, labels=ids).loss / gas
-                loss.backward()
-                losses.append(loss.item())
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e3)
-            opt.step()
-            opt.zero_grad()
-        return losses, m, opt
-
-    a, ma, _ = run("serial")
-    b, mb, ob = run("exact")
+    a, ma, _ = train_transformers(model, tmp_path, "serial", vocab=96)
+    b, mb, ob = train_transformers(model, tmp_path, "exact", vocab=96)
     assert a == b
     assert_same_params(ma, mb)
     st = ob.stats()["overlap_steps"]
@@ -450,30 +459,9 @@ def test_other_architectures_against_torch_adamw(tmp_path, family):
 
     make = {"mixtral": _mixtral, "t5": _t5}[family]
 
-    def run(mode, steps=4, gas=2):
-        m = make()
-        if mode == "torch":
-            opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-        else:
-            opt = tier.torch.OffloadedAdamW(m.parameters(), lr=3e-3, nvme_path=str(tmp_path / mode), overlap=mode)
-            opt.overlap_max_backoff = 0
-        g = torch.Generator().manual_seed(5)
-        losses = []
-        for _ in range(steps):
-            for _ in range(gas):
-                ids = torch.randint(0, 256, (2, 16), generator=g)
-                labels = ids.flip(1) if family == "t5" else ids
-                loss = m(input_ids=ids, labels=labels).loss / gas
-                loss.backward()
-                losses.append(loss.item())
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e3)
-            opt.step()
-            opt.zero_grad()
-        return losses, m, opt
-
-    ref, mr, _ = run("torch")
-    serial, ms, _ = run("serial")
-    exact, me, oe = run("exact")
+    ref, mr, _ = train_transformers(make, tmp_path, "torch", vocab=256, seq2seq=family == "t5")
+    serial, ms, _ = train_transformers(make, tmp_path, "serial", vocab=256, seq2seq=family == "t5")
+    exact, me, oe = train_transformers(make, tmp_path, "exact", vocab=256, seq2seq=family == "t5")
     assert serial == exact
     assert_same_params(ms, me)
     assert max(abs(a - b) / abs(b) for a, b in zip(exact, ref)) <= 1e-5
