@@ -201,6 +201,10 @@ def main(argv=None):
         return run(args, own)
     finally:
         release_swap_dir(own, args.swap_dir, created)
+        _end_distributed()
+
+
+_OWN_PROCESS_GROUP = []  # set when _distributed() created the default process group
 
 
 def _distributed():
@@ -213,7 +217,26 @@ def _distributed():
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        _OWN_PROCESS_GROUP.append(True)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _end_distributed():
+    """Destroys the process group _distributed() created, while the interpreter is still whole.
+    Left to its exit (the engine's reference cycles keep the group alive until the final garbage
+    collection), a Gloo worker thread could still be dropping a finished collective's tensors when
+    finalization began; needing the GIL then, it was made to exit inside a destructor and the
+    process aborted after a finished run ("terminate called without an active exception", about one
+    run in 12 of two ranks here, and once in CI)."""
+    if _OWN_PROCESS_GROUP:
+        import gc
+
+        import torch.distributed as dist
+
+        gc.collect()  # the engine's cycles, and with them its references to the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _OWN_PROCESS_GROUP.clear()
 
 
 def run(args, swap_dir):
