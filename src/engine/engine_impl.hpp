@@ -213,9 +213,8 @@ struct Engine::Impl {
   Status last_writeback_error;
 
   // ---- metrics (scheduler thread) and stall accounting (any thread)
-  std::uint64_t m_prefetch_dropped_unused = 0;
   std::uint64_t m_acquires = 0, m_hits = 0, m_late_prefetch = 0, m_prefetch_hits = 0, m_prefetches = 0,
-                m_writebacks = 0, m_room_waits = 0;
+                m_prefetch_dropped_unused = 0, m_writebacks = 0, m_room_waits = 0;
   std::array<std::uint64_t, kNumTiers> m_evictions{};
   std::mutex stall_mu;
   std::uint64_t m_stalls = 0;

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import tier.torch  # noqa: E402
 from test_torch_llama import make_model, tier_config  # noqa: E402
-from test_torch_llama import LR, batch, max_rel_diff  # noqa: E402
+from test_torch_llama import baseline_losses, batch, max_rel_diff, tier_losses  # noqa: E402
 
 
 def run(swap_dir, overlap, steps=4, gas=2, clip=1.0, **extra):
@@ -165,17 +165,7 @@ def test_other_architectures_match_pytorch_adamw_in_both_modes(tmp_path, family)
     clipping and accumulation, and keeps its access trace."""
     make, batch_of = OUTSIDERS[family]
     steps, gas = 4, 2
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    expected = []
-    for step in range(steps):
-        for micro in range(gas):
-            out = model(**batch_of(step * gas + micro))
-            expected.append(out.loss.item())
-            (out.loss / gas).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+    expected = baseline_losses(steps, gas=gas, make=make, batch_of=batch_of)
     for overlap in ("serial", "exact"):
         d = tmp_path / overlap
         d.mkdir()
@@ -183,13 +173,7 @@ def test_other_architectures_match_pytorch_adamw_in_both_modes(tmp_path, family)
         cfg = tier_config(str(d), gas=gas, device_budget="640K")
         cfg["tier"]["optimizer"]["overlap"] = overlap
         engine, *_ = tier.torch.initialize(make(), cfg)
-        got = []
-        for step in range(steps):
-            for micro in range(gas):
-                out = engine(**batch_of(step * gas + micro))
-                got.append(out.loss.item())
-                engine.backward(out.loss)
-                engine.step()
+        got = tier_losses(engine, steps, gas=gas, batch_of=batch_of)
         metrics = engine.stats()["metrics"]
         engine.destroy()
         assert max_rel_diff(got, expected) <= 1e-5, (overlap, got, expected)

@@ -72,13 +72,13 @@ def tier_config(swap_dir, gas=2, clip=1.0, device_budget="160K", dtype=None, **e
     return cfg
 
 
-def baseline_losses(steps, gas=2, clip=1.0):
-    model = make_model().to(TORCH_DEVICE)
+def baseline_losses(steps, gas=2, clip=1.0, make=make_model, batch_of=batch):
+    model = make().to(TORCH_DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     losses = []
     for step in range(steps):
         for micro in range(gas):
-            out = model(**batch(step * gas + micro))
+            out = model(**batch_of(step * gas + micro))
             losses.append(out.loss.item())
             (out.loss / gas).backward()
         if clip:
@@ -88,11 +88,11 @@ def baseline_losses(steps, gas=2, clip=1.0):
     return losses
 
 
-def tier_losses(engine, steps, gas=2, start=0):
+def tier_losses(engine, steps, gas=2, start=0, batch_of=batch):
     losses = []
     for step in range(start, steps):
         for micro in range(gas):
-            out = engine(**batch(step * gas + micro))
+            out = engine(**batch_of(step * gas + micro))
             losses.append(out.loss.item())
             engine.backward(out.loss)
             engine.step()
