@@ -229,8 +229,12 @@ TEST(Engine, AHostCopyBackedOnlyByTheDeviceIsWrittenHomeNotDropped) {
     std::memcpy(w->data(), v.data(), n * 4);
   }
   ASSERT_TRUE(m.engine->acquire_now(ids[0], Tier::kDevice, Access::kRead).ok());
-  // The host fills with two others: ids[0]'s host copy must make room.
-  for (int i : {1, 2}) ASSERT_TRUE(m.engine->acquire_now(ids[i], Tier::kHost, Access::kRead).ok());
+  // The host fills with two others, the first held: ids[0]'s host copy must make room, and the
+  // second acquire returns once it has (after its write home, the only way to free it).
+  auto held = m.engine->acquire_now(ids[1], Tier::kHost, Access::kRead);
+  ASSERT_TRUE(held.ok()) << held.status();
+  ASSERT_TRUE(m.engine->acquire_now(ids[2], Tier::kHost, Access::kRead).ok());
+  ASSERT_TRUE(held->release().ok());
   auto info = m.engine->info(ids[0]);
   ASSERT_TRUE(info.ok());
   EXPECT_STREQ(info->copy_state[static_cast<int>(Tier::kNvme)], "valid_clean") << "written home";
