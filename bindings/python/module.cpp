@@ -17,6 +17,7 @@
 #include "tier/cpu_kernels.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/stats.hpp"
 
@@ -352,6 +353,9 @@ struct PyOptimizer {
   std::shared_ptr<OverlapContext> overlap;
   std::shared_ptr<DestinationOverlap> overlap_to;  // or one started with start_overlap_to
   std::unique_ptr<AsyncStep> async;                // joined before anything else touches `opt`
+  // Tests only (create(..., fault_injection=True)): the I/O engines of the optimizer's swap space,
+  // each wrapped in a FaultInjectingEngine. Owned by `opt` and valid while it is.
+  std::shared_ptr<std::vector<nvme::FaultInjectingEngine*>> faults;
 
   PyOptimizer() = default;
   PyOptimizer(PyOptimizer&&) = default;
@@ -532,7 +536,7 @@ NB_MODULE(_tier, m) {
       .def("unregister", [](Engine& e, TensorId id) { check(e.unregister_tensor(id)); })
       .def(
           "acquire",
-          [](Engine& e, TensorId id, const std::string& tier, const std::string& access) {
+          [](Engine& e, TensorId id, const std::string& tier, const std::string& access, bool traced) {
             const Tier t = unwrap(parse_tier(tier));
             Access a = Access::kRead;
             if (access == "write") {
@@ -546,7 +550,7 @@ NB_MODULE(_tier, m) {
             Result<Lease> lease{Status(StatusCode::kInternal, "not acquired")};
             {
               nb::gil_scoped_release unlocked;
-              lease = e.acquire_now(id, t, a);
+              lease = e.acquire_now(id, t, a, traced);
             }
             PyLease out;
             out.lease = std::make_shared<Lease>(unwrap(std::move(lease)));
@@ -558,7 +562,7 @@ NB_MODULE(_tier, m) {
             }
             return out;
           },
-          "id"_a, "tier"_a, "access"_a = "read")
+          "id"_a, "tier"_a, "access"_a = "read", "traced"_a = true)
       .def(
           "read",
           [](Engine& e, TensorId id, nb::handle out) {
@@ -679,11 +683,21 @@ NB_MODULE(_tier, m) {
   nb::class_<PyOptimizer>(m, "Optimizer", "The offloaded Adam/AdamW optimizer (state on NVMe or in host memory).")
       .def_static(
           "create",
-          [](const EngineConfig& cfg, std::uint64_t max_elements, nb::object engine, std::uint64_t max_partitions) {
+          [](const EngineConfig& cfg, std::uint64_t max_elements, nb::object engine, std::uint64_t max_partitions,
+             bool fault_injection) {
             Engine* e = engine.is_none() ? nullptr : &nb::cast<Engine&>(engine);
             auto options =
                 unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, e ? &e->counters() : nullptr));
             options.max_partitions = max_partitions;
+            std::shared_ptr<std::vector<nvme::FaultInjectingEngine*>> faults;
+            if (fault_injection) {
+              faults = std::make_shared<std::vector<nvme::FaultInjectingEngine*>>();
+              options.swap_options.wrap_engine = [faults](std::unique_ptr<nvme::IoEngine> inner) {
+                auto wrapped = std::make_unique<nvme::FaultInjectingEngine>(std::move(inner));
+                faults->push_back(wrapped.get());
+                return std::unique_ptr<nvme::IoEngine>(std::move(wrapped));
+              };
+            }
             if (e != nullptr) {
               // The pipeline buffers count against the engine's host budget (the engine outlives
               // the optimizer: PyOptimizer keeps a reference and drops the optimizer first).
@@ -702,9 +716,45 @@ NB_MODULE(_tier, m) {
             }
             out.opt = unwrap(std::move(r));
             out.engine_ref = engine;
+            out.faults = std::move(faults);
             return out;
           },
-          "config"_a, "max_elements"_a, "engine"_a = nb::none(), "max_partitions"_a = 0)
+          "config"_a, "max_elements"_a, "engine"_a = nb::none(), "max_partitions"_a = 0, "fault_injection"_a = false)
+      .def(
+          "_inject_io_fault",
+          [](PyOptimizer& o, const std::string& op, int err, std::uint64_t nth, std::uint64_t count,
+             std::uint64_t after_bytes) {
+            if (!o.faults) {
+              raise(failed_precondition("the optimizer was not created with fault_injection=True"));
+            }
+            if (op != "read" && op != "write" && op != "any") {
+              raise(invalid_argument(str("op '", op, "' is not one of: read, write, any")));
+            }
+            for (nvme::FaultInjectingEngine* f : *o.faults) {
+              if (after_bytes > 0) {
+                f->fail_writes_after_bytes(after_bytes, err);
+                continue;
+              }
+              nvme::FaultSpec spec;
+              spec.err = err;
+              spec.nth = nth;
+              spec.count = count;
+              if (op == "read") spec.op = nvme::IoOp::kRead;
+              if (op == "write") spec.op = nvme::IoOp::kWrite;
+              f->add_fault(spec);
+            }
+          },
+          "op"_a, "err"_a, "nth"_a = 1, "count"_a = 1, "after_bytes"_a = 0,
+          "Tests only: makes the optimizer's I/O fail. Each of its I/O engines fails the nth matching request "
+          "from now (and `count` after it) with -err; with after_bytes, every write once that many more bytes "
+          "were written (a disk filling up).")
+      .def(
+          "_clear_io_faults",
+          [](PyOptimizer& o) {
+            if (!o.faults) return;
+            for (nvme::FaultInjectingEngine* f : *o.faults) f->clear_faults();
+          },
+          "Tests only: removes the faults _inject_io_fault added (the disk has room again).")
       .def(
           "add_partition",
           [](PyOptimizer& o, std::uint64_t numel, int group, const std::string& output, nb::handle initial,
@@ -1009,6 +1059,8 @@ NB_MODULE(_tier, m) {
              d["nvme_bytes"] = st.nvme_bytes;
              d["step"] = st.step;
              d["steps_skipped"] = st.steps_skipped;
+             d["steps_failed"] = st.steps_failed;
+             d["steps_applied"] = st.steps_applied;
              return d;
            })
       .def(
@@ -1044,6 +1096,13 @@ NB_MODULE(_tier, m) {
           },
           "Waits for the step start_step_async() began and returns its report (or raises its error).")
       .def_prop_ro("step_async_running", [](PyOptimizer& o) { return o.async != nullptr; })
+      .def(
+          "outputs_rewritten", [](PyOptimizer& o) { o.get().outputs_rewritten(); },
+          "Every partition's params were rewritten from read_params(): outputs_stale is false again.")
+      .def_prop_ro(
+          "outputs_stale", [](PyOptimizer& o) { return o.peek().outputs_stale(); },
+          "Whether params a step delivered may be ahead of the committed state (a failed step could not "
+          "put them back, or an applied step's outputs failed): read_params() has the committed ones.")
       .def("close", [](PyOptimizer& o) {
         nb::gil_scoped_release unlocked;
         if (o.async) o.async->join();

@@ -314,6 +314,9 @@ struct OptimizerStats {
   std::int64_t step = 0;                // group 0's step counter
   std::uint64_t steps_skipped = 0;
   std::uint64_t steps_failed = 0;
+  // Steps whose update was committed, since creation (an overlapped pass in flight moves `step`
+  // ahead speculatively; this moves only when a step is applied).
+  std::uint64_t steps_applied = 0;
 };
 
 class OffloadedOptimizer {
@@ -391,6 +394,13 @@ class OffloadedOptimizer {
   // clear_grads() and the destructor.
   void cancel_overlapped_step() noexcept;
   bool overlapped_step_running() const noexcept;
+  // Whether params delivered by a step (through StepOptions::on_output or a destination) may be
+  // ahead of the committed state: a failed step (NVMe home) puts back the params it had delivered,
+  // and this is set only when that failed too, or when an applied step's outputs failed. Cleared
+  // by the next step that delivers every output; meanwhile read_params() has the committed ones.
+  bool outputs_stale() const noexcept;
+  // The caller has rewritten every partition's params from read_params(): outputs_stale() is false.
+  void outputs_rewritten() noexcept;
   // Chunks the running overlapped pass has taken up so far (0 without one).
   std::uint64_t overlapped_chunks_taken() const;
 

@@ -851,6 +851,29 @@ Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, std::size_t c
   return w;
 }
 
+Status restore_outputs(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& o,
+                       const std::vector<std::uint8_t>& touched);
+
+// After a step that failed with the NVMe state intact: the params it had delivered already (its
+// update of them was not committed) are delivered again from the committed masters, so that the
+// params the training reads are the state's, whatever the caller does next (retry, clear_grads and
+// a new backward, or a new backward adding to the kept gradients). A sink gathering pieces drops
+// what it gathered first. Returns `failure` with what happened to the params in its message.
+Status after_failed_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& o,
+                         const std::vector<std::uint8_t>& delivered, Status failure) {
+  if (std::find(delivered.begin(), delivered.end(), std::uint8_t{1}) == delivered.end()) return failure;
+  if (o.outputs_abandoned) o.outputs_abandoned();
+  Status restored = restore_outputs(self, im, o, delivered);
+  if (restored.ok()) return failure;
+  im.outputs_stale = true;
+  log(LogLevel::kError,
+      str("optimizer: the params a failed step had delivered could not be delivered again: ", restored.to_string()));
+  return failure.with_context(str("the params it had delivered before failing could not be put back (",
+                                  restored.to_string(),
+                                  "); they are ahead of the optimizer state until a step succeeds or they are "
+                                  "rewritten from read_params()"));
+}
+
 // The step, serial (spec null) or as an overlapped pass (see start_overlapped_step): the pass
 // walks the chunks in reverse, waits for each chunk's gradients, assumes no clipping and no
 // overflow, and commits nothing. A serial step walks `walk` when given, else 0, 1, ...
@@ -1074,6 +1097,8 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     fs.clear();
   };
   bool updated_any = false;
+  // Partitions whose updated params went out (a serial step; a pass keeps spec->touched).
+  std::vector<std::uint8_t> delivered(spec ? 0 : im.parts.size(), 0);
   // Serial steps hint the next chunk's declared gradients while the current chunk is updated (an
   // overlapped pass does not: its gradients are declared while it runs).
   std::vector<std::uint8_t> hinted;
@@ -1101,9 +1126,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
     updated_any = true;
-    if (spec) {
-      for (PartitionId pid = c.first; pid <= c.last; ++pid) spec->touched[pid] = 1;
-    }
+    for (PartitionId pid = c.first; pid <= c.last; ++pid) (spec ? spec->touched : delivered)[pid] = 1;
     if (any_declared) return_grads(&c);
     if (!options.on_output || !sink_error.ok()) return {};
     const auto ts = Clock::now();
@@ -1186,15 +1209,20 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       im.state_invalid = st.with_context("optimizer step failed mid-way on host-resident state; load a checkpoint");
       return im.state_invalid;
     }
-    return st.with_context(str("optimizer step ", old_steps[0] + 1,
-                               " was not applied; the state of the previous step is intact and the gradients are "
-                               "kept (call step() again to retry, or clear_grads())"));
+    return after_failed_step(
+        self, im, options, delivered,
+        st.with_context(str("optimizer step ", old_steps[0] + 1,
+                            " was not applied; the state of the previous step is intact, the params it had "
+                            "delivered are put back and the gradients are kept (call step() again to retry, or "
+                            "clear_grads())")));
   }
   for (Chunk& c : im.chunks) c.committed ^= 1;
+  ++im.steps_applied;
   r.applied = true;
   r.next_loss_scale = im.scaler->update(false);
   self.clear_grads();
   publish();
+  im.outputs_stale = !sink_error.ok();
   if (!sink_error.ok()) {
     return sink_error.with_context(str("optimizer step ", r.step,
                                        " was applied, but delivering its updated params failed and later outputs "
@@ -1311,6 +1339,14 @@ Status OffloadedOptimizer::start_overlapped_step(const StepOptions& options) {
   return {};
 }
 
+bool OffloadedOptimizer::outputs_stale() const noexcept {
+  return impl_->outputs_stale;
+}
+
+void OffloadedOptimizer::outputs_rewritten() noexcept {
+  impl_->outputs_stale = false;
+}
+
 bool OffloadedOptimizer::overlapped_step_running() const noexcept {
   return impl_->overlap != nullptr;
 }
@@ -1382,11 +1418,13 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   Result<StepReport> pass = std::move(held->result);
   if (!norm_error.ok()) {
     for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
-    return norm_error;
+    if (!held->options.redeliver_abandoned_outputs) return norm_error;
+    return after_failed_step(*this, im, held->options, held->touched, norm_error);
   }
   if (valid && pass.ok()) {
     StepReport r = *pass;
     for (Chunk& c : im.chunks) c.committed ^= 1;
+    ++im.steps_applied;
     r.applied = true;
     r.overflow = false;
     r.grad_norm = norm;
@@ -1394,6 +1432,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
     r.loss_scale = held->scale;
     r.next_loss_scale = im.scaler->update(false);
     r.overlapped = true;
+    im.outputs_stale = false;  // the pass delivered every output
     clear_grads();
     publish_step(im, r, t0);
     r.seconds = since(t0);  // what the caller waited for after the last gradient
@@ -1422,6 +1461,10 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   // The chunks the pass had read when it stopped go first, as they are in the buffers.
   const Walk walk = walk_after(held->leftover, im.chunks.size(), im.bufs.size());
   Result<StepReport> r = run_step(*this, im, redo, nullptr, im.nvme() ? &walk : nullptr);
+  if (!r.ok() && held->options.redeliver_abandoned_outputs && !im.outputs_stale) {
+    // The redo failed too (it put back what it had delivered): so must the params the pass had.
+    return after_failed_step(*this, im, held->options, held->touched, r.status());
+  }
   if (r.ok()) {
     r->overlapped = true;
     r->redone = true;
@@ -1826,6 +1869,7 @@ OptimizerStats OffloadedOptimizer::stats() const {
   s.step = im.groups.empty() ? 0 : im.groups[0].step();
   s.steps_skipped = im.steps_skipped;
   s.steps_failed = im.steps_failed;
+  s.steps_applied = im.steps_applied;
   return s;
 }
 

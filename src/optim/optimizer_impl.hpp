@@ -168,6 +168,10 @@ struct OffloadedOptimizer::Impl {
   // Set when the host-resident state was left half-updated (a failed load after verification, a
   // step that failed mid-way): everything but load_checkpoint reports it; a good load clears it.
   Status state_invalid;
+  // Set when params delivered by a step are not the committed state's and could not be put back
+  // (a failed step whose restore failed too, or an applied step whose outputs failed); cleared by
+  // the next step that delivers every output.
+  bool outputs_stale = false;
 
   // The overlapped step in flight, if any (see start_overlapped_step).
   std::unique_ptr<detail::Overlap> overlap;
@@ -178,6 +182,7 @@ struct OffloadedOptimizer::Impl {
   std::atomic<std::uint64_t> accumulator_bytes{0};
   std::uint64_t steps_skipped = 0;
   std::uint64_t steps_failed = 0;
+  std::uint64_t steps_applied = 0;
 
   bool nvme() const noexcept { return opt.home == StateHome::kNvme; }
   Status usable(const char* what, bool loading = false) const;

@@ -4,7 +4,9 @@
 // optimizer's swap space.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "optim/optim_test_util.hpp"
 
@@ -145,6 +147,88 @@ TEST_P(OptimizerFaults, FailedCheckpointLoadKeepsTheState) {
   rig_->faults()->clear_faults();
   EXPECT_EQ(*rig_->opt().group_step(0), 2);
   ASSERT_TRUE(test::state_matches(rig_->opt(), *ref_));
+}
+
+// Options that deliver the updated params through on_output (as the engine's param sink does)
+// into `out`, counting the pieces.
+StepOptions deliver_into(test::Outputs& out, int& pieces) {
+  StepOptions so;
+  so.on_output = [&out, &pieces](const OutputChunk& c) -> Status {
+    const std::size_t esize = param_output_size(c.dtype);
+    std::memcpy(out.data[c.partition].data() + c.offset * esize, c.data, c.numel * esize);
+    ++pieces;
+    return Status::Ok();
+  };
+  return so;
+}
+
+// Every delivered param equals the reference's output after its last step.
+::testing::AssertionResult params_match(const test::Outputs& out, const test::Reference& ref) {
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    const std::size_t bytes = ref.model()[i].numel * param_output_size(ref.model()[i].output);
+    if (std::memcmp(out.data[i].data(), ref.out(i).data(), bytes) != 0) {
+      return ::testing::AssertionFailure() << "partition " << i << "'s delivered params differ";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A step that fails part-way had delivered the params of the chunks it updated before the fault:
+// they are put back to the committed state's, so that the params the training reads (the next
+// forward) are the state's whatever comes next, not half a step ahead of it.
+TEST_P(OptimizerFaults, AFailedStepPutsBackTheParamsItHadDelivered) {
+  test::Outputs out(ref_->model());
+  int pieces = 0;
+  const StepOptions so = deliver_into(out, pieces);
+  feed(rig_->opt(), *ref_, 1, 1, DType::kBF16, GradMode::kCopy);
+  ASSERT_TRUE(ref_->step(1.0, 0));
+  ASSERT_TRUE(rig_->opt().step(so).ok());
+  ASSERT_TRUE(params_match(out, *ref_));
+
+  feed(rig_->opt(), *ref_, 2, 1, DType::kBF16, GradMode::kCopy);
+  rig_->faults()->fail_nth(9, EIO, nvme::IoOp::kWrite);  // a few chunks in
+  pieces = 0;
+  auto r = rig_->opt().step(so);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("put back"), std::string::npos) << r.status();
+  EXPECT_GT(pieces, 0) << "the step must have delivered some params before failing";
+  EXPECT_FALSE(rig_->opt().outputs_stale());
+  EXPECT_TRUE(params_match(out, *ref_)) << "the params are step 1's again";
+
+  rig_->faults()->clear_faults();
+  ASSERT_TRUE(ref_->step(1.0, 0));
+  ASSERT_TRUE(rig_->opt().step(so).ok());
+  EXPECT_TRUE(params_match(out, *ref_));
+  ASSERT_TRUE(test::state_matches(rig_->opt(), *ref_));
+}
+
+// When putting them back fails too (here the sink refuses a piece it was given already, as a
+// full disk would refuse the write), the error says so and the optimizer reports its outputs stale
+// until a step delivers every one of them again.
+TEST_P(OptimizerFaults, ParamsThatCannotBePutBackAreReportedStale) {
+  test::Outputs out(ref_->model());
+  int pieces = 0;
+  const StepOptions good = deliver_into(out, pieces);
+  std::set<std::pair<PartitionId, std::uint64_t>> seen;
+  StepOptions refusing = good;
+  refusing.on_output = [&](const OutputChunk& c) -> Status {
+    if (!seen.insert({c.partition, c.offset}).second) return Status(StatusCode::kIoError, "the sink is full");
+    return good.on_output(c);
+  };
+  feed(rig_->opt(), *ref_, 1, 1, DType::kBF16, GradMode::kCopy);
+  ASSERT_TRUE(ref_->step(1.0, 0));
+  ASSERT_TRUE(rig_->opt().step(good).ok());
+  feed(rig_->opt(), *ref_, 2, 1, DType::kBF16, GradMode::kCopy);
+  rig_->faults()->fail_nth(9, EIO, nvme::IoOp::kWrite);
+  auto r = rig_->opt().step(refusing);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("could not be put back"), std::string::npos) << r.status();
+  EXPECT_TRUE(rig_->opt().outputs_stale());
+  rig_->faults()->clear_faults();
+  ASSERT_TRUE(ref_->step(1.0, 0));
+  ASSERT_TRUE(rig_->opt().step(good).ok());
+  EXPECT_FALSE(rig_->opt().outputs_stale());
+  EXPECT_TRUE(params_match(out, *ref_));
 }
 
 INSTANTIATE_TEST_SUITE_P(Nvme, OptimizerFaults, testing::ValuesIn(test::nvme_homes()), test::home_name);
