@@ -218,7 +218,12 @@ class _EngineGrads:
     def add_grad(self, pid, grad):
         engine = self._engine()
         first = pid not in self.held
-        lease = engine.native.acquire(self.tensors[pid], "host", "write" if first else "read_write")
+        # Intake is part of the access trace (the prefetcher brings a sum back before the next
+        # micro-step adds to it), except with overlap "delayed", which alternates two sets of
+        # gradient tensors from one step to the next: an order no one-step trace can hold.
+        lease = engine.native.acquire(
+            self.tensors[pid], "host", "write" if first else "read_write", traced=not engine._delayed
+        )
         flat = torch.from_dlpack(lease.as_tensor())
         g = grad.detach().reshape(-1)
         if first:
