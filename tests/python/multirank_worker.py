@@ -59,7 +59,7 @@ def config(args, swap):
         "aio": {"block_size": 65536, "queue_depth": 8},
         "tier": {
             "device": os.environ.get("TIER_TEST_DEVICE", "emulated"),
-            "budgets": {"device": "160K", "host": "16M", "nvme": "64M"},
+            "budgets": {"device": args.device_budget, "host": "16M", "nvme": "64M"},
             "optimizer": {"buffer_bytes": "1M", "overlap": args.overlap},
         },
     }
@@ -100,6 +100,9 @@ def main():
     p.add_argument("--lr-mismatch", action="store_true", help="rank 1 uses another lr (must be refused)")
     p.add_argument("--inf-at-step", type=int, default=-1, help="rank 1's loss is inf in this step")
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of engine.backward")
+    p.add_argument("--checkpointing", default="none", choices=["none", "reentrant", "nonreentrant"],
+                   help="transformers' gradient checkpointing")
+    p.add_argument("--device-budget", default="160K")
     args = p.parse_args()
 
     if args.world > 1:
@@ -114,6 +117,11 @@ def main():
         )
     torch.set_num_threads(1)
     model = make_model(args.family)
+    if args.checkpointing != "none":
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"}
+        )
+        model.train()
     engine, _, _, _ = tier.torch.initialize(model, config(args, args.swap))
     if args.load:
         engine.load_checkpoint(args.load)

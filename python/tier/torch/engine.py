@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from .. import _tier
-from . import linear as _linear
+from . import saved_params as _saved_params
 from . import zero as _zero
 from . import zero_init as _zero_init
 from . import schedulers as _schedulers
@@ -483,6 +483,12 @@ def _alive(ref):
     return engine
 
 
+def _release(ref, module):
+    engine = ref()
+    if engine is not None:
+        engine._release(module)
+
+
 def _exit_forward(ref):
     engine = ref()
     if engine is not None:  # a freed engine was reported by _alive already
@@ -918,11 +924,16 @@ class TierEngine(torch.nn.Module):
 
     def _install_hooks(self, model):
         self._module_slots = {}
+        self._forward_fetches = {}  # module -> forward fetches not yet released
         self._hook_handles = []
         self._forward_depth = 0
         self._inference_step = False
         self._in_backward = False  # engine.backward() is running (recomputed forwards run inside it)
         ref = weakref.ref(self)
+        # Saved views of streamed parameters become references for the duration of a training
+        # forward (the hooks are entered by the outermost module call and exited after it).
+        self._saved_params = _saved_params.SavedParams(lambda slot, r=ref: r()._bring_for_unpack(slot))
+        self._saved_hooks = None
         for mod in model.modules():
             guard = _DESTROYED_GUARDS.pop(mod, None)  # the model is managed again
             if guard is not None:
@@ -934,7 +945,11 @@ class TierEngine(torch.nn.Module):
             if owned:
                 self._module_slots[mod] = owned
                 self._hook_handles.append(mod.register_forward_pre_hook(lambda m, args, r=ref: r()._fetch(m)))
-                self._hook_handles.append(mod.register_forward_hook(lambda m, args, out, r=ref: r()._release(m)))
+                # always_call: a forward that raises (or a recompute stopped early by activation
+                # checkpointing, which raises once it has what backward needs) still releases.
+                self._hook_handles.append(
+                    mod.register_forward_hook(lambda m, args, out, r=ref: _release(r, m), always_call=True)
+                )
             self._hook_handles.append(
                 mod.register_forward_hook(lambda m, args, out, r=ref: _exit_forward(r), always_call=True)
             )
@@ -964,6 +979,7 @@ class TierEngine(torch.nn.Module):
                 lease = self.native.acquire(slot.tid, "device", "read")
                 # The view owns the lease: it ends when nothing references the memory any more.
                 slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape)))
+                self._saved_params.placed(slot)
         slot.fetches += 1
 
     def _shard_of(self, slot, device):
@@ -979,6 +995,7 @@ class TierEngine(torch.nn.Module):
         full = self._prefetcher.gather(slots)
         for s in slots:
             s.param.data = full[id(s)].view(s.shape).to(self.device)
+            self._saved_params.placed(s)
 
     def _gather_updated_params(self):
         """Stages 1 and 2, after an applied step: every rank's updated shards into every rank's
@@ -1003,6 +1020,7 @@ class TierEngine(torch.nn.Module):
     def _drop(self, slot):
         slot.fetches -= 1
         if slot.fetches == 0:
+            self._saved_params.removed(slot)
             if self.device.type == "cuda":
                 # Kernels queued on the stream may still read the memory: keep the view (and so the
                 # lease) until an event recorded after them has completed.
@@ -1026,8 +1044,14 @@ class TierEngine(torch.nn.Module):
         # the next. The outermost module called brackets the step (a PEFT model's generate() calls
         # the base model's).
         self._forward_depth += 1
-        if self._forward_depth > 1 or self._in_backward:
+        if self._forward_depth > 1 or self._in_backward or torch._C._current_graph_task_id() != -1:
+            # An inner module, or a forward recomputed during backward (activation checkpointing):
+            # part of the micro-step already running, and under the recompute's own saved-tensor
+            # hooks, which must stay the innermost.
             return
+        if torch.is_grad_enabled() and not self.inference_only and self._saved_hooks is None:
+            self._saved_hooks = self._saved_params.hooks()
+            self._saved_hooks.__enter__()
         # A forward of the model itself (engine.module.generate, say) between the boundary backward
         # and step() must see the committed params, as engine(...) does.
         self._cancel_overlap()
@@ -1039,6 +1063,9 @@ class TierEngine(torch.nn.Module):
 
     def _exit_forward(self):
         self._forward_depth -= 1
+        if self._forward_depth == 0 and self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
         if self._forward_depth == 0 and self._inference_step:
             self._inference_step = False
             self.native.end_step()
@@ -1052,13 +1079,25 @@ class TierEngine(torch.nn.Module):
             for slot in slots:
                 slot.fetches += 1
             return
-        for slot in slots:
-            self._bring(slot)
+        brought = []
+        try:
+            for slot in slots:
+                self._bring(slot)
+                brought.append(slot)
+        except BaseException:
+            for slot in brought:  # all or nothing: a failed fetch holds nothing
+                self._drop(slot)
+            raise
 
     def _fetch(self, module):
         self._bring_all(self._module_slots[module])
+        self._forward_fetches[module] = self._forward_fetches.get(module, 0) + 1
 
     def _release(self, module):
+        held = self._forward_fetches.get(module, 0)
+        if held == 0:  # the fetch itself failed
+            return
+        self._forward_fetches[module] = held - 1
         for slot in self._module_slots[module]:
             self._drop(slot)
 
@@ -1066,6 +1105,13 @@ class TierEngine(torch.nn.Module):
         self._bring_all(self._module_slots[module])
         for slot in self._module_slots[module]:
             slot.backward_fetches += 1
+
+    def _bring_for_unpack(self, slot):
+        # A saved view of a parameter whose module's backward pre-hook did not bring it (a module
+        # using another's weight): brought now, released when its gradient is final or at the end
+        # of backward, as a module's backward fetch is.
+        self._bring_all([slot])
+        slot.backward_fetches += 1
 
     def _after_module_backward(self, module):
         # Parameters without gradients end their backward fetch here; trainable ones when their
@@ -1146,8 +1192,7 @@ class TierEngine(torch.nn.Module):
             # One micro-step (forward + backward) is one step of the access trace.
             self.native.begin_step()
             self._in_step = True
-        with _linear.patched_linear():
-            out = self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
         self._timers["forward"] += time.perf_counter() - t0
         self._span("forward", t0_ns)
         return out

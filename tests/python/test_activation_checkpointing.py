@@ -1,0 +1,216 @@
+"""Activation checkpointing (gradient checkpointing) under tier.torch, in every offload mode.
+
+transformers' ``gradient_checkpointing_enable()`` (reentrant and non-reentrant) and
+``torch.utils.checkpoint`` used directly train to the same losses as plain PyTorch with the same
+checkpointing (1e-6 relative, fp32). The recompute fetches the streamed parameters through the
+engine again, in the same order every step, so the access trace holds and the prefetcher serves
+it."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tier.torch  # noqa: E402
+from test_torch_llama import (  # noqa: E402
+    baseline_losses,
+    batch,
+    make_model,
+    max_rel_diff,
+    tier_config,
+    tier_losses,
+)
+
+import os
+STEPS = int(os.environ.get("AC_STEPS", 3))
+GAS = 2
+# The recompute of a checkpointed layer holds that layer's parameters until their backward, as
+# it holds its activations: the device must fit one layer (144 KiB here) beside what is streaming.
+LAYER_BUDGET = "320K"
+
+
+def _checkpointed(make, reentrant):
+    def build():
+        model = make()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        return model
+
+    return build
+
+
+def _qwen2_tied():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _gpt_neox():
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def _mode_config(swap_dir, mode, overlap):
+    """stage3-nvme: params and optimizer state on NVMe (the params stream); stage3-host: both in
+    host memory; stage2-device: params on the device, optimizer on NVMe; stage1-host: optimizer
+    state in host memory."""
+    cfg = tier_config(swap_dir, gas=GAS, device_budget=LAYER_BUDGET)
+    cfg["tier"]["optimizer"]["overlap"] = overlap
+    zero = cfg["zero_optimization"]
+    if mode == "stage3-host":
+        zero["offload_param"]["device"] = "cpu"
+        zero["offload_optimizer"]["device"] = "cpu"
+    elif mode == "stage2-device":
+        zero["stage"] = 2
+        del zero["offload_param"]
+        cfg["tier"]["budgets"]["device"] = "8M"
+    elif mode == "stage1-host":
+        zero["stage"] = 1
+        del zero["offload_param"]
+        zero["offload_optimizer"]["device"] = "cpu"
+        cfg["tier"]["budgets"]["device"] = "8M"
+    return cfg
+
+
+def _run(swap_dir, make, mode="stage3-nvme", overlap="serial"):
+    engine, *_ = tier.torch.initialize(make(), _mode_config(swap_dir, mode, overlap))
+    losses = tier_losses(engine, STEPS, gas=GAS)
+    metrics = engine.stats()["metrics"]
+    engine.destroy()
+    return losses, metrics
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("overlap", ["serial", "exact"])
+def test_transformers_checkpointing_matches_pytorch_with_params_streaming(swap_dir, reentrant, overlap):
+    make = _checkpointed(make_model, reentrant)
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, metrics = _run(swap_dir, make, overlap=overlap)
+    assert max_rel_diff(got, expected) <= 1e-6, (got, expected)
+    # The recompute's fetches are part of the recorded order: it never changes, and the
+    # prefetcher serves the steps after the first.
+    assert metrics["prefetch.order_changes"] == 0
+    assert metrics["prefetch.hits"] > 0
+
+
+def test_the_recompute_fetches_the_params_again_through_the_engine(tmp_path):
+    plain = tmp_path / "plain"
+    ckpt = tmp_path / "ckpt"
+    plain.mkdir()
+    ckpt.mkdir()
+    _, without = _run(str(plain), make_model)
+    _, with_ckpt = _run(str(ckpt), _checkpointed(make_model, False))
+    # Each step's trace holds forward, the recompute of both layers and backward: the layers'
+    # 7 linear modules each once more.
+    assert with_ckpt["prefetch.trace_length"] >= without["prefetch.trace_length"] + 2 * 7
+    assert with_ckpt["engine.acquires"] > without["engine.acquires"]
+
+
+@pytest.mark.parametrize("mode", ["stage3-host", "stage2-device", "stage1-host"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpointing_in_the_other_offload_modes(swap_dir, mode, reentrant):
+    make = _checkpointed(make_model, reentrant)
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, metrics = _run(swap_dir, make, mode=mode, overlap="exact")
+    assert max_rel_diff(got, expected) <= 1e-6, (mode, got, expected)
+    assert metrics["prefetch.order_changes"] == 0
+
+
+def test_checkpointing_with_the_delayed_update_equals_delayed_without(tmp_path):
+    # The delayed update's reference is tier's own run without checkpointing (recomputing changes
+    # no value): the losses are the same bit for bit.
+    losses = {}
+    for name, make in (("plain", make_model), ("ckpt", _checkpointed(make_model, False))):
+        d = tmp_path / name
+        d.mkdir()
+        losses[name], metrics = _run(str(d), make, overlap="delayed")
+        assert metrics["prefetch.order_changes"] == 0
+    assert losses["ckpt"] == losses["plain"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_tied", "gpt_neox"])
+def test_other_families_with_checkpointing(swap_dir, family):
+    """Qwen2 with its embedding tied to the head (a parameter used by two modules, its gradient
+    final last) and GPT-NeoX (fused QKV, parallel attention and MLP)."""
+    make = _checkpointed({"qwen2_tied": _qwen2_tied, "gpt_neox": _gpt_neox}[family], False)
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, metrics = _run(swap_dir, make, overlap="exact")
+    assert max_rel_diff(got, expected) <= 1e-6, (family, got, expected)
+    assert metrics["prefetch.order_changes"] == 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _CheckpointedMLP(torch.nn.Module):
+    """A model of its own that calls torch.utils.checkpoint on each block (no transformers)."""
+
+    def __init__(self, reentrant, width=64, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.embed = torch.nn.Embedding(256, width)
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 256, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_torch_utils_checkpoint_used_directly(swap_dir, reentrant):
+    def make():
+        return _CheckpointedMLP(reentrant)
+
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, metrics = _run(swap_dir, make, overlap="exact")
+    assert max_rel_diff(got, expected) <= 1e-6, (got, expected)
+    assert metrics["prefetch.order_changes"] == 0
+
+
+def test_saved_weight_views_are_references_not_device_memory(swap_dir):
+    """Without checkpointing, what autograd saves of a streamed weight (F.linear's weight.t()) is
+    a reference: the device holds no layer's parameters between its forward and its backward, so
+    a budget of a few modules trains a model several times its size."""
+    engine, *_ = tier.torch.initialize(make_model(), tier_config(swap_dir, gas=GAS, device_budget="160K"))
+    out = engine(**batch(0))
+    device = engine.stats()["tiers"]["device"]
+    model_bytes = sum(slot.numel * 4 for slot in engine._slots)
+    assert engine._saved_params.references >= 14, "each linear's saved weight view is a reference"
+    # Between forward and backward only what the prefetcher staged for backward is in place.
+    assert device["resident_bytes"] <= 160 * 1024 < model_bytes
+    engine.backward(out.loss)
+    engine.step()
+    engine.destroy()
+
+
+def test_no_process_wide_patch_of_functional_linear(swap_dir):
+    """tier's forward leaves torch.nn.functional.linear alone: another engine or thread calling it
+    meanwhile gets torch's own."""
+    import torch.nn.functional as F
+
+    original = F.linear
+    engine, *_ = tier.torch.initialize(make_model(), tier_config(swap_dir, gas=GAS))
+    seen = []
+    engine.module.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(F.linear))
+    out = engine(**batch(0))
+    engine.backward(out.loss)
+    engine.destroy()
+    assert seen and all(f is original for f in seen)
