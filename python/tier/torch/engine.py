@@ -161,6 +161,7 @@ class _MicroStepGrads:
 
     def add_grad(self, pid, grad):
         engine = self._engine()
+        engine._withdraw_failed_step()
         acc = self.held.get(pid)
         if acc is None and engine._gas == 1 and engine._boundary is None and not engine._delayed:
             engine.optimizer.add_grad(pid, grad)
@@ -181,6 +182,11 @@ class _MicroStepGrads:
         if ok:
             self.held.clear()
             self.lent.clear()
+
+    def withdraw(self):
+        """After a failed step, before gradients change: the sums stay here, no longer lent (the
+        optimizer's clear_grads() forgets what it borrowed)."""
+        self.lent.clear()
 
     def clear(self):
         self.held.clear()
@@ -217,6 +223,7 @@ class _EngineGrads:
 
     def add_grad(self, pid, grad):
         engine = self._engine()
+        engine._withdraw_failed_step()
         first = pid not in self.held
         # Intake is part of the access trace (the prefetcher brings a sum back before the next
         # micro-step adds to it), except with overlap "delayed", which alternates two sets of
@@ -233,6 +240,8 @@ class _EngineGrads:
         self.held.add(pid)
         if engine.is_gradient_accumulation_boundary():
             self.sumsq[pid] = self._sum_of_squares(flat)
+        else:
+            self.sumsq.pop(pid, None)  # (one kept from a failed step is stale now)
         del flat  # ends the lease
         if pid in self.sumsq and engine.optimizer.overlap_running:
             # Final: the overlapped step's pass may take it now.
@@ -240,6 +249,8 @@ class _EngineGrads:
             self.declared.add(pid)
 
     def flush(self, optimizer):
+        """Declares every gradient of the step not declared yet. They stay held (and declared)
+        until the step has succeeded (after_step): a failed step keeps them for a retry."""
         engine = self._engine()
         for pid in sorted(self.held):
             if pid in self.declared:
@@ -250,13 +261,18 @@ class _EngineGrads:
                 flat = torch.from_dlpack(lease.as_tensor())
                 sumsq = self._sum_of_squares(flat)
                 del flat
+                self.sumsq[pid] = sumsq
             optimizer.declare_grad(pid, sumsq)
-        self.held.clear()
-        self.sumsq.clear()
+            self.declared.add(pid)
+
+    def withdraw(self):
+        """After a failed step, before gradients change: the declarations go (the optimizer's
+        clear_grads() forgets them), the sums stay in their engine tensors."""
         self.declared.clear()
 
     def after_step(self, ok):
-        pass
+        if ok:
+            self.clear()
 
     def clear(self):
         self.held.clear()
@@ -607,6 +623,9 @@ class TierEngine(torch.nn.Module):
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
+        self._failed_step = None  # "pending" after a failed boundary step, "withdrawn" once gradients moved on
+        self._delayed_retry = False  # overlap "delayed": the pending update failed and runs again
+        self._params_behind = False  # an applied step could not deliver its params (see _repair_params)
         self.skipped_steps = 0
         self.last_report = None
         self._in_step = False
@@ -669,6 +688,8 @@ class TierEngine(torch.nn.Module):
                 trainable_numel,
                 self.native,
                 max_partitions=sum(1 for s in self._slots if s.trainable and s.zero_count > 0),
+                # Tests only: TIER_FAULT_INJECTION=1 lets optimizer._inject_io_fault fail its I/O.
+                fault_injection=os.environ.get("TIER_FAULT_INJECTION") == "1",
             )
             groups = self._build_groups(model_parameters)
 
@@ -1186,6 +1207,7 @@ class TierEngine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         # A forward between the boundary backward and step() must see the committed params.
         self._cancel_overlap()
+        self._repair_params()
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         if not self._in_step and torch.is_grad_enabled() and not self.inference_only:
@@ -1209,6 +1231,7 @@ class TierEngine(torch.nn.Module):
             scaled = scaled / self._gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
+        self._withdraw_failed_step()
         if self.optimizer.overlap_running:
             # A second backward on the boundary adds to gradients the pass may have used already.
             self._cancel_overlap()
@@ -1273,38 +1296,108 @@ class TierEngine(torch.nn.Module):
             self._reducer.flush(boundary)  # a backward run outside engine.backward()
         if self._prefetcher is not None:
             self._prefetcher.drop()
-        self.micro_steps += 1
         self._step_applied = False
         if not boundary:
+            self.micro_steps += 1
             return None
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
         if self._delayed:
             report = self._start_delayed(lr_kwargs)
+            self.micro_steps += 1
         else:
-            self._grads.flush(self.optimizer)
-            grad_tensors = self._grads.tensors if self._grads_in_engine else []
-            ok = False
-            try:
-                if self.optimizer.overlap_running:
-                    report = self.optimizer.finish_overlap()
-                else:
-                    self._apply_lr()
-                    report = self.optimizer.step_into(
-                        self.native,
-                        self._tensor_of_partition,
-                        grad_tensors,
-                        self._partition_offsets,
-                        self._reduce_sumsq,
-                    )
-                ok = True
-            finally:
-                self._grads.after_step(ok)
-            self._after_report(report, lr_kwargs)
+            report = self._boundary_step(lr_kwargs)
         self._timers["step"] += time.perf_counter() - t0
         self._span("step", t0_ns)
         return report
+
+    def _boundary_step(self, lr_kwargs):
+        """The optimizer step of an accumulation boundary (serial, or finishing the overlapped one).
+
+        A step that fails (an I/O error, a full disk) leaves one state, whatever comes next: the
+        optimizer state and the params are the previous step's (the optimizer puts back the params
+        it had delivered), the step's gradients are kept, and the micro-step is not counted, so
+        the boundary is still the current micro-step. From there:
+
+        - ``step()`` again retries the step with the kept gradients;
+        - another ``backward()`` adds to the kept gradients (its micro-step is part of this step),
+          and ``step()`` steps with the sum;
+        - ``zero_grad()`` drops the gradients and starts the accumulation window again: the next
+          ``gradient_accumulation_steps`` micro-steps make the step.
+
+        A step that was applied but whose updated params could not all be delivered is counted;
+        the params are rewritten from the fp32 masters before the next forward or step.
+        """
+        applied_before = self.optimizer.stats()["steps_applied"]
+        try:
+            self._grads.flush(self.optimizer)
+            if self.optimizer.overlap_running:
+                report = self.optimizer.finish_overlap()
+            else:
+                self._apply_lr()
+                grad_tensors = self._grads.tensors if self._grads_in_engine else []
+                report = self.optimizer.step_into(
+                    self.native,
+                    self._tensor_of_partition,
+                    grad_tensors,
+                    self._partition_offsets,
+                    self._reduce_sumsq,
+                )
+        except BaseException:
+            self._grads.after_step(False)
+            if self.optimizer.stats()["steps_applied"] == applied_before:
+                self._failed_step = "pending"
+                raise
+            # Applied (the state moved on, the gradients were consumed), its outputs not all
+            # delivered: counted, and the params are rewritten from the masters before use.
+            self._failed_step = None
+            self._grads.clear()
+            self._params_behind = True
+            self.micro_steps += 1
+            applied = {"applied": True, "step": self.optimizer.stats()["step"], "grad_norm": float("nan"), "overflow": False}
+            self._after_report(applied, lr_kwargs)
+            raise
+        self._grads.after_step(True)
+        self._failed_step = None
+        self.micro_steps += 1
+        self._after_report(report, lr_kwargs)
+        return report
+
+    def _withdraw_failed_step(self):
+        """A gradient is about to change after a failed step: what the optimizer was told about the
+        kept gradients (declared engine tensors, lent sums) is withdrawn, as it would be stale; the
+        gradients themselves stay, and the next step hands them over again."""
+        if self.__dict__.get("_failed_step") != "pending":
+            return
+        if isinstance(self._grads, _MicroStepGrads) and not self._grads.held:
+            # One micro-step per step: the gradients went into the optimizer's own accumulators,
+            # which cannot take a second one.
+            raise RuntimeError(
+                "the last step failed and its gradients are inside the optimizer, which cannot add another "
+                "backward to them: call step() to retry it, or zero_grad() to drop them and start the step again"
+            )
+        self.optimizer.cancel_overlap()
+        self.optimizer.clear_grads()
+        self._grads.withdraw()
+        self._failed_step = "withdrawn"
+
+    def _repair_params(self):
+        """Params that an applied step could not deliver (or a failed one could not put back) are
+        rewritten from the fp32 masters before the next forward reads them."""
+        if self.optimizer is None:
+            return
+        behind = self.__dict__.get("_params_behind", False) or self.optimizer.outputs_stale
+        if not behind:
+            return
+        if self._zero is not None:
+            raise RuntimeError(
+                "an optimizer step could not deliver its updated params across ranks; load the last checkpoint "
+                "(engine.load_checkpoint) to go on"
+            )
+        self._params_from_masters()
+        self._params_behind = False
+        self.optimizer.outputs_rewritten()
 
     def _start_delayed(self, lr_kwargs):
         """overlap "delayed": waits for the previous step's update (and puts its params in place),
@@ -1352,25 +1445,43 @@ class TierEngine(torch.nn.Module):
 
     def _join_delayed(self):
         """Waits for the update started by the last boundary step() in "delayed" mode, writes the
-        params it produced into the engine and books the step. Returns its report, or None."""
+        params it produced into the engine and books the step. Returns its report, or None.
+
+        An update that fails (an I/O error, a full disk) stays pending with its gradients (the
+        other set) and the state of the step before: the next call runs it again, with the same lr,
+        before anything else, so whatever the caller does meanwhile (retry step(), zero_grad() and
+        a new window, or another backward into this window) the updates are the same."""
         pending = self.__dict__.get("_delayed_pending")
         if pending is None:
             return None
         grads, lr_kwargs = pending
-        self._delayed_pending = None
-        ok = False
+        if self.__dict__.get("_delayed_retry"):
+            self._apply_lr()  # the scheduler has not moved since the update first started
+            grad_tensors = grads.tensors if self._grads_in_engine else []
+            self.optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
+            self._delayed_retry = False
         try:
             report = self.optimizer.finish_step_async()
-            ok = True
-        finally:
-            grads.after_step(ok)
-            if self._grads_in_engine:
-                grads.clear()
-                self._spare_grads = grads
-        if report["applied"]:
-            # The update wrote the masters only (the params were in use meanwhile): derive them.
+        except BaseException:
+            grads.after_step(False)
+            self._delayed_retry = True
+            raise
+        self._delayed_pending = None
+        grads.after_step(True)
+        if self._grads_in_engine:
+            grads.clear()
+            self._spare_grads = grads
+        if not report["applied"]:
+            self._after_report(report, lr_kwargs)
+            return report
+        # The update wrote the masters only (the params were in use meanwhile): derive them. If
+        # that fails, the step still counts and the params are rewritten before the next forward.
+        self._params_behind = True
+        try:
             self._params_from_masters()
-        self._after_report(report, lr_kwargs)
+            self._params_behind = False
+        finally:
+            self._after_report(report, lr_kwargs)
         return report
 
     def _params_from_masters(self):
@@ -1419,11 +1530,18 @@ class TierEngine(torch.nn.Module):
         model's ``.grad`` are freed as soon as they are final)."""
         self._drain_grads()
         self._grads.clear()
+        if self.__dict__.get("_failed_step") is not None or self.__dict__.get("_delayed_retry"):
+            # After a failed step the whole accumulation window is dropped with its gradients: the
+            # next gradient_accumulation_steps micro-steps make the step again.
+            if self._boundary is None:
+                self.micro_steps -= self.micro_steps % self._gas
+            self._failed_step = None
         if self._reducer is not None:
             self._reducer.clear()
         if self.optimizer is not None:
             self.optimizer.cancel_overlap()
-            if not self.optimizer.step_async_running:  # (a delayed update reads its own gradients)
+            # (A delayed update, running or failed and pending a retry, reads its own gradients.)
+            if not self.optimizer.step_async_running and not self.__dict__.get("_delayed_retry"):
                 self.optimizer.clear_grads()
         for slot in self._slots:
             slot.param.grad = None
