@@ -59,7 +59,8 @@ static_assert(TIER_ACCESS_READ == static_cast<int>(Access::kRead) &&
               TIER_ACCESS_WRITE == static_cast<int>(Access::kWrite) &&
               TIER_ACCESS_READ_WRITE == static_cast<int>(Access::kReadWrite));
 static_assert(TIER_ROLE_PARAM == static_cast<int>(Role::kParam) && TIER_ROLE_USER == static_cast<int>(Role::kUser) &&
-              TIER_ROLE_USER + 1 == tier::kNumRoles);
+              TIER_ROLE_ACTIVATION == static_cast<int>(Role::kActivation) &&
+              TIER_ROLE_ACTIVATION + 1 == tier::kNumRoles);
 static_assert(TIER_DTYPE_F32 == static_cast<int>(DType::kF32) && TIER_DTYPE_F16 == static_cast<int>(DType::kF16) &&
               TIER_DTYPE_BF16 == static_cast<int>(DType::kBF16) && TIER_DTYPE_F64 == static_cast<int>(DType::kF64) &&
               TIER_DTYPE_I8 == static_cast<int>(DType::kI8) && TIER_DTYPE_U8 == static_cast<int>(DType::kU8) &&

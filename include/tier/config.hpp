@@ -146,6 +146,20 @@ struct OptimizerPipelineConfig {
   OptimizerOverlap overlap = OptimizerOverlap::kExact;
 };
 
+// Where checkpointed activations go (tier.activations.offload): left on the device (none), or
+// into engine tensors homed in host memory or on NVMe.
+enum class ActivationOffload : std::uint8_t { kNone = 0, kHost = 1, kNvme = 2 };
+
+// tier.activations and DeepSpeed's activation_checkpointing; acted on by the adapters (tier.torch),
+// which own the model's forward.
+struct ActivationConfig {
+  bool checkpoint = false;  // tier.activations.checkpoint: turn on the model's gradient checkpointing
+  // tier.activations.offload; "auto": host when activation_checkpointing.cpu_checkpointing is
+  // true, else none.
+  ActivationOffload offload = ActivationOffload::kNone;
+  bool cpu_checkpointing = false;  // activation_checkpointing.cpu_checkpointing
+};
+
 // tier: tier's own section.
 struct TierConfig {
   // Byte budgets per tier; 0 means auto (device: half of the GPU's free memory at creation, a
@@ -165,6 +179,7 @@ struct TierConfig {
   EmulatedDeviceConfig emulated;
   int optimizer_threads = 0;  // 0: all cores
   OptimizerPipelineConfig optimizer;
+  ActivationConfig activations;
   LogLevel log_level = LogLevel::kInfo;
   bool strict = false;
   // Engine: how long an acquire may wait for room on a tier whose copies are all pinned.

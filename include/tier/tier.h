@@ -131,7 +131,8 @@ typedef enum tier_role {
   TIER_ROLE_MASTER = 2,
   TIER_ROLE_EXP_AVG = 3,
   TIER_ROLE_EXP_AVG_SQ = 4,
-  TIER_ROLE_USER = 5
+  TIER_ROLE_USER = 5,
+  TIER_ROLE_ACTIVATION = 6
 } tier_role_t;
 
 /* The state of one tensor's copy on one tier. */

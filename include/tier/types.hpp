@@ -51,8 +51,10 @@ Result<DType> parse_dtype(std::string_view text);
 
 // What a tensor is to the training step. Roles decide defaults (home tier, dtype) and let stats
 // and plans talk about "all optimizer state".
-enum class Role : std::uint8_t { kParam = 0, kGrad, kMaster, kExpAvg, kExpAvgSq, kUser };
-inline constexpr int kNumRoles = 6;
+// kActivation: tensors saved for backward (activation checkpoints offloaded by an adapter); the
+// engine reports their resident bytes per tier apart ("activations.<tier>.*" metrics).
+enum class Role : std::uint8_t { kParam = 0, kGrad, kMaster, kExpAvg, kExpAvgSq, kUser, kActivation };
+inline constexpr int kNumRoles = 7;
 // "param", "grad", "master", "exp_avg", "exp_avg_sq", "user".
 const char* role_name(Role r) noexcept;
 Result<Role> parse_role(std::string_view text);

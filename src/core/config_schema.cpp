@@ -164,8 +164,37 @@ std::vector<KeySpec> build_schema() {
   add(K("seq_parallel_communication_data_type", VK::kString).noted(kNotPartitioned).sample("fp32", 5));
   add(K("disable_allgather", VK::kBool).noted(kNotPartitioned).sample(false, "x"));
   add(K("graph_harvesting", VK::kBool).noted("tier does not capture CUDA graphs").sample(false, "x"));
+  // activation_checkpointing: tier.torch checkpoints where the model does and can offload the
+  // checkpoints (tier.activations); DeepSpeed's other knobs are reported with what tier does.
+  add(K("activation_checkpointing", VK::kObject));
+  add(K("activation_checkpointing.cpu_checkpointing", VK::kBool)
+          .set([](EngineConfig& c, const json& v) {
+            // DeepSpeed's switch for offloading checkpoints to host memory: the default of
+            // tier.activations.offload (an explicit tier.activations.offload, set later, wins).
+            c.tier.activations.cpu_checkpointing = v.get<bool>();
+            if (c.tier.activations.cpu_checkpointing) c.tier.activations.offload = ActivationOffload::kHost;
+          })
+          .get([](const EngineConfig& c) { return json(c.tier.activations.cpu_checkpointing); })
+          .sample(true, "yes"));
+  add(K("activation_checkpointing.partition_activations", VK::kBool)
+          .noted("each rank keeps the checkpoints of its own micro-batch; with tier.activations.offload they leave "
+                 "the device, which is what partitioning them across ranks saves")
+          .sample(true, 2));
+  add(K("activation_checkpointing.contiguous_memory_optimization", VK::kBool)
+          .noted("offloaded checkpoints are engine tensors reused from step to step, so they do not fragment the "
+                 "device's memory")
+          .sample(true, "x"));
+  add(K("activation_checkpointing.number_checkpoints", VK::kInt)
+          .range(0, 1e9)
+          .noted("tier checkpoints where the model does (gradient_checkpointing_enable: every layer)")
+          .sample(4, -1));
+  add(K("activation_checkpointing.synchronize_checkpoint_boundary", VK::kBool)
+          .noted("the engine orders each checkpoint's copy itself")
+          .sample(false, "x"));
+  add(K("activation_checkpointing.profile", VK::kBool)
+          .noted("activation bytes per tier are always in the stats snapshot (activations.* metrics)")
+          .sample(true, "x"));
   for (const char* section : {"amp",
-                              "activation_checkpointing",
                               "flops_profiler",
                               "tensorboard",
                               "wandb",
@@ -624,6 +653,12 @@ std::vector<KeySpec> build_schema() {
   add(K("tier.optimizer.overlap", VK::kEnum)
           .TIER_ENUM_FIELD(tier.optimizer.overlap, OptimizerOverlap, "serial", "exact", "delayed")
           .sample("serial", "sometimes"));
+  add(K("tier.activations", VK::kObject));
+  add(K("tier.activations.checkpoint", VK::kBool).TIER_FIELD(tier.activations.checkpoint).sample(true, "x"));
+  add(K("tier.activations.offload", VK::kEnum)
+          .auto_is("none")
+          .TIER_ENUM_FIELD(tier.activations.offload, ActivationOffload, "none", "host", "nvme")
+          .sample("NVMe", "disk", "nvme"));
   add(K("tier.log_level", VK::kEnum)
           .TIER_ENUM_FIELD(tier.log_level, LogLevel, "trace", "debug", "info", "warn", "error", "off")
           .sample("debug", "loud"));

@@ -84,6 +84,7 @@ const char* role_name(Role r) noexcept {
     case Role::kExpAvg: return "exp_avg";
     case Role::kExpAvgSq: return "exp_avg_sq";
     case Role::kUser: return "user";
+    case Role::kActivation: return "activation";
   }
   return "unknown";
 }
@@ -96,7 +97,9 @@ Result<Role> parse_role(std::string_view text) {
   if (s == "exp_avg") return Role::kExpAvg;
   if (s == "exp_avg_sq") return Role::kExpAvgSq;
   if (s == "user") return Role::kUser;
-  return invalid_argument(str("role '", text, "' is not one of: param, grad, master, exp_avg, exp_avg_sq, user"));
+  if (s == "activation") return Role::kActivation;
+  return invalid_argument(
+      str("role '", text, "' is not one of: param, grad, master, exp_avg, exp_avg_sq, user, activation"));
 }
 
 Status TensorDesc::validate() const {

@@ -311,6 +311,13 @@ void Engine::Impl::fail_everything(const Status& why) {
   }
 }
 
+void Engine::Impl::note_role_bytes(const TensorDesc& d, Tier tier, std::int64_t delta) {
+  if (d.role != Role::kActivation) return;
+  const int ti = static_cast<int>(tier);
+  activation_used[ti] = static_cast<std::uint64_t>(static_cast<std::int64_t>(activation_used[ti]) + delta);
+  activation_peak[ti] = std::max(activation_peak[ti], activation_used[ti]);
+}
+
 void Engine::Impl::note_resident(Tier tier, std::int64_t delta) {
   const auto& store = be.stores[static_cast<int>(tier)];
   if (store && store->reports_resident()) return;
@@ -625,6 +632,7 @@ void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
     c.buf = Buffer{};
     used[static_cast<int>(tier)] -= bytes;
     note_resident(tier, -static_cast<std::int64_t>(bytes));
+    note_role_bytes(t.desc, tier, -static_cast<std::int64_t>(bytes));
   }
   c.state = CopyState::kAbsent;
   c.prefetched = false;
@@ -646,6 +654,8 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
         out->bytes = bytes;
         used[ti] += bytes;
         note_resident(tier, static_cast<std::int64_t>(bytes));
+        if (for_tensor < tensors.size())
+          note_role_bytes(tensors[for_tensor].desc, tier, static_cast<std::int64_t>(bytes));
         return true;
       }
       if (r.status().code() != StatusCode::kResourceExhausted) {
@@ -1282,6 +1292,11 @@ StatsSnapshot Engine::stats() const {
     c.set_metric("prefetch.trace_length", static_cast<double>(e.trace.entries().size()));
     c.set_metric("prefetch.order_changes", static_cast<double>(e.trace.order_changes()));
     c.set_metric("prefetch.inflight_bytes", static_cast<double>(e.prefetch_inflight_bytes));
+    for (Tier x : kAllTiers) {
+      const int ti = static_cast<int>(x);
+      c.set_metric(str("activations.", tier_name(x), ".resident_bytes"), static_cast<double>(e.activation_used[ti]));
+      c.set_metric(str("activations.", tier_name(x), ".peak_bytes"), static_cast<double>(e.activation_peak[ti]));
+    }
   });
   {
     std::lock_guard<std::mutex> lock(e.stall_mu);

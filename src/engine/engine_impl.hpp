@@ -185,6 +185,9 @@ struct Engine::Impl {
   detail::Backends be;
   std::array<std::uint64_t, kNumTiers> budget{};
   std::array<std::uint64_t, kNumTiers> used{};
+  // Of `used`, what tensors of Role::kActivation hold, and its peak (the activations.* metrics).
+  std::array<std::uint64_t, kNumTiers> activation_used{}, activation_peak{};
+  void note_role_bytes(const TensorDesc& d, Tier tier, std::int64_t delta);
   std::array<std::uint64_t, kNumTiers> freeing{};  // bytes of write-backs in flight per tier
   // Bytes held by Engine::reserve_host regions (any thread; never evicted until released).
   std::atomic<std::uint64_t> reserved_host{0};

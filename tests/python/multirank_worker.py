@@ -63,6 +63,8 @@ def config(args, swap):
             "optimizer": {"buffer_bytes": "1M", "overlap": args.overlap},
         },
     }
+    if args.offload_activations != "none":
+        cfg["tier"]["activations"] = {"offload": args.offload_activations}
     if args.lr_mismatch and args.rank == 1:
         cfg["optimizer"]["params"]["lr"] = LR * 2
     return cfg
@@ -103,6 +105,7 @@ def main():
     p.add_argument("--checkpointing", default="none", choices=["none", "reentrant", "nonreentrant"],
                    help="transformers' gradient checkpointing")
     p.add_argument("--device-budget", default="160K")
+    p.add_argument("--offload-activations", default="none", choices=["none", "host", "nvme"])
     args = p.parse_args()
 
     if args.world > 1:
@@ -159,6 +162,7 @@ def main():
     report["optimizer_elements"] = stats["optimizer"]["elements"]
     report["nvme_peak_bytes"] = stats["tiers"]["nvme"]["peak_bytes"]
     report["zero"] = stats.get("zero")
+    report["activations_offloaded"] = engine._activations.offloaded if engine._activations is not None else 0
     report["skipped_steps"] = engine.skipped_steps
     report["global_steps"] = engine.global_steps
     with open(args.out, "w") as f:

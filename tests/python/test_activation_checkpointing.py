@@ -214,3 +214,111 @@ def test_no_process_wide_patch_of_functional_linear(swap_dir):
     engine.backward(out.loss)
     engine.destroy()
     assert seen and all(f is original for f in seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints offloaded (tier.activations.offload / activation_checkpointing.cpu_checkpointing)
+
+CHECKPOINT_BYTES = 2 * 32 * 64 * 4  # one layer's input: batch 2, sequence 32, hidden 64, fp32
+
+
+def _offload_run(swap_dir, make, acts=None, extra=None, **initialize_kwargs):
+    cfg = tier_config(swap_dir, gas=GAS, device_budget=LAYER_BUDGET)
+    if acts is not None:
+        cfg["tier"]["activations"] = acts
+    cfg.update(extra or {})
+    engine, *_ = tier.torch.initialize(make(), cfg, **initialize_kwargs)
+    losses = tier_losses(engine, STEPS, gas=GAS)
+    metrics = engine.stats()["metrics"]
+    offload = engine._activations
+    counts = (offload.offloaded, offload.bytes_registered) if offload is not None else (0, 0)
+    engine.destroy()
+    return losses, metrics, counts
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_offloaded_checkpoints_match_pytorch_and_leave_the_device(swap_dir, home, reentrant):
+    make = _checkpointed(make_model, reentrant)
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, metrics, (offloaded, pool_bytes) = _offload_run(swap_dir, make, {"offload": home})
+    assert max_rel_diff(got, expected) <= 1e-6, (got, expected)
+    layers = 2
+    assert offloaded == layers * STEPS * GAS, "every layer's checkpoint of every micro-step goes to the engine"
+    assert pool_bytes == layers * CHECKPOINT_BYTES, "one engine tensor per layer, reused every step"
+    # On the device at most the checkpoint being recomputed and the one prefetched for the next.
+    assert metrics["activations.device.peak_bytes"] <= 2 * CHECKPOINT_BYTES
+    assert metrics["activations.device.resident_bytes"] == 0
+    if home == "nvme":
+        assert metrics["activations.nvme.resident_bytes"] == pool_bytes
+    else:
+        assert metrics["activations.nvme.peak_bytes"] == 0
+    # The checkpoints' acquires are in the trace, in backward order: it holds, the prefetcher serves.
+    assert metrics["prefetch.order_changes"] == 0 and metrics["prefetch.hits"] > 0
+
+
+def test_deepspeed_cpu_checkpointing_offloads_to_host(swap_dir):
+    make = _checkpointed(make_model, False)
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    ds = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                       "contiguous_memory_optimization": True, "number_checkpoints": 2,
+                                       "synchronize_checkpoint_boundary": False, "profile": False}}
+    got, metrics, (offloaded, _) = _offload_run(swap_dir, make, extra=ds)
+    assert max_rel_diff(got, expected) <= 1e-6
+    assert offloaded == 2 * STEPS * GAS
+    assert metrics["activations.host.peak_bytes"] > 0 and metrics["activations.nvme.peak_bytes"] == 0
+
+
+def test_initialize_turns_checkpointing_on_and_offloads_without_a_deepspeed_section(swap_dir):
+    expected = baseline_losses(STEPS, gas=GAS, make=_checkpointed(make_model, False))
+    got, metrics, (offloaded, _) = _offload_run(
+        swap_dir, make_model, checkpoint_activations=True, offload_activations="nvme"
+    )
+    assert max_rel_diff(got, expected) <= 1e-6
+    assert offloaded == 2 * STEPS * GAS
+    assert metrics["activations.nvme.peak_bytes"] > 0
+
+
+def test_tier_checkpoint_in_a_model_of_ones_own_is_offloaded(swap_dir):
+    class Model(_CheckpointedMLP):
+        def forward(self, input_ids, labels):
+            x = self.embed(input_ids)
+            for block in self.blocks:
+                x = tier.torch.activations.checkpoint(block, x)
+            logits = self.head(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+    def make():
+        return Model(reentrant=False)
+
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, _, (offloaded, _) = _offload_run(swap_dir, make, {"offload": "host"})
+    assert max_rel_diff(got, expected) <= 1e-6
+    assert offloaded == 3 * STEPS * GAS
+
+
+def test_offload_without_checkpointing_is_a_clear_error(swap_dir):
+    cfg = tier_config(swap_dir, gas=GAS)
+    cfg["tier"]["activations"] = {"offload": "host"}
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
+    with pytest.raises(ValueError, match="offloading needs activation checkpointing"):
+        engine(**batch(0))
+    engine.destroy()
+
+
+@pytest.mark.parametrize(
+    "section,key",
+    [
+        ({"tier": {"activations": {"offload": "disk"}}}, "tier.activations.offload"),
+        ({"activation_checkpointing": {"cpu_checkpointing": "yes"}}, "activation_checkpointing.cpu_checkpointing"),
+        ({"activation_checkpointing": {"number_checkpoints": -1}}, "activation_checkpointing.number_checkpoints"),
+    ],
+)
+def test_activation_values_tier_does_not_take_are_refused_naming_the_key(swap_dir, section, key):
+    cfg = tier_config(swap_dir, gas=GAS)
+    for k, v in section.items():
+        cfg.setdefault(k, {})
+        cfg[k].update(v) if k != "tier" else cfg["tier"].update(v)
+    with pytest.raises(tier.InvalidArgument, match=key.replace(".", r"\.")):
+        tier.torch.initialize(make_model(), cfg)

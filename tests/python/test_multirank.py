@@ -116,17 +116,23 @@ def test_losses_match_one_process(tmp_path, family, world, stage):
         assert abs(rep["optimizer_nvme_bytes"] - ref["optimizer_nvme_bytes"] / world) <= 65536
 
 
-@pytest.mark.parametrize("stage,checkpointing", [(3, "nonreentrant"), (2, "reentrant"), (1, "nonreentrant")])
-def test_gradient_checkpointing_across_ranks_matches_one_process(tmp_path, stage, checkpointing):
+@pytest.mark.parametrize(
+    "stage,checkpointing,offload",
+    [(3, "nonreentrant", "none"), (2, "reentrant", "none"), (1, "nonreentrant", "none"), (3, "nonreentrant", "nvme")],
+)
+def test_gradient_checkpointing_across_ranks_matches_one_process(tmp_path, stage, checkpointing, offload):
     # Recomputing changes no value: the one-process run without checkpointing is the reference.
     # The recompute holds a layer's parameters until their backward: the device fits one layer.
+    # With the checkpoints offloaded, each rank offloads those of its own micro-batch.
     ref = reference(tmp_path, "llama")
     reports, _, _ = run_ranks(
-        tmp_path, 2, "--stage", stage, "--checkpointing", checkpointing, "--device-budget", "320K"
+        tmp_path, 2, "--stage", stage, "--checkpointing", checkpointing, "--device-budget", "320K",
+        "--offload-activations", offload,
     )
     for rep in reports:
         assert max_rel(rep["losses"], ref["losses"]) <= 1e-5, (rep["losses"], ref["losses"])
         assert max_rel(rep["grad_norms"], ref["grad_norms"]) <= 1e-5
+        assert rep["activations_offloaded"] == (0 if offload == "none" else 2 * 10 * 2)  # layers x steps x gas
 
 
 def test_serial_step_and_host_params_match(tmp_path):

@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from .. import _tier
+from . import activations as _activations
 from . import saved_params as _saved_params
 from . import zero as _zero
 from . import zero_init as _zero_init
@@ -356,6 +357,8 @@ def initialize(
     warmup_num_steps=None,
     progress=None,
     process_group=None,
+    checkpoint_activations=None,
+    offload_activations=None,
 ):
     """Wraps ``model`` in a :class:`TierEngine` configured by ``config`` (a dict or a JSON path in
     DeepSpeed's format plus tier's ``tier`` section; ``config_params`` is the same argument under
@@ -383,7 +386,12 @@ def initialize(
     ``torch.distributed`` initialized), the engine partitions its state over the ranks of the
     default process group, or of ``process_group``, by ``zero_optimization.stage`` (1, 2 or 3; see
     docs/distributed.md). ``mpu`` (model parallelism) is refused; ``dist_init_required=True``
-    initializes the default group from the environment when it is not yet."""
+    initializes the default group from the environment when it is not yet.
+
+    ``checkpoint_activations=True`` turns on the model's gradient checkpointing
+    (``tier.activations.checkpoint``); ``offload_activations="host"`` or ``"nvme"`` keeps the
+    checkpoints there between forward and backward (``tier.activations.offload``; DeepSpeed's
+    ``activation_checkpointing.cpu_checkpointing`` means ``"host"``)."""
     if model is None:
         raise ValueError("initialize needs model=")
     if config is not None and config_params is not None:
@@ -409,6 +417,13 @@ def initialize(
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if checkpoint_activations is not None or offload_activations is not None:
+        config = _load_config(config)
+        acts = config.setdefault("tier", {}).setdefault("activations", {})
+        if checkpoint_activations is not None:
+            acts["checkpoint"] = bool(checkpoint_activations)
+        if offload_activations is not None:
+            acts["offload"] = offload_activations
     engine = TierEngine(
         model,
         config,
@@ -806,7 +821,35 @@ class TierEngine(torch.nn.Module):
         self._apply_lr()
         self._install_hooks(model)
         self._install_state_dict_hooks(model)
+        self._setup_activations(model, resolved)
         _LIVE_ENGINES.add(self)
+
+    def _setup_activations(self, model, resolved):
+        """tier.activations (and activation_checkpointing.cpu_checkpointing): the model's gradient
+        checkpointing turned on, and its checkpoints offloaded (see tier.torch.activations)."""
+        acts = resolved.get("tier", {}).get("activations", {})
+        self._activations = None
+        self._activations_checked = False
+        if acts.get("checkpoint"):
+            enable = getattr(model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise ValueError(
+                    "tier.activations.checkpoint is true but the model has no gradient_checkpointing_enable(); call "
+                    "tier.torch.activations.checkpoint(fn, *args) around its blocks in its forward instead"
+                )
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        home = acts.get("offload", "none")
+        if home == "none":
+            return
+        if self.inference_only:
+            raise ValueError(
+                f"tier.activations.offload is {home!r} but the engine runs inference only (no optimizer): there is no "
+                "backward to keep checkpoints for; remove it"
+            )
+        self._activations = _activations.ActivationOffload(self.native, home)
+        self._saved_params.offload = self._activations
+        _activations.mark_model_checkpoints(model)
 
     # ------------------------------------------------------------------ setup helpers
     def _zero_group(self, process_group, zero, model):
@@ -1071,6 +1114,9 @@ class TierEngine(torch.nn.Module):
             # hooks, which must stay the innermost.
             return
         if torch.is_grad_enabled() and not self.inference_only and self._saved_hooks is None:
+            if self._activations is not None:
+                _activations.mark_model_checkpoints(self.module)  # (enabled after initialize?)
+                self._activations.begin_step()
             self._saved_hooks = self._saved_params.hooks()
             self._saved_hooks.__enter__()
         # A forward of the model itself (engine.module.generate, say) between the boundary backward
@@ -1087,6 +1133,15 @@ class TierEngine(torch.nn.Module):
         if self._forward_depth == 0 and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
+            if self._activations is not None and not self._activations_checked:
+                self._activations_checked = True
+                if self._activations.seen_in_step == 0:
+                    raise ValueError(
+                        f"tier.activations.offload is {self._activations.home!r} but the forward checkpointed nothing: "
+                        "offloading needs activation checkpointing; turn it on (tier.activations.checkpoint: true, "
+                        "model.gradient_checkpointing_enable(), or tier.torch.activations.checkpoint(fn, *args) in the model's "
+                        "forward)"
+                    )
         if self._forward_depth == 0 and self._inference_step:
             self._inference_step = False
             self.native.end_step()
@@ -1908,6 +1963,9 @@ class TierEngine(torch.nn.Module):
         self._grads.clear()
         self.__dict__.pop("_grad_staging_state", None)
         self._deferred.clear()
+        self._saved_params.offload = None
+        self._saved_params.clear()
+        self._activations = None
         for slot in self._slots:
             slot.param.grad = None
             slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)

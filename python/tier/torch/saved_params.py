@@ -18,11 +18,16 @@ the innermost ones in forward (nothing is saved) and in the recompute, which run
 operators again under the module hooks, so the engine fetches the region's parameters once more
 (traced, hence prefetched like the rest) and the recomputed tensors hold them until their backward.
 
+With an activation offload (:mod:`tier.torch.activations`) the checkpoints a checkpointed region
+saves at its boundary go to engine tensors in host memory or on NVMe instead.
+
 Thread safety: pack runs on the forward's thread, unpack on autograd's; both only read the map of
 parameters in place, which the engine changes from hooks on those same threads.
 """
 
 import torch
+
+from . import activations as _activations
 
 
 class _ParamRef:
@@ -45,10 +50,13 @@ class SavedParams:
     fetch).
     """
 
-    def __init__(self, bring):
+    def __init__(self, bring, offload=None):
         self._bring = bring
         self._live = {}  # storage address -> [slots whose .data lies in that storage]
         self.references = 0  # saved tensors kept as references (observability, tests)
+        # tier.torch.activations.ActivationOffload: checkpoints saved at a checkpointed region's
+        # boundary go to engine tensors (host memory or NVMe) instead of staying on the device.
+        self.offload = offload
 
     # -- the engine tells where parameters are -------------------------------------------------
     def placed(self, slot):
@@ -77,23 +85,26 @@ class SavedParams:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t):
-        if not self._live:
-            return t
-        key = _storage_key(t)
+        key = _storage_key(t) if self._live else 0
         slots = self._live.get(key) if key else None
-        if not slots:
-            return t
-        off = t.storage_offset()
-        for slot in slots:
-            data = slot.param.data
-            base = data.storage_offset()
-            if data.dtype == t.dtype and base <= off < base + data.numel():
-                self.references += 1
-                return _ParamRef(slot, tuple(t.size()), tuple(t.stride()), off - base)
+        if slots:
+            off = t.storage_offset()
+            for slot in slots:
+                data = slot.param.data
+                base = data.storage_offset()
+                if data.dtype == t.dtype and base <= off < base + data.numel():
+                    self.references += 1
+                    return _ParamRef(slot, tuple(t.size()), tuple(t.stride()), off - base)
+        if self.offload is not None:
+            handle = self.offload.pack(t)
+            if handle is not None:
+                return handle
         return t
 
     def _unpack(self, saved):
         if type(saved) is not _ParamRef:
+            if self.offload is not None and type(saved) is _activations._Offloaded:
+                return self.offload.unpack(saved)
             return saved
         slot = saved.slot
         if slot.fetches == 0:
