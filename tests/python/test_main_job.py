@@ -52,5 +52,24 @@ def test_presets_set_the_shape_unless_given(monkeypatch, tmp_path):
     assert seen["hidden"] == 2048 and seen["heads"] == 16 and seen["steps"] == 3
     assert seen["layers"] == 2  # given on the command line: the preset does not override it
     assert seen["device_budget"] == finetune_llama.PRESETS["737m"]["device_budget"]
-    n, _ = finetune_llama.model_shape(finetune_llama.argparse.Namespace(**dict(seen, layers=16)))
+    n, *_ = finetune_llama.model_shape(finetune_llama.argparse.Namespace(**dict(seen, layers=16)))
     assert 700e6 < n < 760e6
+
+
+def test_checkpointed_activations_offloaded_to_nvme_are_reported(tmp_path, capsys):
+    args = ["--gas", "2", "--batch", "2", "--seq", "16", "--hidden", "64", "--layers", "2", "--heads", "2"]
+    code = finetune_llama.main(args + ["--steps", "2", "--swap-dir", str(tmp_path), "--json",
+                                       "--checkpoint-activations", "--offload-activations", "nvme"])
+    assert code == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{\n"):])["summary"]
+    assert summary["activations_offloaded"] == 2 * 2 * 2  # layers x steps x micro-steps
+    checkpoint = 2 * 16 * 64 * 4  # one layer's input
+    peak = summary["activation_peak_bytes"]
+    assert peak["nvme"] == 2 * checkpoint and 0 < peak["device"] <= 2 * checkpoint
+
+
+def test_offloading_activations_without_checkpointing_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        finetune_llama.main(TINY + ["--steps", "1", "--swap-dir", str(tmp_path), "--offload-activations", "host"])
+    assert "needs --checkpoint-activations" in capsys.readouterr().err

@@ -79,7 +79,8 @@ def model_shape(args):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config(args))
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * 4
-    return sum(p.numel() for p in model.parameters()), largest
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4
+    return sum(p.numel() for p in model.parameters()), largest, layer
 
 
 def make_model(args, config):
@@ -97,9 +98,12 @@ def peak_rss_bytes():
 
 
 def default_config(args, shape):
-    n_params, largest = shape
+    n_params, largest, layer = shape
     total = n_params * 4
     device_budget = max(int(total * args.device_fraction), 3 * largest)
+    if getattr(args, "checkpoint_activations", False):
+        # A layer's recompute keeps its weights until their backward (and the next is prefetched).
+        device_budget = max(device_budget, 2 * layer + 3 * largest)
     if args.device_budget:
         device_budget = args.device_budget
     return {
@@ -187,9 +191,16 @@ def main(argv=None):
     p.add_argument("--config", help="a DeepSpeed-format JSON config instead of the built-in one")
     p.add_argument("--corpus", default="docs", help="folder of Markdown files to train on (default: ./docs)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="gradient checkpointing: each layer's activations are recomputed in backward from its input")
+    p.add_argument("--offload-activations", choices=["none", "host", "nvme"], default="none",
+                   help="keep the checkpointed layer inputs in host memory or on NVMe between forward and backward "
+                        "(needs --checkpoint-activations)")
     p.add_argument("--trace", metavar="FILE", help="write the run's timeline (transfers per link, stalls, "
                    "forward/backward/optimizer spans) to FILE as Chrome trace JSON (ui.perfetto.dev)")
     args = p.parse_args(argv)
+    if args.offload_activations != "none" and not args.checkpoint_activations:
+        p.error("--offload-activations needs --checkpoint-activations (only checkpointed layer inputs are offloaded)")
     if args.preset:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
         for key, value in PRESETS[args.preset].items():
@@ -253,7 +264,10 @@ def run(args, swap_dir):
             raise SystemExit("--trace with --config: set \"tier\": {\"trace_file\": ...} in the config instead")
         config.setdefault("tier", {})["trace_file"] = os.path.abspath(args.trace)
     model = make_model(args, config)
-    engine, *_ = tier.torch.initialize(model, config)
+    acts = {}
+    if args.checkpoint_activations:
+        acts = {"checkpoint_activations": True, "offload_activations": args.offload_activations}
+    engine, *_ = tier.torch.initialize(model, config, **acts)
     s0 = engine.stats()
     say(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * 4)} fp32), "
           f"{args.layers} layers; device: {s0['info'].get('device', '?')}, budget "
@@ -325,6 +339,10 @@ def run(args, swap_dir):
         "host_bytes_per_param": peak_rss_bytes() / n_params,
         "phase_seconds": engine.timers(),
         "skipped_steps": engine.skipped_steps,
+        # Checkpointed activations (--offload-activations): the most each tier held at once.
+        "activation_peak_bytes": {t: s["metrics"].get(f"activations.{t}.peak_bytes", 0.0)
+                                  for t in ("device", "host", "nvme")},
+        "activations_offloaded": engine._activations.offloaded if engine._activations is not None else 0,
     }
     if args.json:
         say(json.dumps({"summary": summary, "history": history}, indent=1))
@@ -343,6 +361,11 @@ def run(args, swap_dir):
               f"stalled {summary['stall_seconds']:.2f} s in total")
         ph = summary["phase_seconds"]
         say(f"  time: forward {ph['forward']:.1f} s, backward {ph['backward']:.1f} s, optimizer {ph['step']:.1f} s")
+        if summary["activations_offloaded"]:
+            ap = summary["activation_peak_bytes"]
+            say(f"  activations: {summary['activations_offloaded']} layer checkpoints offloaded to "
+                f"{args.offload_activations}; at most device {fmt_bytes(ap['device'])}, host {fmt_bytes(ap['host'])}, "
+                f"nvme {fmt_bytes(ap['nvme'])} at once")
         say(f"  host memory: peak RSS {fmt_bytes(summary['peak_rss_bytes'])} = "
               f"{summary['host_bytes_per_param']:.1f} bytes per parameter (host budget "
               f"{fmt_bytes(summary['host_budget'])})")

@@ -57,9 +57,11 @@ def engine_config(cfg):
 def _engine_part(cfg):
     """What of a config decides how the native engine is built (for the same-config check)."""
     zero = cfg.get("zero_optimization", {}) or {}
+    # tier.activations is the adapter's (how the model's forward runs), not the engine's.
+    tier_section = {k: v for k, v in (cfg.get("tier") or {}).items() if k != "activations"} or None
     return json.dumps(
         {
-            "tier": cfg.get("tier"),
+            "tier": tier_section,
             "aio": cfg.get("aio"),
             "offload_param": zero.get("offload_param"),
             "offload_optimizer": zero.get("offload_optimizer"),
