@@ -196,7 +196,12 @@ int run_plan(Args& args) {
   std::string nvme_dir = args.get("nvme", "");
   std::string dtype = "bf16";
   take(args.choice("dtype", {"bf16", "fp16", "fp32"}, "bf16"), dtype);
+  // Activations: kept whole (none), recomputed from each layer's checkpointed input (recompute),
+  // or recomputed with the checkpoints offloaded to host memory or NVMe (tier.activations.offload).
   const bool no_checkpointing = args.flag("no-checkpointing");
+  std::string act_mode = "recompute";
+  take(args.choice("activations", {"none", "recompute", "host", "nvme"}, no_checkpointing ? "none" : "recompute"),
+       act_mode);
   Rates rates;
   double tflops = 0, nvme_read = 0, nvme_write = 0, nvme_mixed = 0, h2d = 0, adam = 0;
   take(args.number("compute-tflops", 0), tflops);
@@ -305,8 +310,43 @@ int run_plan(Args& args) {
   const double H = static_cast<double>(sh.hidden), L = static_cast<double>(sh.layers);
   const double a = static_cast<double>(sh.heads), S = static_cast<double>(seq), B = static_cast<double>(batch);
   const double per_layer = S * B * H * (34.0 + 5.0 * a * S / H) * (pb / 2.0);
-  const double acts = (no_checkpointing ? L * per_layer : per_layer + L * S * B * H * pb) +
-                      2.0 * tokens * static_cast<double>(sh.vocab) * 4.0;
+  const double logits = 2.0 * tokens * static_cast<double>(sh.vocab) * 4.0;
+  const double checkpoint = S * B * H * pb;  // one layer's input, what recomputing it starts from
+  struct ActivationChoice {
+    std::string mode;
+    double device = 0, host = 0, nvme = 0;
+    double moved = 0;    // bytes per micro-step between the device and the checkpoints' home
+    double seconds = 0;  // the time those transfers take, per step (overlapped with compute)
+  };
+  auto activation_choice = [&](const std::string& mode) {
+    ActivationChoice c;
+    c.mode = mode;
+    if (mode == "none") {
+      c.device = L * per_layer + logits;
+      return c;
+    }
+    // Recompute: one layer's full set during its backward, plus the checkpoints. Offloaded, the
+    // device holds the one being recomputed and the one prefetched for the next.
+    c.device = per_layer + logits + (mode == "recompute" ? L * checkpoint : std::min(L, 2.0) * checkpoint);
+    if (mode == "host") c.host = L * checkpoint;
+    if (mode == "nvme") {
+      c.host = std::min(L, 2.0) * checkpoint;  // staged on their way
+      c.nvme = L * checkpoint;
+    }
+    if (mode != "recompute") {
+      c.moved = 2.0 * L * checkpoint;  // out in forward, back in backward
+      const double g = static_cast<double>(gas);
+      c.seconds = L * checkpoint * g / rates.d2h + L * checkpoint * g / rates.h2d;
+      if (mode == "nvme") {
+        c.seconds = std::max(c.seconds, L * checkpoint * g / rates.nvme_write + L * checkpoint * g / rates.nvme_read);
+      }
+    }
+    return c;
+  };
+  std::vector<ActivationChoice> act_choices;
+  for (const char* m : {"none", "recompute", "host", "nvme"}) act_choices.push_back(activation_choice(m));
+  const ActivationChoice act = activation_choice(act_mode);
+  const double acts = act.device;
   // Streaming working set: the largest block in flight and its gradient at least; with the next
   // two prefetched (and their gradients' room), twice that.
   const double working_min = 2.0 * static_cast<double>(sh.largest_layer) * pb;
@@ -330,6 +370,8 @@ int run_plan(Args& args) {
     c.device_prefetch = p_off ? working + acts + (o_off ? 0.0 : 12.0 * N) : c.device;
     // Host: what lives there, or (for NVMe homes) the host budget that stages it.
     if (p_nvme || o_nvme) c.host = hb;
+    c.host += act.host;
+    c.nvme += act.nvme;
     if (c.params_home == "cpu") c.host += pb * N + 4.0 * N;  // params and fp32 gradient sums
     if (c.optimizer_home == "cpu") c.host += 12.0 * N + (p_off ? 0.0 : 4.0 * N) + buffers;
     // NVMe: the optimizer's committed and next state, params (and room to stage them), gradients.
@@ -340,7 +382,9 @@ int run_plan(Args& args) {
     if (p_off) stream += 2.0 * pb * N / rates.h2d * static_cast<double>(gas);
     if (p_nvme) stream = std::max(stream, 2.0 * pb * N / rates.nvme_read * static_cast<double>(gas));
     if (o_off) stream += pb * N / rates.d2h * static_cast<double>(gas);
-    c.fwd_bwd = std::max(compute, stream);
+    stream += act.seconds;
+    // Recomputing costs one more forward (2 of the 6 N flops per token).
+    c.fwd_bwd = std::max(compute * (act_mode == "none" ? 1.0 : 4.0 / 3.0), stream);
     if (o_nvme) {
       // Every byte the pass moves, per parameter: 12 B of state records read and 12 B written
       // back, the 4 B fp32 gradient read (p_nvme: from the engine's NVMe file, through its lease),
@@ -389,6 +433,8 @@ int run_plan(Args& args) {
     out_cfg["zero_optimization"]["offload_param"] = home(best->params_home);
     out_cfg["zero_optimization"]["offload_optimizer"] = home(best->optimizer_home);
     if (dtype != "fp32") out_cfg[dtype]["enabled"] = true;
+    if (act_mode != "none") out_cfg["tier"]["activations"]["checkpoint"] = true;
+    if (act_mode == "host" || act_mode == "nvme") out_cfg["tier"]["activations"]["offload"] = act_mode;
     if (best->params_home == "nvme" || best->optimizer_home == "nvme") {
       out_cfg["tier"]["budgets"]["host"] = static_cast<std::uint64_t>(hb);
     }
@@ -410,6 +456,16 @@ int run_plan(Args& args) {
     j["largest_block_parameters"] = sh.largest_layer;
     j["dtype"] = dtype;
     j["activation_bytes"] = acts;
+    j["activation_mode"] = act_mode;
+    j["activations"] = json::array();
+    for (const ActivationChoice& c : act_choices) {
+      j["activations"].push_back({{"mode", c.mode},
+                                  {"device_bytes", c.device},
+                                  {"host_bytes", c.host},
+                                  {"nvme_bytes", c.nvme},
+                                  {"moved_bytes_per_micro_step", c.moved},
+                                  {"transfer_seconds", c.seconds}});
+    }
     j["rates"] = {{"source", rates.source},
                   {"nvme_read_bytes_per_second", rates.nvme_read},
                   {"nvme_write_bytes_per_second", rates.nvme_write},
@@ -442,7 +498,10 @@ int run_plan(Args& args) {
   std::printf("%s (%s): %.3f B parameters, %s; batch %llu x %llu tokens, accumulation %llu%s\n", path.c_str(),
               sh.family.c_str(), N / 1e9, dtype.c_str(), static_cast<unsigned long long>(batch),
               static_cast<unsigned long long>(seq), static_cast<unsigned long long>(gas),
-              no_checkpointing ? "" : ", activation checkpointing");
+              act_mode == "none" ? ""
+              : act_mode == "recompute"
+                  ? ", activation checkpointing"
+                  : str(", activation checkpointing, checkpoints offloaded to ", act_mode).c_str());
   std::printf(
       "rates (%s): NVMe read %s, write %s, mixed %s%s; host->device %s; CPU Adam %.2f G params/s; compute %s\n\n",
       rates.source.c_str(), format_rate(rates.nvme_read).c_str(), format_rate(rates.nvme_write).c_str(),
@@ -460,6 +519,18 @@ int run_plan(Args& args) {
                 : str("no: ", c.why_not)});
   }
   table.print();
+  std::printf("\nactivations per micro-batch (the offload table above uses --activations %s):\n", act_mode.c_str());
+  Table at({"activations", "device", "host", "NVMe", "moved per micro-step", "transfer s per step"});
+  for (const ActivationChoice& c : act_choices) {
+    const char* label = c.mode == "none"        ? "kept (no checkpointing)"
+                        : c.mode == "recompute" ? "recomputed"
+                        : c.mode == "host"      ? "recomputed, checkpoints in host memory"
+                                                : "recomputed, checkpoints on NVMe";
+    at.add({label, str(fmt(gib(c.device), 2), " GiB"), c.host > 0 ? str(fmt(gib(c.host), 2), " GiB") : "-",
+            c.nvme > 0 ? str(fmt(gib(c.nvme), 2), " GiB") : "-", c.moved > 0 ? str(fmt(gib(c.moved), 2), " GiB") : "-",
+            c.seconds > 0 ? fmt(c.seconds, 2) : "-"});
+  }
+  at.print();
   if (best == nullptr) {
     std::printf("\nnothing fits: give a larger --gpu, --host or an --nvme directory with room\n");
     return 3;
@@ -479,7 +550,9 @@ const CommandRegistrar kRegister(
      "  --nvme-size N         NVMe bytes available, instead of DIR's free space\n"
      "  --batch N --seq N --gas N   micro-batch, sequence length, accumulation (default 1, 2048, 1)\n"
      "  --dtype D             bf16|fp16|fp32 compute dtype (default bf16)\n"
-     "  --no-checkpointing    activations without activation checkpointing\n"
+     "  --activations M       none|recompute|host|nvme: activations kept whole, recomputed from checkpointed\n"
+     "                        layer inputs (default), or recomputed with those inputs offloaded\n"
+     "  --no-checkpointing    the same as --activations none\n"
      "  --compute-tflops F    the device's sustained TFLOP/s (default: not counted)\n"
      "  --measure             time the NVMe (in --nvme: sequential reads, writes, and the optimizer's mixed\n"
      "                        read+write pass over 1.5 GiB of scratch files) and the CPU Adam here\n"

@@ -159,3 +159,28 @@ def test_a_device_that_holds_only_the_largest_block_fits_without_prefetch(tmp_pa
     roomy = _nvme_row(plan(*common, "--gpu", "24G"))
     assert roomy["fits"] and not roomy["prefetch_limited"]
     assert not _nvme_row(plan(*common, "--gpu", "256M"))["fits"]
+
+
+def test_activation_memory_is_counted_for_each_choice(tmp_path):
+    """Kept whole, recomputed, recomputed with the checkpoints in host memory or on NVMe: each
+    choice's bytes per tier; the offload table and the recommended config follow --activations."""
+    CONFIGS["llama"]().save_pretrained(tmp_path)
+    common = ["--model", tmp_path, "--nvme-size", "1T", "--batch", 2, "--seq", 512, "--dtype", "fp32"]
+    got = plan(*common, "--activations", "nvme")
+    rows = {r["mode"]: r for r in got["activations"]}
+    assert list(rows) == ["none", "recompute", "host", "nvme"]
+    checkpoints = 3 * 2 * 512 * 64 * 4  # layers x batch x seq x hidden x fp32
+    assert rows["none"]["device_bytes"] > rows["recompute"]["device_bytes"] > rows["nvme"]["device_bytes"]
+    assert rows["recompute"]["device_bytes"] - rows["host"]["device_bytes"] == pytest.approx(checkpoints / 3)
+    assert rows["host"]["host_bytes"] == pytest.approx(checkpoints) and rows["host"]["nvme_bytes"] == 0
+    assert rows["nvme"]["nvme_bytes"] == pytest.approx(checkpoints)
+    assert rows["nvme"]["moved_bytes_per_micro_step"] == pytest.approx(2 * checkpoints)
+    assert rows["recompute"]["moved_bytes_per_micro_step"] == 0
+    assert got["activation_mode"] == "nvme" and got["activation_bytes"] == rows["nvme"]["device_bytes"]
+    assert got["config"]["tier"]["activations"] == {"checkpoint": True, "offload": "nvme"}
+    recompute = plan(*common, "--activations", "recompute")
+    for a, b in zip(got["choices"], recompute["choices"]):
+        assert a["nvme_bytes"] - b["nvme_bytes"] == pytest.approx(checkpoints)
+    assert plan(*common, "--no-checkpointing")["activation_mode"] == "none"
+    r = plan(*common, "--activations", "disk", check=False)
+    assert r.returncode == 2 and "--activations" in r.stderr
