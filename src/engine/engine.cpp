@@ -846,6 +846,17 @@ void Engine::Impl::on_release(TensorId id, Tier tier, Access access, std::uint64
   c.last_use = ++clock;
   if (access == Access::kRead) {
     if (t.readers > 0) --t.readers;
+    // An activation checkpoint is read once per step, by its recompute: once that lease ends its
+    // device copy is garbage until the next step writes the tensor again, so it goes now rather
+    // than when room is short (the device then holds the checkpoint in use and the one prefetched).
+    if (tier == Tier::kDevice && tier != t.home && t.desc.role == Role::kActivation && c.pins == 0 &&
+        c.state == CopyState::kValid && !c.writing_back && t.transfers == 0) {
+      bool other_valid = false;
+      for (Tier o : kAllTiers) {
+        other_valid = other_valid || (o != tier && t.copies[static_cast<int>(o)].state == CopyState::kValid);
+      }
+      if (other_valid) drop_copy(t, tier);
+    }
   } else if (abandon) {
     // Nothing was written: the other copies stay the valid ones. A fresh reservation holds no
     // data and goes (home storage stays, stale); a valid copy written in place is unchanged.
@@ -896,6 +907,7 @@ void Engine::Impl::issue_prefetches() {
     bool known(TensorId id) const override { return id < e.tensors.size(); }
     bool prefetchable(TensorId id) const override { return e.tensors[id].live && !e.tensors[id].writer; }
     std::uint64_t bytes(TensorId id) const override { return e.tensors[id].desc.bytes(); }
+    bool one_ahead(TensorId id) const override { return e.tensors[id].desc.role == Role::kActivation; }
     bool present_or_coming(TensorId id, Tier tier) const override {
       const CopyState s = e.tensors[id].copies[static_cast<int>(tier)].state;
       return s == CopyState::kValid || s == CopyState::kLoading || s == CopyState::kReserved;

@@ -9,6 +9,7 @@ void PrefetchScheduler::issue(const AccessTrace& trace, PrefetchTarget& target) 
   const std::size_t n = std::min<std::size_t>(limits_.lookahead ? limits_.lookahead : 1024, trace.entries().size());
   std::uint64_t window = 0;  // bytes of the entries walked so far
   bool final_open = true;
+  bool one_ahead_seen = false;  // an upcoming one_ahead entry was passed: later ones only stage
   for (std::size_t k = 0; k < n; ++k) {
     const TraceEntry& e = trace.upcoming(k);
     if (!target.known(e.tensor)) continue;
@@ -19,8 +20,11 @@ void PrefetchScheduler::issue(const AccessTrace& trace, PrefetchTarget& target) 
     // room of copies needed sooner). Its bytes still count in the window: it will take room.
     if (e.write_only) continue;
     if (!target.prefetchable(e.tensor)) continue;
+    const bool one_ahead = target.one_ahead(e.tensor);
+    const bool first_of_its_kind = !(one_ahead && one_ahead_seen);
+    if (one_ahead) one_ahead_seen = true;
     if (target.present_or_coming(e.tensor, e.tier)) continue;
-    if (final_open && target.inflight_bytes() + bytes <= limits_.max_inflight_bytes) {
+    if (final_open && first_of_its_kind && target.inflight_bytes() + bytes <= limits_.max_inflight_bytes) {
       const PrefetchTarget::Started s = target.start(e.tensor, e.tier, k, /*staging=*/false);
       if (s == PrefetchTarget::Started::kInFlight) continue;
       // kWaiting: a later entry's final hop would take target room this one needs first (and be
@@ -28,7 +32,7 @@ void PrefetchScheduler::issue(const AccessTrace& trace, PrefetchTarget& target) 
       // without evicting something needed sooner.
       final_open = false;
       if (s == PrefetchTarget::Started::kWaiting) continue;
-    } else {
+    } else if (first_of_its_kind) {
       final_open = false;
     }
     // Stage toward the device through the host.

@@ -49,6 +49,11 @@ class PrefetchTarget {
   // Whether the tensor can be prefetched at all (registered and not held by a writer).
   virtual bool prefetchable(TensorId tensor) const = 0;
   virtual std::uint64_t bytes(TensorId tensor) const = 0;
+  // (optional) — defaults to false. Tensors whose final hop runs at most one use ahead: of the
+  // upcoming entries of such tensors only the first is brought to its tier; later ones are only
+  // staged. For data that is large and used once per step in a known order (offloaded activation
+  // checkpoints), where bringing two ahead would double what the device holds.
+  virtual bool one_ahead(TensorId /*tensor*/) const { return false; }
   // Whether the tensor's copy on `tier` is valid, reserved or loading (nothing to start).
   virtual bool present_or_coming(TensorId tensor, Tier tier) const = 0;
   virtual std::uint64_t inflight_bytes() const = 0;  // final-hop prefetches in flight

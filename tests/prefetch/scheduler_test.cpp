@@ -17,6 +17,7 @@ struct FakeTarget final : PrefetchTarget {
   std::map<TensorId, std::uint64_t> sizes;
   std::set<std::pair<TensorId, Tier>> present;
   std::set<TensorId> held_by_writer;
+  std::set<TensorId> one_ahead_ids;
   std::set<std::pair<TensorId, Tier>> no_room, waiting;
   std::uint64_t inflight = 0, staging = 0;
   struct Start {
@@ -30,6 +31,7 @@ struct FakeTarget final : PrefetchTarget {
   bool known(TensorId id) const override { return sizes.count(id) != 0; }
   bool prefetchable(TensorId id) const override { return held_by_writer.count(id) == 0; }
   std::uint64_t bytes(TensorId id) const override { return sizes.at(id); }
+  bool one_ahead(TensorId id) const override { return one_ahead_ids.count(id) != 0; }
   bool present_or_coming(TensorId id, Tier tier) const override { return present.count({id, tier}) != 0; }
   std::uint64_t inflight_bytes() const override { return inflight; }
   std::uint64_t staging_bytes() const override { return staging; }
@@ -98,6 +100,24 @@ TEST(PrefetchScheduler, FollowsTheTraceOrderWithDistances) {
   // Once the step has moved on, the walk starts at the current position and wraps around.
   f = tensors({0, 1, 2});
   ASSERT_TRUE(t.on_acquire(2, Tier::kDevice));
+  PrefetchScheduler(roomy()).issue(t, f);
+  EXPECT_EQ(f.final_hops(), (std::vector<TensorId>{0, 1, 2}));
+}
+
+// Offloaded activation checkpoints: of the upcoming ones only the next is brought to the device,
+// later ones are staged in host memory; other tensors between them are brought as usual.
+TEST(PrefetchScheduler, OneAheadTensorsGetTheirFinalHopOnlyForTheNextUse) {
+  AccessTrace t = recorded({10, 0, 11, 1, 12, 2});
+  t.begin_step();
+  FakeTarget f = tensors({0, 1, 2, 10, 11, 12});
+  f.one_ahead_ids = {10, 11, 12};
+  PrefetchScheduler(roomy()).issue(t, f);
+  EXPECT_EQ(f.final_hops(), (std::vector<TensorId>{10, 0, 1, 2}));
+  EXPECT_EQ(f.staged(), (std::vector<TensorId>{11, 12}));
+  // The next one already there counts as the one ahead: nothing more reaches the device.
+  f = tensors({0, 1, 2, 10, 11, 12});
+  f.one_ahead_ids = {10, 11, 12};
+  f.present.insert({10, Tier::kDevice});
   PrefetchScheduler(roomy()).issue(t, f);
   EXPECT_EQ(f.final_hops(), (std::vector<TensorId>{0, 1, 2}));
 }
