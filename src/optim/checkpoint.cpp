@@ -13,7 +13,8 @@
 //           (versions 1 and 2: a 40-byte header with three crcs, always fp32 moments)
 //   trailer 32 bytes: "TIERTAIL", record count, elements covered, crc32c chained over every
 //           record header, trailer crc
-// A file is written as "<path>.tmp", fsync'd and renamed over <path>, then the directory is
+// A file is written under a fresh, unpredictable temporary name in <path>'s folder
+// (detail::AtomicFile: O_EXCL|O_NOFOLLOW), fsync'd and renamed over <path>, then the directory is
 // fsync'd: a crash leaves the old file or the new one, never half of one under the real name.
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -24,10 +25,11 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.hpp"
+#include "core/text.hpp"
 #include "optim/chunk_pipeline.hpp"
 #include "optim/crc32c.hpp"
 #include "optim/optimizer_impl.hpp"
@@ -119,12 +121,6 @@ Status read_exact(int fd, void* dst, std::uint64_t n, std::uint64_t at, const st
     n -= static_cast<std::uint64_t>(got);
   }
   return {};
-}
-
-std::string parent_dir(const std::string& path) {
-  const std::filesystem::path p(path);
-  const auto d = p.parent_path();
-  return d.empty() ? std::string(".") : d.string();
 }
 
 json group_json(const cpu::AdamGroup& g) {
@@ -516,18 +512,11 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   TIER_RETURN_IF_ERROR(im.usable("save_checkpoint"));
   TIER_RETURN_IF_ERROR(im.idle("save_checkpoint"));
   if (path.empty()) return invalid_argument("optimizer save_checkpoint: empty path");
-  const std::string tmp = path + ".tmp";
-  // Model state is private to its owner, like the swap files.
-  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
-  if (f.fd < 0) return errno_status(errno, str("checkpoint ", tmp, ": cannot create it"));
-  bool keep = false;
-  struct Unlink {
-    const std::string& p;
-    bool& keep;
-    ~Unlink() {
-      if (!keep) ::unlink(p.c_str());
-    }
-  } unlink_guard{tmp, keep};
+  // Model state is private to its owner, like the swap files; the temporary file is fresh and
+  // unpredictably named, so nothing planted in the folder is written through.
+  TIER_ASSIGN_OR_RETURN(tier::detail::AtomicFile out, tier::detail::AtomicFile::create(path, 0600, "checkpoint"));
+  const std::string& tmp = out.temp_path();
+  const int fd = out.fd();
 
   const std::string meta = meta_json(im).dump();
   std::uint8_t header[kHeaderBytes] = {};
@@ -540,7 +529,7 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   put<std::uint32_t>(header, 40, crc32c(meta.data(), meta.size()));
   put<std::uint32_t>(header, 60, crc32c(header, 60));
   iovec hv[2] = {{header, kHeaderBytes}, {const_cast<char*>(meta.data()), meta.size()}};
-  TIER_RETURN_IF_ERROR(write_all(f.fd, hv, 2, tmp));
+  TIER_RETURN_IF_ERROR(write_all(fd, hv, 2, tmp));
 
   std::uint64_t records = 0, covered = 0;
   std::uint32_t chain = 0;
@@ -570,7 +559,7 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
       }
       put<std::uint32_t>(h, 44, crc32c(h, 44));
       v[0] = {h, kRecordBytes};
-      TIER_RETURN_IF_ERROR(write_all(f.fd, v, nscales ? 1 + kSections : 4, tmp));
+      TIER_RETURN_IF_ERROR(write_all(fd, v, nscales ? 1 + kSections : 4, tmp));
       chain = crc32c_extend(chain, h, kRecordBytes);
       ++records;
       covered += n;
@@ -591,30 +580,18 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   put<std::uint32_t>(trailer, 24, chain);
   put<std::uint32_t>(trailer, 28, crc32c(trailer, 28));
   iovec tv[1] = {{trailer, kTrailerBytes}};
-  TIER_RETURN_IF_ERROR(write_all(f.fd, tv, 1, tmp));
-  if (::fsync(f.fd) != 0) return errno_status(errno, str("checkpoint ", tmp, ": fsync"));
-  if (::close(f.fd) != 0) {
-    f.fd = -1;
-    return errno_status(errno, str("checkpoint ", tmp, ": close"));
-  }
-  f.fd = -1;
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return errno_status(errno, str("checkpoint: renaming ", tmp, " to ", path));
-  }
-  keep = true;
-  // Make the rename itself durable.
-  const std::string dir = parent_dir(path);
-  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (d.fd < 0 || ::fsync(d.fd) != 0) {
-    return errno_status(errno, str("checkpoint ", path, ": syncing its directory ", dir));
-  }
-  return {};
+  TIER_RETURN_IF_ERROR(write_all(fd, tv, 1, tmp));
+  return out.commit();  // fsync, rename over `path`, fsync the directory
 }
 
 Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("load_checkpoint", /*loading=*/true));
   TIER_RETURN_IF_ERROR(im.idle("load_checkpoint"));
+  if (tier::detail::has_nul(path)) {
+    return invalid_argument(str("checkpoint path '", tier::detail::printable(path.substr(0, 200)),
+                                "' holds a NUL byte, which would cut it short; give a path without one"));
+  }
   Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (f.fd < 0) return errno_status(errno, str("checkpoint ", path, ": cannot open it"));
   struct stat st {};
