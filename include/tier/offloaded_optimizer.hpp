@@ -430,7 +430,9 @@ class OffloadedOptimizer {
   // optimizer's state is unaffected).
   Status save_checkpoint(const std::string& path);
   // Loads a checkpoint made by save_checkpoint for the same partitions (count, sizes, groups and,
-  // where both have one, names). Every record's checksum is verified; truncation and corruption
+  // where both have one, names). Every record's checksum and the trailer's chain over the header
+  // and the records are verified, and every value of the metadata is range-checked (a crafted
+  // file with valid checksums is refused too); truncation, corruption and out-of-range values
   // are kDataLoss and leave the current state as it was (NVMe home: the data goes to the shadow
   // slots, switched over at the end; host home: verified in a first pass before anything is
   // overwritten). Restores hyper-parameters, step counters and the loss scale. Gradients taken
