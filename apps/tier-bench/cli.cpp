@@ -47,16 +47,21 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
     }
     return row[b.size()];
   };
+  // Bounded work, as the config reader's: no option is 256 characters long, and a candidate whose
+  // length alone differs by more than the limit cannot be within it.
+  if (word.size() > 256) return {};
+  const std::size_t limit = std::max<std::size_t>(2, word.size() / 4);
   std::string best;
   std::size_t best_d = static_cast<std::size_t>(-1);
   for (const auto& c : candidates) {
+    if ((c.size() > word.size() ? c.size() - word.size() : word.size() - c.size()) > limit) continue;
     const std::size_t d = distance(word, c);
     if (d < best_d) {
       best_d = d;
       best = c;
     }
   }
-  return best_d <= std::max<std::size_t>(2, word.size() / 4) ? best : std::string();
+  return best_d <= limit ? best : std::string();
 }
 
 }  // namespace
