@@ -11,7 +11,10 @@ weights as a safetensors checkpoint that ``transformers`` loads unchanged: shard
 ``max_shard_size`` bytes, each written tensor by tensor as it is read from the engine, with
 ``model.safetensors.index.json`` when there is more than one shard, and the model's
 ``config.json`` (and ``generation_config.json``). Files appear under their final names only when
-complete (written under a temporary name, then renamed).
+complete: each is written under a fresh, unpredictable temporary name created
+``O_EXCL|O_NOFOLLOW`` (or in a private folder inside ``save_dir``), fsynced and renamed, so a file
+or symlink planted under a predictable name is never written through
+(:mod:`tier.torch.atomic_file`).
 """
 
 import json
@@ -20,6 +23,8 @@ import re
 import struct
 
 import torch
+
+from .atomic_file import atomic_write, private_dir, publish, write_bytes
 
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _NAMED_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -239,8 +244,7 @@ def _write_shard(path, entries):
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, dtype, shape, nbytes, fetch in entries:
@@ -251,9 +255,6 @@ def _write_shard(path, entries):
             if len(data) != nbytes:
                 raise RuntimeError(f"save_pretrained: {name!r} has {len(data)} bytes, expected {nbytes}")
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_config=True):
@@ -320,9 +321,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
             "metadata": {"total_size": sum(e[3] for s in shards for e in s)},
             "weight_map": {e[0]: n for n, s in zip(names, shards) for e in s},
         }
-        with open(index_path + ".tmp", "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-        os.replace(index_path + ".tmp", index_path)
+        write_bytes(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
         written.append(INDEX_FILE)
     # Shards of an earlier save that this one does not use would confuse a loader: remove them.
     keep = set(written)
@@ -332,10 +331,15 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
             os.remove(os.path.join(save_dir, old))
     module = engine.module
     if save_config and hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
-        module.config.save_pretrained(save_dir)
-        written.append("config.json")
-        gen = getattr(module, "generation_config", None)
-        if gen is not None and hasattr(gen, "save_pretrained"):
-            gen.save_pretrained(save_dir)
-            written.append("generation_config.json")
+        # transformers writes into a folder with plain open(): into a private one here, then each
+        # file is moved over its final name.
+        with private_dir(save_dir) as private:
+            module.config.save_pretrained(private)
+            gen = getattr(module, "generation_config", None)
+            if gen is not None and hasattr(gen, "save_pretrained"):
+                gen.save_pretrained(private)
+            for name in sorted(os.listdir(private)):
+                if os.path.isfile(os.path.join(private, name)):
+                    publish(private, name, save_dir)
+                    written.append(name)
     return written

@@ -10,13 +10,13 @@ Every file is checked against the checkpoint's manifest first.
 """
 
 import argparse
-import os
 import sys
 
 import torch
 
 from .. import _tier
 from . import zero_checkpoint
+from .atomic_file import atomic_write
 
 
 def main(argv=None):
@@ -35,14 +35,15 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if dtype is not torch.float32:
         sd = {k: v.to(dtype) for k, v in sd.items()}
-    tmp = args.out + ".tmp"
-    if args.out.endswith(".safetensors"):
-        from safetensors.torch import save_file
+    # A fresh temporary file beside OUT (O_EXCL|O_NOFOLLOW: nothing planted there is written
+    # through), renamed over OUT once complete.
+    with atomic_write(args.out) as f:
+        if args.out.endswith(".safetensors"):
+            from safetensors.torch import save as to_bytes
 
-        save_file({k: v.contiguous() for k, v in sd.items()}, tmp)
-    else:
-        torch.save(sd, tmp)
-    os.replace(tmp, args.out)
+            f.write(to_bytes({k: v.contiguous() for k, v in sd.items()}))
+        else:
+            torch.save(sd, f)
     n = sum(t.numel() for t in sd.values())
     print(f"zero_to_fp32: {len(sd)} tensors, {n} parameters in {args.dtype} from {path} -> {args.out}")
     return 0
