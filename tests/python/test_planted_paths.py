@@ -207,6 +207,18 @@ def test_trainer_files(swap_dir, tmp_path, victim):
     assert torch.load(out / "scheduler.pt", weights_only=True)["last_epoch"] == 0
 
 
+def test_checkpoint_lock_file_planted_as_a_symlink_is_refused(swap_dir, tmp_path, victim):
+    engine = kc.new_engine(swap_dir)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    plant(ckpt / ckpt_mod.LOCK, victim)
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        engine.save_checkpoint(str(ckpt), tag="t")
+    engine.close()
+    assert intact(victim)
+    assert sorted(os.listdir(ckpt)) == [ckpt_mod.LOCK]
+
+
 def test_tier_bench_plan_write_config(tmp_path, victim):
     import subprocess
 

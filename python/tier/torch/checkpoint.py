@@ -31,8 +31,16 @@ Killed at any point, ``latest`` names a tag whose symlink points to a complete, 
 before step 3 the old tag and the old ``latest`` are untouched; after it the tag already names
 the new complete version. Leftovers of a killed save are removed by the next successful save.
 Only names matching tier's own patterns are ever removed from ``<dir>``, and a ``<dir>/<tag>`` that
-is not tier's (a user's file, folder or symlink) is refused, never replaced. One process saves
-into a directory at a time; a reader in another process during a save may find its version removed.
+is not tier's (a user's file, folder or symlink) is refused, never replaced.
+
+One writer per directory: a save holds an exclusive ``flock`` on ``<dir>/.tier-writer.lock``
+(created ``O_NOFOLLOW``, mode 0600; it holds the writer's pid, host and start time) from before
+its version directory is made until its garbage collection is done. A second save into the same
+directory, from any process, fails at once with ``tier.FailedPrecondition`` naming the holder; the
+lock goes with the process that holds it (a killed writer holds nothing). The optimizer's C++
+writer takes no lock of its own (it writes one file inside the version directory), so there is
+one lock, taken by this outer layer. A reader in another process during a save may find its
+version removed. Every file is created ``O_EXCL|O_NOFOLLOW`` (see :mod:`tier.torch.atomic_file`).
 
 Load protocol: every file is read and checked against the manifest and every field of the
 metadata is parsed and validated before the engine is touched; then everything is applied. A
@@ -48,22 +56,29 @@ such a tag moves the old directory aside as a version of the tag.
 """
 
 import base64
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import socket
+import stat
 import time
 
 import torch
 
 from .. import _tier
+from .atomic_file import create_new, fsync_dir
 
 FORMAT = "tier-checkpoint-2"
 OLD_FORMAT = "tier-checkpoint-1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+LOCK = ".tier-writer.lock"
 
 _TAG = r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}"
 _TAG_RE = re.compile(_TAG)
@@ -85,21 +100,71 @@ def check_tag(tag, what="checkpoint tag"):
 
 
 # ---------------------------------------------------------------------------- small file helpers
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = fsync_dir
 
 
 def _write_new(path, data):
-    """Creates ``path`` (0600, must not exist), writes ``data`` and fsyncs it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    """Creates ``path`` (0600, must not exist: ``O_EXCL|O_NOFOLLOW``), writes ``data`` and fsyncs it."""
+    with create_new(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------- one writer per directory
+def _holder(fd):
+    """Who holds the lock, from what it wrote into the lock file (sanitised: never raw content)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode())
+        pid, host, since = info["pid"], info["host"], info["since"]
+        if not isinstance(pid, int) or not isinstance(host, str) or not isinstance(since, str):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a writer that has not said who it is yet"
+    host = re.sub(r"[^A-Za-z0-9_.:-]", "?", host)[:64]
+    since = re.sub(r"[^0-9A-Za-z:+.-]", "?", since)[:40]
+    return f"pid {pid} on host {host}, saving since {since}"
+
+
+@contextlib.contextmanager
+def writer_lock(directory):
+    """Holds ``<directory>/.tier-writer.lock`` exclusively (``flock``) for the block; raises
+    ``tier.FailedPrecondition`` at once, naming the holder, if another writer holds it."""
+    path = os.path.join(directory, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FileExistsError(
+                f"checkpoint directory {directory}: {LOCK} is a symbolic link, not tier's lock file; remove it"
+            ) from None
+        raise
+    held = False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileExistsError(f"checkpoint directory {directory}: {LOCK} is not a regular file; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _tier.FailedPrecondition(
+                f"checkpoint directory {directory} is being saved into by another writer ({_holder(fd)}; see {path}); "
+                "one process saves into a checkpoint directory at a time: wait for that save to end, or save into "
+                "another directory"
+            ) from None
+        held = True
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        yield
+    finally:
+        if held:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # released: nobody is named any more
+        os.close(fd)  # closing the last descriptor releases the flock
 
 
 def _sha256_file(path):
@@ -184,7 +249,14 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
 
     os.makedirs(save_dir, mode=0o700, exist_ok=True)
     final = os.path.join(save_dir, tag)
-    _check_replaceable(final, tag)
+    _check_replaceable(final, tag)  # before the lock too: a refused tag leaves the directory as it was
+    with writer_lock(save_dir):
+        _check_replaceable(final, tag)
+        _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest)
+    return final
+
+
+def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
     version = _new_version(tag)
     vdir = os.path.join(save_dir, version)
     os.mkdir(vdir, 0o700)
@@ -195,9 +267,7 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
             # One parameter at a time: a frozen base model may not fit in host memory at once.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            fd = os.open(os.path.join(vdir, "frozen.bin"), flags, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            with create_new(os.path.join(vdir, "frozen.bin")) as f:
                 for s in frozen:
                     f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
                 f.flush()
@@ -231,7 +301,6 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
         _fsync_dir(save_dir)
 
     _collect_garbage(save_dir)
-    return final
 
 
 def _is_old_checkpoint(path):

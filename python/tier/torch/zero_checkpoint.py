@@ -25,6 +25,7 @@ into a single fp32 state dict.
 """
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ import torch
 
 from .. import _tier
 from . import checkpoint as _ck
+from .atomic_file import create_new
 
 FORMAT = "tier-checkpoint-zero-1"
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -81,14 +83,24 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
     save_dir = os.fspath(save_dir)
     error = None
     version = None
+    # Rank 0 holds the directory's writer lock (checkpoint.writer_lock) for the whole save: the
+    # other ranks write only into the version directory it made.
+    lock = contextlib.ExitStack()
     if rank == 0:
         try:
             os.makedirs(save_dir, mode=0o700, exist_ok=True)
+            _ck._check_replaceable(os.path.join(save_dir, tag), tag)
+            lock.enter_context(_ck.writer_lock(save_dir))
             _ck._check_replaceable(os.path.join(save_dir, tag), tag)
             version = _ck._new_version(tag)
             os.mkdir(os.path.join(save_dir, version), 0o700)
         except Exception as e:  # noqa: BLE001 (every rank must hear of it)
             error = e
+    with lock:
+        return _save_rest(engine, save_dir, tag, version, error, rank, world, client_state, save_latest)
+
+
+def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state, save_latest):
     version = _broadcast(engine, version)
     _all_ok(engine, error)
     vdir = os.path.join(save_dir, version)
@@ -106,9 +118,7 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
         if rank == 0:
             try:
                 if values:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                    fd = os.open(os.path.join(vdir, "frozen.bin"), flags, 0o600)
-                    with os.fdopen(fd, "wb") as f:
+                    with create_new(os.path.join(vdir, "frozen.bin")) as f:
                         for _, v in values:
                             f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
                         f.flush()
@@ -159,9 +169,7 @@ def _publish(save_dir, tag, version, save_latest):
 def _write_rank(engine, vdir, rank, world):
     index = []
     offset = 0
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    fd = os.open(os.path.join(vdir, f"rank{rank}.bin"), flags, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with create_new(os.path.join(vdir, f"rank{rank}.bin")) as f:
         for s in engine._slots:
             if s.pid is None:
                 continue
