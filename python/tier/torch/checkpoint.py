@@ -43,7 +43,11 @@ one lock, taken by this outer layer. A reader in another process during a save m
 version removed. Every file is created ``O_EXCL|O_NOFOLLOW`` (see :mod:`tier.torch.atomic_file`).
 
 Load protocol: every file is read and checked against the manifest and every field of the
-metadata is parsed and validated before the engine is touched; then everything is applied. A
+metadata is parsed and validated before the engine is touched; then everything is applied. The
+values are tried before anything changes: the RNG states on throwaway generators, the scheduler
+state on a copy of the scheduler, the learning rates it gives for the saved step count; the
+counters must be integers in [0, 2^53), and the optimizer's reader checks every hyper-parameter's
+range before it replaces any state. A
 checksum mismatch raises ``tier.DataLoss``, a checkpoint for another model raises ValueError, and
 in both cases the engine is unchanged. If ``<tag>``'s symlink is missing (a directory from the
 old format was being moved aside when the process died), the newest version of that tag whose
@@ -57,10 +61,12 @@ such a tag moves the old directory aside as a version of the tag.
 
 import base64
 import contextlib
+import copy
 import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -79,6 +85,7 @@ OLD_FORMAT = "tier-checkpoint-1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 LOCK = ".tier-writer.lock"
+MAX_COUNT = (1 << 53) - 1  # counters survive a round trip through a JSON double
 
 _TAG = r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}"
 _TAG_RE = re.compile(_TAG)
@@ -97,6 +104,12 @@ def check_tag(tag, what="checkpoint tag"):
             f"'.', without '..', path separators or absolute paths, and not {LATEST!r}"
         )
     return s
+
+
+def _short(value, limit=80):
+    """``repr(value)`` cut to ``limit`` characters, for quoting untrusted input in a message."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------- small file helpers
@@ -425,10 +438,16 @@ def _verified_files(path):
     return kept["meta.json"], set(body["files"])
 
 
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+
+
 def _int(meta, key, path):
     v = meta.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"checkpoint {path}: meta.json field {key!r} is {v!r}, expected a count")
+    if not _count(v):
+        raise ValueError(
+            f"checkpoint {path}: meta.json field {key!r} is {_short(v)}, expected a count (an integer in [0, 2^53))"
+        )
     return v
 
 
@@ -440,6 +459,59 @@ def _rng_tensor(b64, expected_len, path, what):
     if len(raw) != expected_len:
         raise ValueError(f"checkpoint {path}: the {what} RNG state has {len(raw)} bytes, expected {expected_len}")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _tried_rng_state(state, path, what, device="cpu"):
+    """``state`` once a throwaway generator on ``device`` accepted it (torch checks more than the
+    length, e.g. the mt19937 position), so that applying it later cannot fail."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError(f"checkpoint {path}: the {what} RNG state is not a byte tensor")
+    try:
+        torch.Generator(device=device).set_state(state)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(
+            f"checkpoint {path}: the {what} RNG state is not a valid generator state ({str(e)[:200]}); the "
+            "checkpoint is damaged or was not written by tier, and nothing was loaded"
+        ) from None
+    return state
+
+
+def _plan_schedule(engine, meta, path):
+    """The counters and the scheduler state of ``meta``, checked, with the learning rates (and
+    betas) they give tried against what the optimizer accepts; returns them as a dict."""
+    plan = {k: _int(meta, k, path) for k in ("global_steps", "micro_steps", "skipped_steps")}
+    sched = meta.get("scheduler")
+    plan["scheduler"] = None
+    if engine.scheduler is None:
+        return plan
+    if sched:
+        if not isinstance(sched, dict) or not _count(sched.get("last_step")):
+            raise ValueError(
+                f"checkpoint {path}: meta.json has an invalid scheduler state {_short(sched)} (its last_step must be "
+                "an integer in [0, 2^53))"
+            )
+        probe = copy.deepcopy(engine.scheduler)
+        try:
+            probe.load_state_dict(sched)
+        except Exception as e:  # noqa: BLE001 - any refusal of the scheduler is the checkpoint's fault
+            raise ValueError(f"checkpoint {path}: the scheduler refuses its saved state ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
+        plan["scheduler"] = sched
+    # What the engine's _apply_lr will set for the loaded step count.
+    try:
+        lrs = [float(x) for x in engine.scheduler.lrs(plan["global_steps"])]
+        betas = engine.scheduler.betas(plan["global_steps"])
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"checkpoint {path}: the schedule fails at the saved step {plan['global_steps']} "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    for lr in lrs:
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"checkpoint {path}: the schedule gives lr {lr} at the saved step {plan['global_steps']}")
+    for pair in betas or []:
+        if not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in pair):
+            raise ValueError(f"checkpoint {path}: the schedule gives betas {_short(pair)} at the saved step "
+                             f"{plan['global_steps']}")
+    return plan
 
 
 def _plan(engine, path, meta, old_rng, listed):
@@ -463,13 +535,7 @@ def _plan(engine, path, meta, old_rng, listed):
         raise ValueError(
             f"{path}: saved with compute dtype {meta.get('compute_dtype')}, the engine uses {engine.compute_dtype_name}"
         )
-    plan = {k: _int(meta, k, path) for k in ("global_steps", "micro_steps", "skipped_steps")}
-    sched = meta.get("scheduler")
-    plan["scheduler"] = None
-    if engine.scheduler is not None and sched:
-        if not isinstance(sched, dict) or not isinstance(sched.get("last_step"), int):
-            raise ValueError(f"checkpoint {path}: meta.json has an invalid scheduler state {sched!r}")
-        plan["scheduler"] = sched
+    plan = _plan_schedule(engine, meta, path)
     if "client_state" not in meta:
         raise ValueError(f"checkpoint {path}: meta.json has no client_state")
     plan["client_state"] = meta["client_state"]
@@ -488,9 +554,10 @@ def _plan(engine, path, meta, old_rng, listed):
         if torch.cuda.is_available() and rng["cuda"]:
             cuda_len = torch.cuda.get_rng_state().numel()
             cuda = [_rng_tensor(s, cuda_len, path, f"CUDA {i}") for i, s in enumerate(rng["cuda"])]
-    plan["rng_cpu"] = cpu
+    plan["rng_cpu"] = _tried_rng_state(cpu, path, "CPU")
     # States for another number of GPUs are not applied (the CUDA generators keep their state).
-    plan["rng_cuda"] = cuda if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count() else []
+    cuda = cuda if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count() else []
+    plan["rng_cuda"] = [_tried_rng_state(c, path, f"CUDA {i}", f"cuda:{i}") for i, c in enumerate(cuda)]
 
     frozen = [s for s in engine._slots if s.pid is None]
     esize = torch.empty(0, dtype=engine.compute_dtype).element_size()

@@ -320,9 +320,9 @@ def load(engine, load_dir, tag):
                 f"checkpoint {path} was saved with compute dtype {meta['compute_dtype']}, this engine computes in "
                 f"{engine.compute_dtype_name}"
             )
-        for name, count in ((e["name"], e["count"]) for p in parts for e in p["params"]):
-            if count < 0:
-                raise ValueError(f"checkpoint {path}: a negative range for {name}")
+        for e in (e for p in parts for e in p["params"]):
+            if not all(_ck._count(e.get(k)) for k in ("start", "count", "offset")):
+                raise ValueError(f"checkpoint {path}: the range of {_ck._short(e.get('name'))} is not made of counts")
         covered = {}
         for p in parts:
             for e in p["params"]:
@@ -335,6 +335,17 @@ def load(engine, load_dir, tag):
             raise ValueError(
                 f"checkpoint {path} has {len(steps)} parameter groups, this engine {engine.optimizer.group_count}"
             )
+        if not all(_ck._count(x) for x in steps):
+            raise ValueError(f"checkpoint {path}: the step counters {_ck._short(steps)} are not counts")
+        # Counters, scheduler state, the schedule's lr at the saved step and this rank's RNG state:
+        # all tried before any rank changes anything.
+        plan = _ck._plan_schedule(engine, meta, path)
+        if "client_state" not in meta:
+            raise ValueError(f"checkpoint {path}: meta.json has no client_state")
+        source = parts[rank] if rank < len(parts) else parts[0]
+        rng_cpu = _ck._tried_rng_state(
+            _ck._rng_tensor(source.get("rng_cpu"), torch.get_rng_state().numel(), path, "CPU"), path, "CPU"
+        )
     except Exception as e:  # noqa: BLE001 (every rank must hear of it before anyone changes)
         error = e
     _all_ok(engine, error)
@@ -380,14 +391,13 @@ def load(engine, load_dir, tag):
     if engine._zero is not None and not stage3:
         engine._gather_updated_params()
     engine.native.flush()
-    engine.global_steps = int(meta["global_steps"])
-    engine.micro_steps = int(meta["micro_steps"])
-    engine.skipped_steps = int(meta["skipped_steps"])
-    if meta["scheduler"] is not None and engine.scheduler is not None:
-        engine.scheduler.load_state_dict(meta["scheduler"])
+    engine.global_steps = plan["global_steps"]
+    engine.micro_steps = plan["micro_steps"]
+    engine.skipped_steps = plan["skipped_steps"]
+    if plan["scheduler"] is not None:
+        engine.scheduler.load_state_dict(plan["scheduler"])
     engine._apply_lr()
-    source = parts[rank] if rank < len(parts) else parts[0]
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(source["rng_cpu"])), dtype=torch.uint8))
+    torch.set_rng_state(rng_cpu)
     return path, meta["client_state"]
 
 
