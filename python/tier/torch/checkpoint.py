@@ -47,7 +47,8 @@ metadata is parsed and validated before the engine is touched; then everything i
 values are tried before anything changes: the RNG states on throwaway generators, the scheduler
 state on a copy of the scheduler, the learning rates it gives for the saved step count; the
 counters must be integers in [0, 2^53), and the optimizer's reader checks every hyper-parameter's
-range before it replaces any state. A
+range before it replaces any state. ``latest`` must be a regular file of ``<dir>`` (a symlink is
+refused, never followed) holding a plain tag; what it holds otherwise is not shown in the error. A
 checksum mismatch raises ``tier.DataLoss``, a checkpoint for another model raises ValueError, and
 in both cases the engine is unchanged. If ``<tag>``'s symlink is missing (a directory from the
 old format was being moved aside when the process died), the newest version of that tag whose
@@ -100,7 +101,7 @@ def check_tag(tag, what="checkpoint tag"):
     s = str(tag)
     if not _TAG_RE.fullmatch(s) or ".." in s or s == LATEST:
         raise ValueError(
-            f"{what} {s!r}: not a plain name; use 1-128 of A-Z a-z 0-9 _ . + = -, not starting with "
+            f"{what} {_short(s)}: not a plain name; use 1-128 of A-Z a-z 0-9 _ . + = -, not starting with "
             f"'.', without '..', path separators or absolute paths, and not {LATEST!r}"
         )
     return s
@@ -374,7 +375,7 @@ def _resolve(load_dir, tag):
     target = _link_target(load_dir, tag)
     if target is not None:
         path = os.path.join(load_dir, target)
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.islink(path):  # tier's versions are directories, never links
             return path
     elif os.path.isdir(p):
         return p
@@ -385,7 +386,8 @@ def _resolve(load_dir, tag):
         names = []
     for n in names:
         m = _VERSION_RE.fullmatch(n)
-        if m and m.group("tag") == tag and os.path.isfile(os.path.join(load_dir, n, MANIFEST)):
+        vpath = os.path.join(load_dir, n)
+        if m and m.group("tag") == tag and not os.path.islink(vpath) and os.path.isfile(os.path.join(vpath, MANIFEST)):
             versions.append(n)
     for n in sorted(versions, key=_version_time, reverse=True):
         try:
@@ -594,24 +596,45 @@ def _read_old_format(path):
     return meta, old_rng
 
 
-def load(engine, load_dir, tag):
-    load_dir = os.fspath(load_dir)
-    if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(
-                f"checkpoint directory {load_dir} has no '{LATEST}' file; pass tag= "
+def latest_tag(load_dir):
+    """The tag that ``<load_dir>/latest`` names. ``latest`` must be a regular file of the directory
+    (a symlink is refused, not followed: it may lead anywhere) holding a plain tag; what it holds
+    otherwise is never quoted in the error (it may be someone else's file)."""
+    latest = os.path.join(load_dir, LATEST)
+    try:
+        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"checkpoint directory {load_dir} has no '{LATEST}' file; pass tag= (available tags: {_available(load_dir)})"
+        ) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ValueError(
+            f"checkpoint directory {load_dir}: '{LATEST}' is a symbolic link; tier writes it as a plain file and does "
+            f"not follow links out of the directory: remove it, or pass tag= (available tags: {_available(load_dir)})"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(
+                f"checkpoint directory {load_dir}: '{LATEST}' is not a regular file; remove it, or pass tag= "
                 f"(available tags: {_available(load_dir)})"
             )
-        with open(latest, "rb") as f:
-            raw = f.read(4096)
-        try:
-            text = raw.decode().strip()
-        except UnicodeDecodeError:
-            text = repr(raw)
-        tag = check_tag(text, what=f"tag in {latest}")
-    else:
-        tag = check_tag(tag)
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not _TAG_RE.fullmatch(text) or ".." in text or text == LATEST:
+        raise ValueError(
+            f"checkpoint directory {load_dir}: '{LATEST}' does not hold a tag ({len(raw)} bytes that are not a plain "
+            f"name; not shown); rewrite it with one of the tags, or pass tag= (available tags: {_available(load_dir)})"
+        )
+    return text
+
+
+def load(engine, load_dir, tag):
+    load_dir = os.fspath(load_dir)
+    tag = latest_tag(load_dir) if tag is None else check_tag(tag)
     path = _resolve(load_dir, tag)
 
     if os.path.isfile(os.path.join(path, MANIFEST)):

@@ -223,17 +223,7 @@ def is_rank_checkpoint(load_dir, tag):
 
 def resolve(load_dir, tag):
     load_dir = os.fspath(load_dir)
-    if tag is None:
-        latest = os.path.join(load_dir, _ck.LATEST)
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(
-                f"checkpoint directory {load_dir} has no '{_ck.LATEST}' file; pass tag= "
-                f"(available tags: {_ck._available(load_dir)})"
-            )
-        with open(latest, "rb") as f:
-            tag = _ck.check_tag(f.read(4096).decode(errors="replace").strip(), what=f"tag in {latest}")
-    else:
-        tag = _ck.check_tag(tag)
+    tag = _ck.latest_tag(load_dir) if tag is None else _ck.check_tag(tag)
     return _ck._resolve(load_dir, tag)
 
 
