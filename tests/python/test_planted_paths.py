@@ -182,6 +182,7 @@ def test_zero_to_fp32(tmp_path, victim, suffix):
         got = load_file(str(out))
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], "a temporary file or folder is left"
 
 
 def test_trainer_files(swap_dir, tmp_path, victim):

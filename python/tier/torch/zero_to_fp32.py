@@ -10,13 +10,14 @@ Every file is checked against the checkpoint's manifest first.
 """
 
 import argparse
+import os
 import sys
 
 import torch
 
 from .. import _tier
 from . import zero_checkpoint
-from .atomic_file import atomic_write
+from .atomic_file import atomic_write, private_dir, publish
 
 
 def main(argv=None):
@@ -35,14 +36,18 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if dtype is not torch.float32:
         sd = {k: v.to(dtype) for k, v in sd.items()}
-    # A fresh temporary file beside OUT (O_EXCL|O_NOFOLLOW: nothing planted there is written
-    # through), renamed over OUT once complete.
-    with atomic_write(args.out) as f:
-        if args.out.endswith(".safetensors"):
-            from safetensors.torch import save as to_bytes
+    # Written fresh beside OUT (nothing planted there is written through) and renamed over it once
+    # complete: torch.save into an O_EXCL|O_NOFOLLOW temporary file; safetensors, which writes by
+    # name, into a private folder made there (not into memory first: the state dict is the model).
+    if args.out.endswith(".safetensors"):
+        from safetensors.torch import save_file
 
-            f.write(to_bytes({k: v.contiguous() for k, v in sd.items()}))
-        else:
+        out_dir, name = os.path.split(os.path.abspath(args.out))
+        with private_dir(out_dir) as private:
+            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(private, name))
+            publish(private, name, out_dir)
+    else:
+        with atomic_write(args.out) as f:
             torch.save(sd, f)
     n = sum(t.numel() for t in sd.values())
     print(f"zero_to_fp32: {len(sd)} tensors, {n} parameters in {args.dtype} from {path} -> {args.out}")
