@@ -131,7 +131,7 @@ def _holder(fd):
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode())
         pid, host, since = info["pid"], info["host"], info["since"]
-        if not isinstance(pid, int) or not isinstance(host, str) or not isinstance(since, str):
+        if not isinstance(pid, int) or not 0 < pid < 1 << 32 or not isinstance(host, str) or not isinstance(since, str):
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         return "a writer that has not said who it is yet"
