@@ -1,11 +1,14 @@
 #include "cli.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <random>
 
 #include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
@@ -47,16 +50,21 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
     }
     return row[b.size()];
   };
+  // Bounded work, as the config reader's: no option is 256 characters long, and a candidate whose
+  // length alone differs by more than the limit cannot be within it.
+  if (word.size() > 256) return {};
+  const std::size_t limit = std::max<std::size_t>(2, word.size() / 4);
   std::string best;
   std::size_t best_d = static_cast<std::size_t>(-1);
   for (const auto& c : candidates) {
+    if ((c.size() > word.size() ? c.size() - word.size() : word.size() - c.size()) > limit) continue;
     const std::size_t d = distance(word, c);
     if (d < best_d) {
       best_d = d;
       best = c;
     }
   }
-  return best_d <= std::max<std::size_t>(2, word.size() / 4) ? best : std::string();
+  return best_d <= limit ? best : std::string();
 }
 
 }  // namespace
@@ -310,6 +318,45 @@ std::string fmt(double v, int precision) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", precision, v);
   return buf;
+}
+
+std::string random_hex() {
+  std::random_device rd;  // the kernel's random source on Linux
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x%08x", static_cast<unsigned>(rd()), static_cast<unsigned>(rd()));
+  return buf;
+}
+
+Status write_file_atomically(const std::string& path, const std::string& text) {
+  if (path.empty() || path.back() == '/') return invalid_argument(str("'", path, "' is not a file name"));
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  const std::string tmp = path.substr(0, path.size() - name.size()) + "." + name.substr(0, 160) + "." +
+                          std::to_string(::getpid()) + "." + random_hex() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+  if (fd < 0) return errno_status(errno, str(path, ": cannot create the temporary file ", tmp));
+  Status s;
+  for (std::size_t done = 0; s.ok() && done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      s = errno_status(errno, str(tmp, ": write"));
+    else
+      done += static_cast<std::size_t>(n);
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = errno_status(errno, str(tmp, ": fsync"));
+  if (::close(fd) != 0 && s.ok()) s = errno_status(errno, str(tmp, ": close"));
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = errno_status(errno, str("renaming ", tmp, " to ", path));
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  if (const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
+    (void)::fsync(d);
+    ::close(d);
+  }
+  return s;
 }
 
 }  // namespace tier::bench

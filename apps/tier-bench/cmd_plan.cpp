@@ -439,10 +439,8 @@ int run_plan(Args& args) {
       out_cfg["tier"]["budgets"]["host"] = static_cast<std::uint64_t>(hb);
     }
     if (!write_config.empty()) {
-      std::ofstream w(write_config);
-      w << out_cfg.dump(2) << "\n";
-      if (!w) {
-        std::fprintf(stderr, "tier-bench plan: cannot write %s\n", write_config.c_str());
+      if (Status s = write_file_atomically(write_config, out_cfg.dump(2) + "\n"); !s.ok()) {
+        std::fprintf(stderr, "tier-bench plan: cannot write %s: %s\n", write_config.c_str(), s.to_string().c_str());
         return 1;
       }
     }

@@ -48,11 +48,22 @@ int plot(const nlohmann::ordered_json& rows, const std::string& out) {
     std::fprintf(stderr, "tier-bench summary --plot: cannot create %s\n", tmp.c_str());
     return 1;
   }
-  close(fd);
   {
-    std::ofstream f(tmp);
-    f << rows.dump(1) << "\n";
+    // Through the descriptor mkstemp made, not by name again.
+    const std::string text = rows.dump(1) + "\n";
+    for (std::size_t done = 0; done < text.size();) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        std::fprintf(stderr, "tier-bench summary --plot: cannot write %s\n", tmp.c_str());
+        close(fd);
+        unlink(tmp.c_str());
+        return 1;
+      }
+      done += static_cast<std::size_t>(n);
+    }
   }
+  close(fd);
   const char* py = std::getenv("TIER_BENCH_PYTHON");
   std::string python = py != nullptr && *py != '\0' ? py : "python3";
   std::vector<std::string> argv_s = {python, helper, tmp, out};

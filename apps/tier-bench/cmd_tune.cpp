@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -173,10 +174,12 @@ class Tuner {
 Result<ReadReference> plain_reference(const std::vector<std::string>& paths, std::uint64_t bytes) {
   std::vector<std::string> dirs;
   for (const auto& p : paths) {
-    const std::string d = str(p, "/tier-tune-ref-", getpid());
     std::error_code ec;
-    std::filesystem::create_directories(d, ec);
-    if (ec) return errno_status(ec.value(), str("tune: reference folder ", d));
+    std::filesystem::create_directories(p, ec);
+    if (ec) return errno_status(ec.value(), str("tune: path ", p));
+    // A fresh private folder (mkdtemp: unpredictable name, 0700), never one someone else made.
+    std::string d = str(p, "/.tier-tune-ref-", getpid(), "-XXXXXX");
+    if (::mkdtemp(d.data()) == nullptr) return errno_status(errno, str("tune: reference folder in ", p));
     std::ofstream f(d + "/data", std::ios::binary | std::ios::trunc);
     std::vector<char> block(1 << 20, 'x');
     for (std::uint64_t done = 0; done < bytes / paths.size(); done += block.size()) f.write(block.data(), block.size());

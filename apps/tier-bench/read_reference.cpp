@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "cli.hpp"
 #include "tier/units.hpp"
 
 namespace tier::bench {
@@ -44,6 +45,21 @@ int open_file(const fs::path& p, int flags, bool* direct) {
     fd = ::open(p.c_str(), flags | O_CLOEXEC, 0600);
   }
   return fd;
+}
+
+// A fresh scratch file (O_CREAT|O_EXCL|O_NOFOLLOW under an unpredictable name: nothing another
+// user planted in the folder is truncated or written through), then O_DIRECT on that very file,
+// reopened through its descriptor rather than its name, where the file system allows it.
+int create_scratch(const fs::path& p, bool* direct) {
+  const int fd = ::open(p.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0 || !*direct) return fd;
+  const int d = ::open(str("/proc/self/fd/", fd).c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
+  if (d < 0) {
+    *direct = false;  // refused (tmpfs), or no /proc: buffered
+    return fd;
+  }
+  ::close(fd);
+  return d;
 }
 
 // The regular files under `dirs` (recursively), sorted, each to be read up to its share of `bytes`.
@@ -182,8 +198,8 @@ Result<ReadReference> measure_mixed_read_write(const std::vector<std::string>& d
   Status s = open_for_reading(dirs, bytes, block_bytes, &files, &direct);
   const std::uint64_t per_dir = (bytes / dirs.size() + block_bytes - 1) / block_bytes * block_bytes;
   for (std::size_t d = 0; s.ok() && d < dirs.size(); ++d) {
-    scratch.push_back(fs::path(dirs[d]) / str("tier-bench-reference-", ::getpid(), ".tmp"));
-    const int fd = open_file(scratch.back(), O_RDWR | O_CREAT | O_TRUNC, &direct);
+    scratch.push_back(fs::path(dirs[d]) / str(".tier-bench-reference-", ::getpid(), "-", random_hex(), ".tmp"));
+    const int fd = create_scratch(scratch.back(), &direct);
     if (fd < 0) {
       s = errno_status(errno, str("NVMe reference: create ", scratch.back().string()));
       break;

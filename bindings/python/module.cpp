@@ -9,6 +9,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cerrno>
 #include <cstring>
 #include <thread>
 #include <unordered_map>
@@ -29,10 +30,29 @@ namespace {
 
 nb::object g_errors[16];
 
+// The errno an OSError subclass carries (Python code tests e.errno == errno.ENOSPC): the status's
+// own, else the one its code stands for; 0 for none.
+int errno_of(const Status& s) {
+  if (s.sys_errno() != 0) return s.sys_errno();
+  switch (s.code()) {
+    case StatusCode::kNoSpace: return ENOSPC;
+    case StatusCode::kIoError: return EIO;
+    case StatusCode::kTimedOut: return ETIMEDOUT;
+    default: return 0;
+  }
+}
+
 [[noreturn]] void raise(const Status& s) {
   const int code = static_cast<int>(s.code());
   nb::object cls = (code >= 0 && code < 16 && g_errors[code].is_valid()) ? g_errors[code] : g_errors[0];
-  PyErr_SetString(cls.ptr(), s.to_string().c_str());
+  nb::object exc = nb::steal(PyObject_CallOneArg(cls.ptr(), nb::str(s.to_string().c_str()).ptr()));
+  if (!exc.is_valid()) throw nb::python_error();
+  // Only errno is set, not strerror: OSError's str() would then be "[Errno N] strerror" instead of
+  // tier's message, which already names the cause.
+  if (const int err = errno_of(s); err != 0 && PyObject_IsInstance(exc.ptr(), PyExc_OSError) == 1) {
+    if (PyObject_SetAttrString(exc.ptr(), "errno", nb::int_(err).ptr()) != 0) PyErr_Clear();
+  }
+  PyErr_SetObject(cls.ptr(), exc.ptr());
   throw nb::python_error();
 }
 

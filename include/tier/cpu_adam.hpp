@@ -95,7 +95,8 @@ struct AdamHyperParams {
   double min_coeff = 0.01;
 
   // kInvalidArgument naming the field for a non-finite value, lr < 0, a beta outside [0, 1),
-  // eps < 0, weight_decay < 0, an unknown kind, or min_coeff < 0 or > max_coeff.
+  // eps < 0 (eps 0 except for Lion, which ignores it), weight_decay < 0, an unknown kind, or min_coeff < 0
+  // or > max_coeff.
   Status validate() const;
 };
 

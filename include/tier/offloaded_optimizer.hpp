@@ -432,12 +432,17 @@ class OffloadedOptimizer {
 
   // ------------------------------------------------------------------ checkpoints
   // Streams the committed state, group hyper-parameters and step counters and the loss-scale
-  // state to `path` through the pipeline buffers: written to "<path>.tmp", fsync'd and renamed, so
-  // `path` is either the previous file or the complete new one. Errors: the file's or the swap
-  // space's I/O error (the optimizer's state is unaffected).
+  // state to `path` through the pipeline buffers: written to a fresh, unpredictably named file
+  // beside it (O_CREAT|O_EXCL|O_NOFOLLOW: nothing planted in the folder is written through),
+  // fsync'd and renamed, so `path` is either the previous file or the complete new one. Takes no
+  // lock: one writer per path is the caller's to ensure (tier.torch's checkpoints lock their
+  // folder). Errors: a path holding a NUL byte, the file's or the swap space's I/O error (the
+  // optimizer's state is unaffected).
   Status save_checkpoint(const std::string& path);
   // Loads a checkpoint made by save_checkpoint for the same partitions (count, sizes, groups and,
-  // where both have one, names). Every record's checksum is verified; truncation and corruption
+  // where both have one, names). Every record's checksum and the trailer's chain over the header
+  // and the records are verified, and every value of the metadata is range-checked (a crafted
+  // file with valid checksums is refused too); truncation, corruption and out-of-range values
   // are kDataLoss and leave the current state as it was (NVMe home: the data goes to the shadow
   // slots, switched over at the end; host home: verified in a first pass before anything is
   // overwritten). Restores hyper-parameters, step counters and the loss scale. Gradients taken

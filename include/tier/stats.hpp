@@ -107,7 +107,9 @@ class Counters {
                   std::chrono::steady_clock::time_point end, std::uint64_t bytes = 0);
   // What was recorded so far (recording goes on), as {"traceEvents": [...], ...}.
   std::string trace_json() const;
-  // trace_json() written to "<path>.tmp" and renamed to `path`. Errors: the file's I/O error.
+  // trace_json() written to a fresh file of an unpredictable name in `path`'s folder (created
+  // O_EXCL|O_NOFOLLOW: nobody else's planted file or symlink is written through), fsync'd and
+  // renamed to `path`. Errors: a path holding a NUL byte, the file's I/O error.
   Status write_trace(const std::string& path) const;
 
  private:

@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from . import torch as tier_torch
+from .torch.atomic_file import atomic_write
 
 _AUTO = "auto"
 
@@ -279,7 +280,8 @@ class TierTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir):
         self.tier_engine.save_checkpoint(os.path.join(output_dir, self.TIER_CHECKPOINT), tag="state")
         if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+            with atomic_write(os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME)) as f:
+                torch.save(self.lr_scheduler.state_dict(), f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
@@ -304,4 +306,5 @@ class TierTrainer(transformers.Trainer):
             self.tier_engine.save_pretrained(output_dir)
         else:
             super()._save(output_dir, state_dict)
-        torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+        with atomic_write(os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME)) as f:
+            torch.save(self.args, f)

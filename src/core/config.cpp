@@ -73,6 +73,23 @@ Status bad_value(const KeySpec& spec, const json& v, const std::string& allowed 
                               " is not allowed; allowed: ", allowed.empty() ? spec.allowed() : allowed));
 }
 
+// A NUL byte cuts a path short where the system reads it (a swap path "/nvme\0/x" is "/nvme"):
+// no config string may hold one.
+Status check_no_nul(const KeySpec& spec, const std::string& text) {
+  const auto at = text.find('\0');
+  if (at == std::string::npos) return Status::Ok();
+  return invalid_argument(str("config key '", spec.path, "': ", shown(json(text)), " holds a NUL byte at offset ", at,
+                              ", which would cut a path short there; remove it"));
+}
+
+// An unknown key as a message quotes it: cut short, control bytes escaped (a config may hold
+// anything, megabytes of it).
+std::string shown_key(const std::string& path) {
+  constexpr std::size_t kShown = 100;
+  if (path.size() <= kShown) return detail::printable(path);
+  return str(detail::printable(path.substr(0, kShown)), "... (", path.size(), " bytes)");
+}
+
 bool integral(double d) {
   return std::isfinite(d) && d == std::floor(d);
 }
@@ -130,6 +147,7 @@ Result<json> normalize(const KeySpec& spec, const json& v) {
     }
     case ValueKind::kString:
       if (!v.is_string()) return bad_value(spec, v);
+      TIER_RETURN_IF_ERROR(check_no_nul(spec, v.get<std::string>()));
       out = v;
       break;
     case ValueKind::kEnum: {
@@ -156,6 +174,7 @@ Result<json> normalize(const KeySpec& spec, const json& v) {
       } else {
         return bad_value(spec, v);
       }
+      for (const auto& e : out) TIER_RETURN_IF_ERROR(check_no_nul(spec, e.get<std::string>()));
       break;
     }
     case ValueKind::kPair: {
@@ -225,8 +244,9 @@ struct Parser {
   }
 
   Status unknown(const std::string& prefix, const std::string& key, const std::string& path) {
+    // closest_match bounds its own work; a key far longer than any known one has no near match.
     const std::string guess = detail::closest_match(key, children_of(prefix));
-    std::string msg = str("config key '", detail::printable(path), "' is not known to tier or DeepSpeed");
+    std::string msg = str("config key '", shown_key(path), "' is not known to tier or DeepSpeed");
     msg += guess.empty() ? "" : str("; did you mean '", prefix.empty() ? guess : prefix + "." + guess, "'?");
     const bool in_tier = path.rfind("tier.", 0) == 0;
     if (strict || in_tier) {

@@ -2,11 +2,12 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "core/atomic_file.hpp"
 
 namespace tier {
 
@@ -205,20 +206,12 @@ std::string Counters::trace_json() const {
 }
 
 Status Counters::write_trace(const std::string& path) const {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return errno_status(errno, str("trace: cannot create ", tmp));
-    f << trace_json();
-    f.flush();
-    if (!f) return errno_status(errno ? errno : EIO, str("trace: writing ", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    return errno_status(err, str("trace: renaming ", tmp, " to ", path));
-  }
-  return Status::Ok();
+  // A fresh file under an unpredictable name, renamed over `path`: a "<path>.tmp" that someone
+  // else planted (a symlink to their victim) is never opened.
+  TIER_ASSIGN_OR_RETURN(detail::AtomicFile f, detail::AtomicFile::create(path, 0666, "trace"));
+  const std::string text = trace_json();
+  TIER_RETURN_IF_ERROR(f.write(text.data(), text.size()));
+  return f.commit();
 }
 
 void Counters::set_info(const std::string& key, const std::string& value) {

@@ -54,17 +54,23 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
 }
 
 std::string closest_match(std::string_view word, const std::vector<std::string>& candidates) {
+  // The edit distance costs len(word) x len(candidate): a word of megabytes (a crafted config
+  // key) took minutes over the key table. Nothing that long is a typo of a key.
+  if (word.size() > kMaxMatchedWord) return {};
+  // A likely typo: a few edits, relative to the length of the word.
+  const std::size_t limit = std::max<std::size_t>(2, word.size() / 4);
   std::string best;
   std::size_t best_d = static_cast<std::size_t>(-1);
   for (const auto& c : candidates) {
+    // The distance is at least the difference in length: such candidates cannot be within limit.
+    const std::size_t gap = c.size() > word.size() ? c.size() - word.size() : word.size() - c.size();
+    if (gap > limit) continue;
     const std::size_t d = edit_distance(word, c);
     if (d < best_d) {
       best_d = d;
       best = c;
     }
   }
-  // A likely typo: a few edits, relative to the length of the word.
-  const std::size_t limit = std::max<std::size_t>(2, word.size() / 4);
   return best_d <= limit ? best : std::string();
 }
 

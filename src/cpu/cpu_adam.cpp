@@ -265,6 +265,12 @@ Status AdamHyperParams::validate() const {
   if (beta1 < 0 || beta1 >= 1) return invalid_argument(str("adam: beta1 ", beta1, " is outside [0, 1)"));
   if (beta2 < 0 || beta2 >= 1) return invalid_argument(str("adam: beta2 ", beta2, " is outside [0, 1)"));
   if (eps < 0) return invalid_argument(str("adam: eps ", eps, " is negative"));
+  if (eps == 0 && kind != OptimizerKind::kLion) {
+    // Lion takes signs; the others divide by sqrt(state) + eps, which is 0 wherever a gradient is.
+    return invalid_argument(str(optimizer_kind_name(kind),
+                                ": eps 0 divides by zero wherever a gradient is 0 (NaN "
+                                "parameters); use a small positive eps such as 1e-8"));
+  }
   if (weight_decay < 0) return invalid_argument(str("adam: weight_decay ", weight_decay, " is negative"));
   if (decay_mode != WeightDecayMode::kDecoupled && decay_mode != WeightDecayMode::kL2) {
     return invalid_argument("adam: unknown weight decay mode");

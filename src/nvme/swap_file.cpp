@@ -20,6 +20,7 @@
 #include <string_view>
 #include <system_error>
 
+#include "core/text.hpp"
 #include "tier/ext/swap_space.hpp"
 #include "tier/log.hpp"
 #include "tier/units.hpp"
@@ -327,6 +328,11 @@ Status set_direct(SwapFile& f, bool on) {
 
 Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, bool want_direct) {
   if (dir.empty()) return invalid_argument("swap path is empty; give a directory on the SSD");
+  if (const auto nul = dir.find('\0'); nul != std::string::npos) {
+    // The system would cut the path at the NUL and put the swap file somewhere else.
+    return invalid_argument(str("swap path '", tier::detail::printable(dir.substr(0, 200)),
+                                "' holds a NUL byte at offset ", nul, "; give the directory's path without one"));
+  }
   if (std::string odd = odd_path(dir); !odd.empty()) {
     return failed_precondition(str("swap path ", dir, " is ", odd));
   }

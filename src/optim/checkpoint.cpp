@@ -11,10 +11,14 @@
 //           exp_avg_sq[count] in the state dtype, and for int8 state the fp32 scales of both,
 //           ceil(count / 256) each (a record starts on a 256-element block of its partition)
 //           (versions 1 and 2: a 40-byte header with three crcs, always fp32 moments)
-//   trailer 32 bytes: "TIERTAIL", record count, elements covered, crc32c chained over every
-//           record header, trailer crc
-// A file is written as "<path>.tmp", fsync'd and renamed over <path>, then the directory is
+//   trailer 32 bytes: "TIERTAIL", record count, elements covered, crc32c chained over the file
+//           header and every record header, each without its own crc (version 4; versions 1 to
+//           3 chained whole record headers, which only counted them: see chain_seed), trailer crc
+// A file is written under a fresh, unpredictable temporary name in <path>'s folder
+// (detail::AtomicFile: O_EXCL|O_NOFOLLOW), fsync'd and renamed over <path>, then the directory is
 // fsync'd: a crash leaves the old file or the new one, never half of one under the real name.
+// Loading checks every value of the metadata against the range a running optimizer accepts: the
+// checksums find damage, not a file crafted with valid ones.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -23,11 +27,13 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
-#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.hpp"
+#include "core/text.hpp"
 #include "optim/chunk_pipeline.hpp"
 #include "optim/crc32c.hpp"
 #include "optim/optimizer_impl.hpp"
@@ -52,8 +58,10 @@ constexpr char kRecordMagic[4] = {'T', 'R', 'E', 'C'};
 constexpr char kTrailerMagic[8] = {'T', 'I', 'E', 'R', 'T', 'A', 'I', 'L'};
 // Version 2 added each group's optimizer kind (and Lamb's coefficients); version 1 files are
 // still read, their groups as Adam. Version 3 added the state dtype (compressed moments, kept as
-// they are) and the scales' sections; versions 1 and 2 are read as fp32 state.
-constexpr std::uint32_t kVersion = 3;
+// they are) and the scales' sections; versions 1 and 2 are read as fp32 state. Version 4 chains
+// the header and the records' content checksums in the trailer (chain_seed); versions 1 to 3
+// still load, with the same range checks on every value, though their chain only counts records.
+constexpr std::uint32_t kVersion = 4;
 constexpr std::uint32_t kOldestVersion = 1;
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kRecordBytesV2 = 40;
@@ -121,10 +129,19 @@ Status read_exact(int fd, void* dst, std::uint64_t n, std::uint64_t at, const st
   return {};
 }
 
-std::string parent_dir(const std::string& path) {
-  const std::filesystem::path p(path);
-  const auto d = p.parent_path();
-  return d.empty() ? std::string(".") : d.string();
+// The trailer's chain. Versions 1 to 3 chained whole record headers; a header ends with its own
+// CRC, and a CRC over bytes followed by their own CRC is one constant whatever the bytes, so that
+// chain only counted the records. From version 4 the chain covers each record header without its
+// CRC (partition, offset, count and the CRCs of its sections: the content), starting from the
+// file header without its CRC (which holds the metadata's): records reordered, altered, or
+// spliced under another file's header and metadata fail it.
+std::uint32_t chain_seed(const std::uint8_t* header, std::uint32_t version) {
+  return version >= 4 ? crc32c(header, kHeaderBytes - 4) : 0;
+}
+
+std::uint32_t chain_record(std::uint32_t chain, const std::uint8_t* record_header, std::size_t bytes,
+                           std::uint32_t version) {
+  return crc32c_extend(chain, record_header, version >= 4 ? bytes - 4 : bytes);
 }
 
 json group_json(const cpu::AdamGroup& g) {
@@ -164,6 +181,36 @@ json meta_json(const OffloadedOptimizer::Impl& im) {
             {"last_overflow", ls.last_overflow},
             {"hysteresis_left", ls.hysteresis_left}}},
           {"partitions", parts}};
+}
+
+// The most a config accepts for each hyper-parameter (src/core/config_schema.cpp); counters stay
+// below 2^53 so that they survive a round trip through a JSON double.
+constexpr double kMaxLr = 1e6;
+constexpr double kMaxEps = 1;
+constexpr double kMaxWeightDecay = 1e6;
+constexpr double kMaxCoeff = 1e6;
+constexpr std::int64_t kMaxCount = (std::int64_t{1} << 53) - 1;
+constexpr std::int64_t kMaxHysteresis = (std::int64_t{1} << 31) - 1;
+
+// Whether `v` is an integer in [lo, hi]; stores it in *out. Floats are not integers here.
+bool int_within(const json& v, std::int64_t lo, std::int64_t hi, std::int64_t* out) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(hi)) return false;
+    *out = static_cast<std::int64_t>(u);
+  } else if (v.is_number_integer()) {
+    *out = v.get<std::int64_t>();
+  } else {
+    return false;
+  }
+  return *out >= lo && *out <= hi;
+}
+
+// A JSON value for a message, cut short: a crafted file may hold anything there.
+std::string shown(const json& v) {
+  std::string t = v.dump(-1, ' ', true, json::error_handler_t::replace);
+  if (t.size() > 64) t = t.substr(0, 64) + "...";
+  return t;
 }
 
 // What load_checkpoint takes from the meta section once it is checked.
@@ -225,7 +272,7 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
     auto num = [&](const char* k) { return j.contains(k) && j[k].is_number(); };
     if (!j.is_object() || !num("lr") || !num("beta1") || !num("beta2") || !num("eps") || !num("weight_decay") ||
         !j.contains("decay_mode") || !j["decay_mode"].is_string() || !j.contains("bias_correction") ||
-        !j["bias_correction"].is_boolean() || !j.contains("step") || !j["step"].is_number_integer()) {
+        !j["bias_correction"].is_boolean() || !j.contains("step")) {
       return bad(str("parameter group ", g, " is malformed"));
     }
     cpu::AdamHyperParams hp;
@@ -234,8 +281,12 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
     hp.beta2 = j["beta2"].get<double>();
     hp.eps = j["eps"].get<double>();
     hp.weight_decay = j["weight_decay"].get<double>();
-    hp.decay_mode =
-        j["decay_mode"].get<std::string>() == "l2" ? cpu::WeightDecayMode::kL2 : cpu::WeightDecayMode::kDecoupled;
+    const std::string decay = j["decay_mode"].get<std::string>();
+    if (decay != "l2" && decay != "decoupled") {
+      return bad(str("parameter group ", g, " has an unknown weight decay mode '",
+                     tier::detail::printable(decay.substr(0, 64)), "' (tier writes 'l2' or 'decoupled')"));
+    }
+    hp.decay_mode = decay == "l2" ? cpu::WeightDecayMode::kL2 : cpu::WeightDecayMode::kDecoupled;
     hp.bias_correction = j["bias_correction"].get<bool>();
     if (j.contains("kind")) {  // version 2; version 1 groups are Adam
       const std::string kind = j["kind"].is_string() ? j["kind"].get<std::string>() : "";
@@ -248,28 +299,47 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
         }
       }
       if (!known || !num("max_coeff") || !num("min_coeff")) {
-        return bad(str("parameter group ", g, " has a malformed or unknown optimizer kind '", kind, "'"));
+        return bad(str("parameter group ", g, " has a malformed or unknown optimizer kind '",
+                       tier::detail::printable(kind.substr(0, 64)), "'"));
       }
       hp.max_coeff = j["max_coeff"].get<double>();
       hp.min_coeff = j["min_coeff"].get<double>();
     }
     if (Status s = hp.validate(); !s.ok()) return bad(str("parameter group ", g, ": ", s.message()));
-    const auto step = j["step"].get<std::int64_t>();
-    if (step < 0) return bad(str("parameter group ", g, " has a negative step counter"));
+    // The ranges the config accepts (validate() allows what a schedule may reach at run time).
+    auto within = [&](const char* name, double v, double hi) -> Status {
+      if (v <= hi) return {};
+      return bad(str("parameter group ", g, ": ", name, " ", v, " is above ", hi,
+                     ", the most a config accepts; the file is damaged or was not written by tier"));
+    };
+    TIER_RETURN_IF_ERROR(within("lr", hp.lr, kMaxLr));
+    TIER_RETURN_IF_ERROR(within("eps", hp.eps, kMaxEps));
+    TIER_RETURN_IF_ERROR(within("weight_decay", hp.weight_decay, kMaxWeightDecay));
+    if (hp.kind == cpu::OptimizerKind::kLamb) TIER_RETURN_IF_ERROR(within("max_coeff", hp.max_coeff, kMaxCoeff));
+    std::int64_t step = 0;
+    if (!int_within(j["step"], 0, kMaxCount, &step)) {
+      return bad(str("parameter group ", g, " has the step counter ", shown(j["step"]),
+                     "; a step counter is an integer in [0, 2^53)"));
+    }
     r.hp.push_back(hp);
     r.steps.push_back(step);
   }
   auto num = [&](const char* k) { return ls.contains(k) && ls[k].is_number(); };
-  if (!num("scale") || !num("iteration") || !num("last_overflow") || !num("hysteresis_left")) {
+  if (!num("scale") || !ls.contains("iteration") || !ls.contains("last_overflow") || !ls.contains("hysteresis_left")) {
     return bad("the loss-scale state is malformed");
   }
   r.scale.scale = ls["scale"].get<double>();
-  r.scale.iteration = ls["iteration"].get<std::int64_t>();
-  r.scale.last_overflow = ls["last_overflow"].get<std::int64_t>();
-  r.scale.hysteresis_left = ls["hysteresis_left"].get<int>();
-  if (!std::isfinite(r.scale.scale) || r.scale.scale <= 0 || r.scale.iteration < 0) {
-    return bad("the loss-scale state is out of range");
+  std::int64_t hysteresis = 0;
+  if (!int_within(ls["iteration"], 0, kMaxCount, &r.scale.iteration) ||
+      !int_within(ls["last_overflow"], -1, kMaxCount, &r.scale.last_overflow) ||
+      !int_within(ls["hysteresis_left"], 0, kMaxHysteresis, &hysteresis) || !std::isfinite(r.scale.scale) ||
+      r.scale.scale <= 0) {
+    return bad(str("the loss-scale state is out of range (scale ", shown(ls["scale"]), ", iteration ",
+                   shown(ls["iteration"]), ", last overflow ", shown(ls["last_overflow"]), ", hysteresis ",
+                   shown(ls["hysteresis_left"]),
+                   "): the scale must be finite and positive, the counters integers in [0, 2^53)"));
   }
+  r.scale.hysteresis_left = static_cast<int>(hysteresis);
   return r;
 }
 
@@ -279,8 +349,8 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
 // piece at a time.
 class RecordReader {
  public:
-  RecordReader(const OffloadedOptimizer::Impl& im, int fd, std::string path, std::uint64_t data_start,
-               std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype)
+  RecordReader(const OffloadedOptimizer::Impl& im, int fd, std::string path, const std::uint8_t* header,
+               std::uint64_t data_start, std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype)
       : im_(im),
         fd_(fd),
         path_(std::move(path)),
@@ -288,7 +358,9 @@ class RecordReader {
         size_(file_size),
         header_bytes_(version >= 3 ? kRecordBytes : kRecordBytesV2),
         file_(file_dtype),
-        convert_(file_dtype != im.state_dtype()) {}
+        convert_(file_dtype != im.state_dtype()),
+        version_(version),
+        chain_(chain_seed(header, version)) {}
 
   // Fills chunk c's partition pieces into `base` (laid out with c's layout).
   Status fill(const Chunk& c, void* base) {
@@ -312,10 +384,14 @@ class RecordReader {
     if (std::memcmp(t, kTrailerMagic, 8) != 0 || get<std::uint32_t>(t, 28) != crc32c(t, 28)) {
       return data_loss(str("checkpoint ", path_, ": the trailer at byte ", pos_, " is damaged or missing"));
     }
-    if (get<std::uint64_t>(t, 8) != records_ || get<std::uint64_t>(t, 16) != covered_ ||
-        get<std::uint32_t>(t, 24) != chain_) {
+    if (get<std::uint64_t>(t, 8) != records_ || get<std::uint64_t>(t, 16) != covered_) {
       return data_loss(str("checkpoint ", path_, ": the trailer does not match the records read (",
                            get<std::uint64_t>(t, 8), " records claimed, ", records_, " read)"));
+    }
+    if (get<std::uint32_t>(t, 24) != chain_) {
+      return data_loss(str("checkpoint ", path_, ": the trailer's chained checksum does not match the ", records_,
+                           " records read and the header; records were reordered, altered or spliced from "
+                           "another checkpoint: the file is corrupt"));
     }
     if (pos_ + kTrailerBytes != size_) {
       return data_loss(
@@ -472,7 +548,7 @@ class RecordReader {
       return data_loss(
           str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
     }
-    chain_ = crc32c_extend(chain_, h, header_bytes_);
+    chain_ = chain_record(chain_, h, header_bytes_, version_);
     ++records_;
     consumed_ = 0;
     for (auto& r : run_) r = 0;
@@ -503,7 +579,8 @@ class RecordReader {
   std::uint32_t crc_[kSections] = {}, run_[kSections] = {};
   PartitionId exp_pid_ = 0;
   std::uint64_t exp_off_ = 0, covered_ = 0, records_ = 0;
-  std::uint32_t chain_ = 0;
+  std::uint32_t version_;
+  std::uint32_t chain_;
   std::vector<float> scales_[2];
   std::vector<float> scratch_;
   std::vector<std::byte> bytes_;
@@ -516,18 +593,11 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   TIER_RETURN_IF_ERROR(im.usable("save_checkpoint"));
   TIER_RETURN_IF_ERROR(im.idle("save_checkpoint"));
   if (path.empty()) return invalid_argument("optimizer save_checkpoint: empty path");
-  const std::string tmp = path + ".tmp";
-  // Model state is private to its owner, like the swap files.
-  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
-  if (f.fd < 0) return errno_status(errno, str("checkpoint ", tmp, ": cannot create it"));
-  bool keep = false;
-  struct Unlink {
-    const std::string& p;
-    bool& keep;
-    ~Unlink() {
-      if (!keep) ::unlink(p.c_str());
-    }
-  } unlink_guard{tmp, keep};
+  // Model state is private to its owner, like the swap files; the temporary file is fresh and
+  // unpredictably named, so nothing planted in the folder is written through.
+  TIER_ASSIGN_OR_RETURN(tier::detail::AtomicFile out, tier::detail::AtomicFile::create(path, 0600, "checkpoint"));
+  const std::string& tmp = out.temp_path();
+  const int fd = out.fd();
 
   const std::string meta = meta_json(im).dump();
   std::uint8_t header[kHeaderBytes] = {};
@@ -540,10 +610,12 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   put<std::uint32_t>(header, 40, crc32c(meta.data(), meta.size()));
   put<std::uint32_t>(header, 60, crc32c(header, 60));
   iovec hv[2] = {{header, kHeaderBytes}, {const_cast<char*>(meta.data()), meta.size()}};
-  TIER_RETURN_IF_ERROR(write_all(f.fd, hv, 2, tmp));
+  TIER_RETURN_IF_ERROR(write_all(fd, hv, 2, tmp));
 
   std::uint64_t records = 0, covered = 0;
-  std::uint32_t chain = 0;
+  // Version 4: the chain starts from the header (which holds the metadata's checksum) and covers
+  // each record's content checksums (chain_seed, chain_record).
+  std::uint32_t chain = chain_seed(header, kVersion);
   // One record per partition piece of the chunk, its sections written from where they lie.
   const cpu::StateDType sd = im.state_dtype();
   const std::size_t elem_bytes[kSections] = {4, dtype_size(cpu::exp_avg_dtype(sd)),
@@ -570,8 +642,8 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
       }
       put<std::uint32_t>(h, 44, crc32c(h, 44));
       v[0] = {h, kRecordBytes};
-      TIER_RETURN_IF_ERROR(write_all(f.fd, v, nscales ? 1 + kSections : 4, tmp));
-      chain = crc32c_extend(chain, h, kRecordBytes);
+      TIER_RETURN_IF_ERROR(write_all(fd, v, nscales ? 1 + kSections : 4, tmp));
+      chain = chain_record(chain, h, kRecordBytes, kVersion);
       ++records;
       covered += n;
     }
@@ -591,30 +663,18 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   put<std::uint32_t>(trailer, 24, chain);
   put<std::uint32_t>(trailer, 28, crc32c(trailer, 28));
   iovec tv[1] = {{trailer, kTrailerBytes}};
-  TIER_RETURN_IF_ERROR(write_all(f.fd, tv, 1, tmp));
-  if (::fsync(f.fd) != 0) return errno_status(errno, str("checkpoint ", tmp, ": fsync"));
-  if (::close(f.fd) != 0) {
-    f.fd = -1;
-    return errno_status(errno, str("checkpoint ", tmp, ": close"));
-  }
-  f.fd = -1;
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return errno_status(errno, str("checkpoint: renaming ", tmp, " to ", path));
-  }
-  keep = true;
-  // Make the rename itself durable.
-  const std::string dir = parent_dir(path);
-  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (d.fd < 0 || ::fsync(d.fd) != 0) {
-    return errno_status(errno, str("checkpoint ", path, ": syncing its directory ", dir));
-  }
-  return {};
+  TIER_RETURN_IF_ERROR(write_all(fd, tv, 1, tmp));
+  return out.commit();  // fsync, rename over `path`, fsync the directory
 }
 
 Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("load_checkpoint", /*loading=*/true));
   TIER_RETURN_IF_ERROR(im.idle("load_checkpoint"));
+  if (tier::detail::has_nul(path)) {
+    return invalid_argument(str("checkpoint path '", tier::detail::printable(path.substr(0, 200)),
+                                "' holds a NUL byte, which would cut it short; give a path without one"));
+  }
   Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (f.fd < 0) return errno_status(errno, str("checkpoint ", path, ": cannot open it"));
   struct stat st {};
@@ -659,7 +719,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
 
   if (im.nvme()) {
     // Into the shadow slots; switched over only when every record and the trailer checked out.
-    RecordReader rd(im, f.fd, path, data_start, size, version, restored.state_dtype);
+    RecordReader rd(im, f.fd, path, header, data_start, size, version, restored.state_dtype);
     TIER_RETURN_IF_ERROR(detail::run_pipeline(
         *im.swap, im.chunks, im.bufs, false, true,
         [&](std::size_t i, Buffer& b) { return rd.fill(im.chunks[i], b.state); }, nullptr));
@@ -668,11 +728,11 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   } else {
     // Verify the whole file through a buffer first, then copy into the state.
     {
-      RecordReader check(im, f.fd, path, data_start, size, version, restored.state_dtype);
+      RecordReader check(im, f.fd, path, header, data_start, size, version, restored.state_dtype);
       for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
       TIER_RETURN_IF_ERROR(check.finish());
     }
-    RecordReader rd(im, f.fd, path, data_start, size, version, restored.state_dtype);
+    RecordReader rd(im, f.fd, path, header, data_start, size, version, restored.state_dtype);
     Status s;
     for (const Chunk& c : im.chunks) {
       s = rd.fill(c, c.host.get());

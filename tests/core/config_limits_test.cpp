@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -131,6 +132,60 @@ TEST(ConfigLimits, RegularFileStillReads) {
   auto c = EngineConfig::from_file(path, {.apply_env = false});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->zero_stage, 2);
+}
+
+// An unknown key of megabytes: the "did you mean" search compared it with every known key by
+// edit distance (len(key) x len(candidate) each: minutes for a large key), and the note and the
+// log quoted it whole. Now the search skips what cannot be a typo and the key is quoted cut short.
+TEST(ConfigLimits, AHugeUnknownKeyIsQuotedCutShortWithNoSuggestion) {
+  const std::string key(std::size_t{2} << 20, 'k');
+  ConfigOptions o;
+  o.apply_env = false;
+  auto c = EngineConfig::from_json("{\"" + key + "\": 1}", o);
+  ASSERT_TRUE(c.ok()) << c.status().message().substr(0, 300);
+  std::size_t longest = 0;
+  bool noted = false;
+  for (const auto& n : c->notes) {
+    longest = std::max(longest, n.size());
+    noted = noted || n.find("(2097152 bytes)") != std::string::npos;
+  }
+  EXPECT_TRUE(noted);
+  EXPECT_LT(longest, 1000u);
+  o.strict = true;
+  auto strict = EngineConfig::from_json("{\"tier\": {\"" + key + "\": 1}}", o);
+  ASSERT_FALSE(strict.ok());
+  EXPECT_LT(strict.status().message().size(), 1000u);
+  EXPECT_TRUE(mentions(strict.status(), "is not known to tier")) << strict.status().message().substr(0, 300);
+  EXPECT_FALSE(mentions(strict.status(), "did you mean"));
+}
+
+TEST(ConfigLimits, TyposOfKnownKeysAreStillSuggested) {
+  ConfigOptions o;
+  o.apply_env = false;
+  o.strict = true;
+  auto c = EngineConfig::from_json(R"({"tier": {"budgetz": {}}})", o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(mentions(c.status(), "did you mean 'tier.budgets'?")) << c.status();
+}
+
+// A NUL byte in a path: the system reads the path up to it, so "/nvme/a\0b" put the swap file in
+// /nvme/a without a word. Every config string is refused with a NUL in it.
+TEST(ConfigLimits, ANulByteInAPathIsRefused) {
+  const char* const configs[] = {
+      R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/a\u0000b"}}})",
+      R"({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp/a\u0000b"}}})",
+      R"({"tier": {"swap_paths": ["/tmp/ok", "/tmp/a\u0000b"]}})",
+      R"({"tier": {"swap_paths": "/tmp/a\u0000b"}})",
+      R"({"tier": {"trace_file": "/tmp/trace\u0000.json"}})",
+  };
+  for (const char* text : configs) {
+    auto c = parse(text);
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_TRUE(mentions(c.status(), "NUL byte")) << c.status();
+    EXPECT_TRUE(mentions(c.status(), "\\u0000")) << c.status();  // shown escaped, not cut
+  }
+  EXPECT_TRUE(parse(R"({"tier": {"swap_paths": ["/tmp/ok"]}})").ok());
 }
 
 }  // namespace

@@ -2,8 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <thread>
 #include <vector>
@@ -172,7 +176,30 @@ TEST(CountersTrace, OffByDefaultAndWrittenAtomically) {
   EXPECT_TRUE(written.contains("traceEvents"));
   const Status bad = c.write_trace("/nonexistent-dir/x/trace.json");
   EXPECT_FALSE(bad.ok());
-  EXPECT_NE(bad.message().find("/nonexistent-dir/x/trace.json.tmp"), std::string::npos) << bad;
+  EXPECT_NE(bad.message().find("/nonexistent-dir/x/trace.json"), std::string::npos) << bad;
+}
+
+// Another user who can write the folder plants "<trace>.tmp" as a symlink to a file of the user
+// running tier: the old writer opened it with O_TRUNC and overwrote that file with the trace.
+TEST(CountersTrace, APlantedTmpSymlinkIsNotWrittenThrough) {
+  Counters c;
+  c.start_trace();
+  c.begin(Link::kHostToNvme).finish(4096);
+  const std::string dir = testing::TempDir() + "tier-trace-planted-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string victim = dir + "/victim", path = dir + "/trace.json";
+  std::ofstream(victim) << "keep me";
+  std::filesystem::create_symlink(victim, path + ".tmp");
+  ASSERT_TRUE(c.write_trace(path).ok());
+  std::ifstream v(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(v), {}), "keep me");
+  std::ifstream f(path);
+  const auto written = nlohmann::json::parse(f, nullptr, false);
+  ASSERT_FALSE(written.is_discarded());
+  EXPECT_TRUE(written.contains("traceEvents"));
+  EXPECT_FALSE(std::filesystem::is_symlink(path));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

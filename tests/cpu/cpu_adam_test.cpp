@@ -372,6 +372,12 @@ TEST(CpuAdam, NonFiniteOrOutOfRangeHyperParamsAreRejected) {
   bad.push_back({with([](auto& h) { h.lr = -1; }), "lr"});
   bad.push_back({with([&](auto& h) { h.eps = inf; }), "eps"});
   bad.push_back({with([](auto& h) { h.eps = -1e-8; }), "eps"});
+  bad.push_back({with([](auto& h) { h.eps = 0; }), "eps 0"});  // 0/0 wherever a gradient is 0
+  bad.push_back({with([](auto& h) {
+                   h.eps = 0;
+                   h.kind = OptimizerKind::kAdagrad;
+                 }),
+                 "eps 0"});
   bad.push_back({with([](auto& h) { h.beta1 = 1.0; }), "beta1"});
   bad.push_back({with([](auto& h) { h.beta2 = -0.1; }), "beta2"});
   bad.push_back({with([](auto& h) { h.beta2 = std::nan(""); }), "beta2"});
@@ -384,6 +390,9 @@ TEST(CpuAdam, NonFiniteOrOutOfRangeHyperParamsAreRejected) {
     EXPECT_NE(s.status().message().find(b.field), std::string::npos) << s.status();
     EXPECT_FALSE(AdamGroup::create(b.hp).ok()) << b.field;
   }
+  AdamHyperParams lion = default_hyper_params(OptimizerKind::kLion);
+  lion.eps = 0;  // Lion takes signs and never reads eps
+  EXPECT_TRUE(lion.validate().ok());
   EXPECT_EQ(AdamStep::make({}, 0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(AdamStep::make({}, 1, inf).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(AdamStep::make({}, 1, -2).status().code(), StatusCode::kInvalidArgument);

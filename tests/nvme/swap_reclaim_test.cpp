@@ -284,6 +284,17 @@ TEST_F(SwapReclaim, FileOrSymlinkToAFileSaysItIsNotADirectory) {
   EXPECT_NE(sp.status().message().find("a part of the path is not a directory"), std::string::npos) << sp.status();
 }
 
+// A NUL byte cut the path short where the system read it: "<dir>\0/elsewhere" put the swap file
+// in <dir> without a word (issue #31). The options are refused, naming the byte.
+TEST_F(SwapReclaim, APathWithANulByteIsRefused) {
+  auto sp = SwapSpace::create(small_options(dir_ + std::string("\0/elsewhere", 11)));
+  ASSERT_FALSE(sp.ok());
+  EXPECT_EQ(sp.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(sp.status().message().find("NUL byte at offset " + std::to_string(dir_.size())), std::string::npos)
+      << sp.status();
+  EXPECT_TRUE(names_in(dir_).empty());
+}
+
 TEST_F(SwapReclaim, UnwritableDirectorySaysSoAndHowToFix) {
   if (::geteuid() == 0) GTEST_SKIP() << "root writes anywhere; run as another user to check permission messages";
   ASSERT_EQ(::chmod(dir_.c_str(), 0500), 0);

@@ -170,8 +170,8 @@ TEST_P(OptimizerCheckpoint, OtherModelsAreRefused) {
 
 INSTANTIATE_TEST_SUITE_P(Homes, OptimizerCheckpoint, testing::ValuesIn(test::all_homes()), test::home_name);
 
-// A crash before the rename leaves only "<path>.tmp": the real name still holds the previous
-// checkpoint, and the next save replaces the stale temporary file.
+// A file under the old temporary name "<path>.tmp" (a crash of an older tier, or anyone's file)
+// neither counts as the checkpoint nor is touched: saves write a fresh, unpredictably named file.
 TEST(OptimizerCheckpointFiles, StaleTemporaryFileDoesNotCount) {
   OffloadedOptimizerOptions o = opts(4096, 2);
   Rig a({"host", StateHome::kHost, IoEngineKind::kAuto, false}, o);
@@ -186,11 +186,46 @@ TEST(OptimizerCheckpointFiles, StaleTemporaryFileDoesNotCount) {
   }
   EXPECT_EQ(a.opt().load_checkpoint(file).code(), StatusCode::kNotFound);
   ASSERT_TRUE(a.opt().save_checkpoint(file).ok());
-  EXPECT_FALSE(std::filesystem::exists(file + ".tmp"));
+  std::ifstream stale(file + ".tmp");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(stale), {}), "half a checkpoint");
   ASSERT_TRUE(a.opt().load_checkpoint(file).ok());
   EXPECT_TRUE(test::state_matches(a.opt(), ref));
+  // Nothing else is left beside it: the temporary file was renamed.
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir.path())) ++entries;
+  EXPECT_EQ(entries, 2);
   // A save into a directory that does not exist fails cleanly.
   EXPECT_FALSE(a.opt().save_checkpoint(dir.sub("nope/c.ckpt")).ok());
+}
+
+// Another user who can write the folder plants "<path>.tmp" as a symlink to a file of the user
+// running tier: the old writer opened it with O_TRUNC|O_NOFOLLOW, so the save failed (ELOOP),
+// and a regular file or hard link planted there was truncated and written.
+TEST(OptimizerCheckpointFiles, APlantedTemporaryNameIsNeitherFollowedNorTruncated) {
+  OffloadedOptimizerOptions o = opts(4096, 2);
+  Rig a({"host", StateHome::kHost, IoEngineKind::kAuto, false}, o);
+  ASSERT_TRUE(a.status().ok());
+  Reference ref(test::mixed_model(), o.groups, 95);
+  ASSERT_TRUE(a.register_model(ref, 95).ok());
+  test::ScratchDir dir(nvme::test::shm_base(), "ckpt");
+  const std::string file = dir.sub("opt.ckpt"), victim = dir.sub("victim");
+  std::ofstream(victim) << "the victim's data";
+  std::filesystem::create_symlink(victim, file + ".tmp");
+  ASSERT_TRUE(a.opt().save_checkpoint(file).ok());
+  std::ifstream v(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(v), {}), "the victim's data");
+  EXPECT_TRUE(std::filesystem::is_symlink(file + ".tmp"));
+  // A regular file under the old temporary name (someone else's) is not truncated either.
+  std::filesystem::remove(file + ".tmp");
+  std::ofstream(file + ".tmp") << "someone else's";
+  ASSERT_TRUE(a.opt().save_checkpoint(file).ok());
+  std::ifstream other(file + ".tmp");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(other), {}), "someone else's");
+  ASSERT_TRUE(a.opt().load_checkpoint(file).ok());
+  EXPECT_TRUE(test::state_matches(a.opt(), ref));
+  // A NUL byte would cut the path short: refused both ways.
+  EXPECT_EQ(a.opt().save_checkpoint(file + std::string("\0x", 2)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.opt().load_checkpoint(file + std::string("\0x", 2)).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -203,7 +203,7 @@ void make_version_1(const std::string& file) {
   blank_key("max_coeff");
   blank_key("min_coeff");
   blank_key("state_dtype");
-  const std::size_t v = meta.find("\"version\":3");
+  const std::size_t v = meta.find("\"version\":4");
   ASSERT_NE(v, std::string::npos) << meta;
   meta[v + 10] = '1';
   std::string out = bytes.substr(0, 64) + meta;

@@ -31,11 +31,24 @@ Killed at any point, ``latest`` names a tag whose symlink points to a complete, 
 before step 3 the old tag and the old ``latest`` are untouched; after it the tag already names
 the new complete version. Leftovers of a killed save are removed by the next successful save.
 Only names matching tier's own patterns are ever removed from ``<dir>``, and a ``<dir>/<tag>`` that
-is not tier's (a user's file, folder or symlink) is refused, never replaced. One process saves
-into a directory at a time; a reader in another process during a save may find its version removed.
+is not tier's (a user's file, folder or symlink) is refused, never replaced.
+
+One writer per directory: a save holds an exclusive ``flock`` on ``<dir>/.tier-writer.lock``
+(created ``O_NOFOLLOW``, mode 0600; it holds the writer's pid, host and start time) from before
+its version directory is made until its garbage collection is done. A second save into the same
+directory, from any process, fails at once with ``tier.FailedPrecondition`` naming the holder; the
+lock goes with the process that holds it (a killed writer holds nothing). The optimizer's C++
+writer takes no lock of its own (it writes one file inside the version directory), so there is
+one lock, taken by this outer layer. A reader in another process during a save may find its
+version removed. Every file is created ``O_EXCL|O_NOFOLLOW`` (see :mod:`tier.torch.atomic_file`).
 
 Load protocol: every file is read and checked against the manifest and every field of the
-metadata is parsed and validated before the engine is touched; then everything is applied. A
+metadata is parsed and validated before the engine is touched; then everything is applied. The
+values are tried before anything changes: the RNG states on throwaway generators, the scheduler
+state on a copy of the scheduler, the learning rates it gives for the saved step count; the
+counters must be integers in [0, 2^53), and the optimizer's reader checks every hyper-parameter's
+range before it replaces any state. ``latest`` must be a regular file of ``<dir>`` (a symlink is
+refused, never followed) holding a plain tag; what it holds otherwise is not shown in the error. A
 checksum mismatch raises ``tier.DataLoss``, a checkpoint for another model raises ValueError, and
 in both cases the engine is unchanged. If ``<tag>``'s symlink is missing (a directory from the
 old format was being moved aside when the process died), the newest version of that tag whose
@@ -48,22 +61,32 @@ such a tag moves the old directory aside as a version of the tag.
 """
 
 import base64
+import contextlib
+import copy
+import errno
+import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
 import shutil
+import socket
+import stat
 import time
 
 import torch
 
 from .. import _tier
+from .atomic_file import create_new, fsync_dir
 
 FORMAT = "tier-checkpoint-2"
 OLD_FORMAT = "tier-checkpoint-1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+LOCK = ".tier-writer.lock"
+MAX_COUNT = (1 << 53) - 1  # counters survive a round trip through a JSON double
 
 _TAG = r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}"
 _TAG_RE = re.compile(_TAG)
@@ -78,28 +101,84 @@ def check_tag(tag, what="checkpoint tag"):
     s = str(tag)
     if not _TAG_RE.fullmatch(s) or ".." in s or s == LATEST:
         raise ValueError(
-            f"{what} {s!r}: not a plain name; use 1-128 of A-Z a-z 0-9 _ . + = -, not starting with "
+            f"{what} {_short(s)}: not a plain name; use 1-128 of A-Z a-z 0-9 _ . + = -, not starting with "
             f"'.', without '..', path separators or absolute paths, and not {LATEST!r}"
         )
     return s
 
 
+def _short(value, limit=80):
+    """``repr(value)`` cut to ``limit`` characters, for quoting untrusted input in a message."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 # ---------------------------------------------------------------------------- small file helpers
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = fsync_dir
 
 
 def _write_new(path, data):
-    """Creates ``path`` (0600, must not exist), writes ``data`` and fsyncs it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    """Creates ``path`` (0600, must not exist: ``O_EXCL|O_NOFOLLOW``), writes ``data`` and fsyncs it."""
+    with create_new(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------- one writer per directory
+def _holder(fd):
+    """Who holds the lock, from what it wrote into the lock file (sanitised: never raw content)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode())
+        pid, host, since = info["pid"], info["host"], info["since"]
+        if not isinstance(pid, int) or not 0 < pid < 1 << 32 or not isinstance(host, str) or not isinstance(since, str):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a writer that has not said who it is yet"
+    host = re.sub(r"[^A-Za-z0-9_.:-]", "?", host)[:64]
+    since = re.sub(r"[^0-9A-Za-z:+.-]", "?", since)[:40]
+    return f"pid {pid} on host {host}, saving since {since}"
+
+
+@contextlib.contextmanager
+def writer_lock(directory):
+    """Holds ``<directory>/.tier-writer.lock`` exclusively (``flock``) for the block; raises
+    ``tier.FailedPrecondition`` at once, naming the holder, if another writer holds it."""
+    path = os.path.join(directory, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FileExistsError(
+                f"checkpoint directory {directory}: {LOCK} is a symbolic link, not tier's lock file; remove it"
+            ) from None
+        raise
+    held = False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileExistsError(f"checkpoint directory {directory}: {LOCK} is not a regular file; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _tier.FailedPrecondition(
+                f"checkpoint directory {directory} is being saved into by another writer ({_holder(fd)}; see {path}); "
+                "one process saves into a checkpoint directory at a time: wait for that save to end, or save into "
+                "another directory"
+            ) from None
+        held = True
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        yield
+    finally:
+        if held:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # released: nobody is named any more
+        os.close(fd)  # closing the last descriptor releases the flock
 
 
 def _sha256_file(path):
@@ -184,7 +263,14 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
 
     os.makedirs(save_dir, mode=0o700, exist_ok=True)
     final = os.path.join(save_dir, tag)
-    _check_replaceable(final, tag)
+    _check_replaceable(final, tag)  # before the lock too: a refused tag leaves the directory as it was
+    with writer_lock(save_dir):
+        _check_replaceable(final, tag)
+        _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest)
+    return final
+
+
+def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
     version = _new_version(tag)
     vdir = os.path.join(save_dir, version)
     os.mkdir(vdir, 0o700)
@@ -195,9 +281,7 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
             # One parameter at a time: a frozen base model may not fit in host memory at once.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            fd = os.open(os.path.join(vdir, "frozen.bin"), flags, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            with create_new(os.path.join(vdir, "frozen.bin")) as f:
                 for s in frozen:
                     f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
                 f.flush()
@@ -231,7 +315,6 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
         _fsync_dir(save_dir)
 
     _collect_garbage(save_dir)
-    return final
 
 
 def _is_old_checkpoint(path):
@@ -292,7 +375,7 @@ def _resolve(load_dir, tag):
     target = _link_target(load_dir, tag)
     if target is not None:
         path = os.path.join(load_dir, target)
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.islink(path):  # tier's versions are directories, never links
             return path
     elif os.path.isdir(p):
         return p
@@ -303,7 +386,8 @@ def _resolve(load_dir, tag):
         names = []
     for n in names:
         m = _VERSION_RE.fullmatch(n)
-        if m and m.group("tag") == tag and os.path.isfile(os.path.join(load_dir, n, MANIFEST)):
+        vpath = os.path.join(load_dir, n)
+        if m and m.group("tag") == tag and not os.path.islink(vpath) and os.path.isfile(os.path.join(vpath, MANIFEST)):
             versions.append(n)
     for n in sorted(versions, key=_version_time, reverse=True):
         try:
@@ -356,10 +440,16 @@ def _verified_files(path):
     return kept["meta.json"], set(body["files"])
 
 
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+
+
 def _int(meta, key, path):
     v = meta.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"checkpoint {path}: meta.json field {key!r} is {v!r}, expected a count")
+    if not _count(v):
+        raise ValueError(
+            f"checkpoint {path}: meta.json field {key!r} is {_short(v)}, expected a count (an integer in [0, 2^53))"
+        )
     return v
 
 
@@ -371,6 +461,59 @@ def _rng_tensor(b64, expected_len, path, what):
     if len(raw) != expected_len:
         raise ValueError(f"checkpoint {path}: the {what} RNG state has {len(raw)} bytes, expected {expected_len}")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _tried_rng_state(state, path, what, device="cpu"):
+    """``state`` once a throwaway generator on ``device`` accepted it (torch checks more than the
+    length, e.g. the mt19937 position), so that applying it later cannot fail."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError(f"checkpoint {path}: the {what} RNG state is not a byte tensor")
+    try:
+        torch.Generator(device=device).set_state(state)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(
+            f"checkpoint {path}: the {what} RNG state is not a valid generator state ({str(e)[:200]}); the "
+            "checkpoint is damaged or was not written by tier, and nothing was loaded"
+        ) from None
+    return state
+
+
+def _plan_schedule(engine, meta, path):
+    """The counters and the scheduler state of ``meta``, checked, with the learning rates (and
+    betas) they give tried against what the optimizer accepts; returns them as a dict."""
+    plan = {k: _int(meta, k, path) for k in ("global_steps", "micro_steps", "skipped_steps")}
+    sched = meta.get("scheduler")
+    plan["scheduler"] = None
+    if engine.scheduler is None:
+        return plan
+    if sched:
+        if not isinstance(sched, dict) or not _count(sched.get("last_step")):
+            raise ValueError(
+                f"checkpoint {path}: meta.json has an invalid scheduler state {_short(sched)} (its last_step must be "
+                "an integer in [0, 2^53))"
+            )
+        probe = copy.deepcopy(engine.scheduler)
+        try:
+            probe.load_state_dict(sched)
+        except Exception as e:  # noqa: BLE001 - any refusal of the scheduler is the checkpoint's fault
+            raise ValueError(f"checkpoint {path}: the scheduler refuses its saved state ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
+        plan["scheduler"] = sched
+    # What the engine's _apply_lr will set for the loaded step count.
+    try:
+        lrs = [float(x) for x in engine.scheduler.lrs(plan["global_steps"])]
+        betas = engine.scheduler.betas(plan["global_steps"])
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"checkpoint {path}: the schedule fails at the saved step {plan['global_steps']} "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    for lr in lrs:
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"checkpoint {path}: the schedule gives lr {lr} at the saved step {plan['global_steps']}")
+    for pair in betas or []:
+        if not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in pair):
+            raise ValueError(f"checkpoint {path}: the schedule gives betas {_short(pair)} at the saved step "
+                             f"{plan['global_steps']}")
+    return plan
 
 
 def _plan(engine, path, meta, old_rng, listed):
@@ -394,13 +537,7 @@ def _plan(engine, path, meta, old_rng, listed):
         raise ValueError(
             f"{path}: saved with compute dtype {meta.get('compute_dtype')}, the engine uses {engine.compute_dtype_name}"
         )
-    plan = {k: _int(meta, k, path) for k in ("global_steps", "micro_steps", "skipped_steps")}
-    sched = meta.get("scheduler")
-    plan["scheduler"] = None
-    if engine.scheduler is not None and sched:
-        if not isinstance(sched, dict) or not isinstance(sched.get("last_step"), int):
-            raise ValueError(f"checkpoint {path}: meta.json has an invalid scheduler state {sched!r}")
-        plan["scheduler"] = sched
+    plan = _plan_schedule(engine, meta, path)
     if "client_state" not in meta:
         raise ValueError(f"checkpoint {path}: meta.json has no client_state")
     plan["client_state"] = meta["client_state"]
@@ -419,9 +556,10 @@ def _plan(engine, path, meta, old_rng, listed):
         if torch.cuda.is_available() and rng["cuda"]:
             cuda_len = torch.cuda.get_rng_state().numel()
             cuda = [_rng_tensor(s, cuda_len, path, f"CUDA {i}") for i, s in enumerate(rng["cuda"])]
-    plan["rng_cpu"] = cpu
+    plan["rng_cpu"] = _tried_rng_state(cpu, path, "CPU")
     # States for another number of GPUs are not applied (the CUDA generators keep their state).
-    plan["rng_cuda"] = cuda if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count() else []
+    cuda = cuda if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count() else []
+    plan["rng_cuda"] = [_tried_rng_state(c, path, f"CUDA {i}", f"cuda:{i}") for i, c in enumerate(cuda)]
 
     frozen = [s for s in engine._slots if s.pid is None]
     esize = torch.empty(0, dtype=engine.compute_dtype).element_size()
@@ -458,24 +596,45 @@ def _read_old_format(path):
     return meta, old_rng
 
 
-def load(engine, load_dir, tag):
-    load_dir = os.fspath(load_dir)
-    if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(
-                f"checkpoint directory {load_dir} has no '{LATEST}' file; pass tag= "
+def latest_tag(load_dir):
+    """The tag that ``<load_dir>/latest`` names. ``latest`` must be a regular file of the directory
+    (a symlink is refused, not followed: it may lead anywhere) holding a plain tag; what it holds
+    otherwise is never quoted in the error (it may be someone else's file)."""
+    latest = os.path.join(load_dir, LATEST)
+    try:
+        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"checkpoint directory {load_dir} has no '{LATEST}' file; pass tag= (available tags: {_available(load_dir)})"
+        ) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ValueError(
+            f"checkpoint directory {load_dir}: '{LATEST}' is a symbolic link; tier writes it as a plain file and does "
+            f"not follow links out of the directory: remove it, or pass tag= (available tags: {_available(load_dir)})"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(
+                f"checkpoint directory {load_dir}: '{LATEST}' is not a regular file; remove it, or pass tag= "
                 f"(available tags: {_available(load_dir)})"
             )
-        with open(latest, "rb") as f:
-            raw = f.read(4096)
-        try:
-            text = raw.decode().strip()
-        except UnicodeDecodeError:
-            text = repr(raw)
-        tag = check_tag(text, what=f"tag in {latest}")
-    else:
-        tag = check_tag(tag)
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not _TAG_RE.fullmatch(text) or ".." in text or text == LATEST:
+        raise ValueError(
+            f"checkpoint directory {load_dir}: '{LATEST}' does not hold a tag ({len(raw)} bytes that are not a plain "
+            f"name; not shown); rewrite it with one of the tags, or pass tag= (available tags: {_available(load_dir)})"
+        )
+    return text
+
+
+def load(engine, load_dir, tag):
+    load_dir = os.fspath(load_dir)
+    tag = latest_tag(load_dir) if tag is None else check_tag(tag)
     path = _resolve(load_dir, tag)
 
     if os.path.isfile(os.path.join(path, MANIFEST)):

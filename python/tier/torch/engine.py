@@ -1928,13 +1928,15 @@ class TierEngine(torch.nn.Module):
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Writes the gathered weights (and persistent buffers) as ``save_dir/save_filename`` with
         ``torch.save``, in the compute dtype: bf16 or fp16 when enabled, else fp32 (as DeepSpeed
-        saves what the model computes in). Returns True."""
+        saves what the model computes in). The file is written under a fresh temporary name
+        (``O_EXCL|O_NOFOLLOW``: nothing planted in ``save_dir`` is written through) and renamed.
+        Returns True."""
+        from .atomic_file import atomic_write
+
         os.makedirs(save_dir, exist_ok=True)
         sd = {k: v.detach().cpu() for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
-        path = os.path.join(save_dir, save_filename)
-        tmp = path + ".tmp"
-        torch.save(sd, tmp)
-        os.replace(tmp, path)
+        with atomic_write(os.path.join(save_dir, save_filename)) as f:
+            torch.save(sd, f)
         return True
 
     def close(self):

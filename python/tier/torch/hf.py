@@ -11,7 +11,14 @@ weights as a safetensors checkpoint that ``transformers`` loads unchanged: shard
 ``max_shard_size`` bytes, each written tensor by tensor as it is read from the engine, with
 ``model.safetensors.index.json`` when there is more than one shard, and the model's
 ``config.json`` (and ``generation_config.json``). Files appear under their final names only when
-complete (written under a temporary name, then renamed).
+complete: each is written under a fresh, unpredictable temporary name created
+``O_EXCL|O_NOFOLLOW`` (or in a private folder inside ``save_dir``), fsynced and renamed, so a file
+or symlink planted under a predictable name is never written through
+(:mod:`tier.torch.atomic_file`).
+
+Reading refuses what does not belong to the model folder or the model: an index entry that is an
+absolute path or climbs out with ``..``, and a tensor whose kind (floating point, integer, bool)
+differs from the model's parameter or buffer (an integer tensor is not silently made a float).
 """
 
 import json
@@ -20,6 +27,8 @@ import re
 import struct
 
 import torch
+
+from .atomic_file import atomic_write, private_dir, publish, write_bytes
 
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _NAMED_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +50,43 @@ def parse_size(size):
 
 
 # ------------------------------------------------------------------------------------ reading
+def _check_shard_name(index, key, filename):
+    """An index entry must name a file inside the model folder: a relative path without ``..``.
+    (The file itself may be a symlink, as in the Hugging Face hub's cache, whose snapshot folders
+    link each file to a blob outside them.)"""
+    ok = isinstance(filename, str) and filename and "\0" not in filename
+    if ok:
+        parts = filename.replace("\\", "/").split("/")
+        ok = not os.path.isabs(filename) and ".." not in parts and os.path.normpath(filename) not in (".", "")
+    if not ok:
+        raise ValueError(
+            f"{index}: tensor {str(key)[:200]!r} is mapped to {str(filename)[:200]!r}, which is not a file name inside "
+            "the model folder (absolute paths and '..' are refused); the index is damaged or not safe to load"
+        )
+
+
+def _check_kind(where, name, got, want, what):
+    """A tensor of the checkpoint must be of the kind (floating point, integer, bool) of the
+    model's; floats convert to the model's float dtype, integers only to one that holds them all."""
+    def kind(dt):
+        return "bool" if dt == torch.bool else "floating point" if dt.is_floating_point else (
+            "complex" if dt.is_complex else "integer")
+
+    if kind(got) != kind(want):
+        raise ValueError(
+            f"{where}: tensor {name!r} is {got} ({kind(got)}) but the model's {what} is {want} ({kind(want)}); tier "
+            f"does not convert between kinds (an integer tensor is not silently made a float): the checkpoint is not "
+            f"for this model"
+        )
+    if kind(got) == "integer":
+        g, w = torch.iinfo(got), torch.iinfo(want)
+        if g.min < w.min or g.max > w.max:
+            raise ValueError(
+                f"{where}: tensor {name!r} is {got} but the model's {what} is {want}, which cannot hold every {got} "
+                "value; refusing to truncate it"
+            )
+
+
 class CheckpointReader:
     """The tensors of a transformers safetensors checkpoint (one file or sharded with an index),
     opened lazily and memory-mapped."""
@@ -56,8 +102,12 @@ class CheckpointReader:
             try:
                 with open(index) as f:
                     self.weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a safetensors index ({e})") from None
+            if not isinstance(self.weight_map, dict):
+                raise ValueError(f"{index}: not a safetensors index (its weight_map is not an object)")
+            for key, filename in self.weight_map.items():
+                _check_shard_name(index, key, filename)
         elif os.path.isfile(single):
             self.weight_map = None
         else:
@@ -205,7 +255,9 @@ def from_pretrained(path, config, *, model_class=None, **initialize_kwargs):
     def initial_values(name, param):
         for alias in aliases.get(id(param), [name]):
             if alias in reader:
-                return reader.tensor(alias, param.shape)
+                t = reader.tensor(alias, param.shape)
+                _check_kind(reader.where(alias), alias, t.dtype, param.dtype, "parameter")
+                return t
         files = sorted(set(reader.weight_map.values()))
         raise KeyError(f"{path}: the checkpoint ({', '.join(files)}) has no tensor {name!r}")
 
@@ -214,7 +266,9 @@ def from_pretrained(path, config, *, model_class=None, **initialize_kwargs):
         for bname, buf in list(mod._buffers.items()):
             full = f"{mod_name}.{bname}" if mod_name else bname
             if buf is not None and bname not in mod._non_persistent_buffers_set and full in reader:
-                mod._buffers[bname] = reader.tensor(full, buf.shape).to(buf.dtype)
+                t = reader.tensor(full, buf.shape)
+                _check_kind(reader.where(full), full, t.dtype, buf.dtype, "buffer")
+                mod._buffers[bname] = t.to(buf.dtype)
 
     return TierEngine(model, config, initial_values=initial_values, **initialize_kwargs)
 
@@ -239,8 +293,7 @@ def _write_shard(path, entries):
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, dtype, shape, nbytes, fetch in entries:
@@ -251,9 +304,6 @@ def _write_shard(path, entries):
             if len(data) != nbytes:
                 raise RuntimeError(f"save_pretrained: {name!r} has {len(data)} bytes, expected {nbytes}")
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_config=True):
@@ -320,9 +370,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
             "metadata": {"total_size": sum(e[3] for s in shards for e in s)},
             "weight_map": {e[0]: n for n, s in zip(names, shards) for e in s},
         }
-        with open(index_path + ".tmp", "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-        os.replace(index_path + ".tmp", index_path)
+        write_bytes(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
         written.append(INDEX_FILE)
     # Shards of an earlier save that this one does not use would confuse a loader: remove them.
     keep = set(written)
@@ -332,10 +380,15 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
             os.remove(os.path.join(save_dir, old))
     module = engine.module
     if save_config and hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
-        module.config.save_pretrained(save_dir)
-        written.append("config.json")
-        gen = getattr(module, "generation_config", None)
-        if gen is not None and hasattr(gen, "save_pretrained"):
-            gen.save_pretrained(save_dir)
-            written.append("generation_config.json")
+        # transformers writes into a folder with plain open(): into a private one here, then each
+        # file is moved over its final name.
+        with private_dir(save_dir) as private:
+            module.config.save_pretrained(private)
+            gen = getattr(module, "generation_config", None)
+            if gen is not None and hasattr(gen, "save_pretrained"):
+                gen.save_pretrained(private)
+            for name in sorted(os.listdir(private)):
+                if os.path.isfile(os.path.join(private, name)):
+                    publish(private, name, save_dir)
+                    written.append(name)
     return written

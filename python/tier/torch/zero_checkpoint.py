@@ -25,6 +25,7 @@ into a single fp32 state dict.
 """
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ import torch
 
 from .. import _tier
 from . import checkpoint as _ck
+from .atomic_file import create_new
 
 FORMAT = "tier-checkpoint-zero-1"
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -81,14 +83,24 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
     save_dir = os.fspath(save_dir)
     error = None
     version = None
+    # Rank 0 holds the directory's writer lock (checkpoint.writer_lock) for the whole save: the
+    # other ranks write only into the version directory it made.
+    lock = contextlib.ExitStack()
     if rank == 0:
         try:
             os.makedirs(save_dir, mode=0o700, exist_ok=True)
+            _ck._check_replaceable(os.path.join(save_dir, tag), tag)
+            lock.enter_context(_ck.writer_lock(save_dir))
             _ck._check_replaceable(os.path.join(save_dir, tag), tag)
             version = _ck._new_version(tag)
             os.mkdir(os.path.join(save_dir, version), 0o700)
         except Exception as e:  # noqa: BLE001 (every rank must hear of it)
             error = e
+    with lock:
+        return _save_rest(engine, save_dir, tag, version, error, rank, world, client_state, save_latest)
+
+
+def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state, save_latest):
     version = _broadcast(engine, version)
     _all_ok(engine, error)
     vdir = os.path.join(save_dir, version)
@@ -106,9 +118,7 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
         if rank == 0:
             try:
                 if values:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                    fd = os.open(os.path.join(vdir, "frozen.bin"), flags, 0o600)
-                    with os.fdopen(fd, "wb") as f:
+                    with create_new(os.path.join(vdir, "frozen.bin")) as f:
                         for _, v in values:
                             f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
                         f.flush()
@@ -159,9 +169,7 @@ def _publish(save_dir, tag, version, save_latest):
 def _write_rank(engine, vdir, rank, world):
     index = []
     offset = 0
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    fd = os.open(os.path.join(vdir, f"rank{rank}.bin"), flags, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with create_new(os.path.join(vdir, f"rank{rank}.bin")) as f:
         for s in engine._slots:
             if s.pid is None:
                 continue
@@ -215,17 +223,7 @@ def is_rank_checkpoint(load_dir, tag):
 
 def resolve(load_dir, tag):
     load_dir = os.fspath(load_dir)
-    if tag is None:
-        latest = os.path.join(load_dir, _ck.LATEST)
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(
-                f"checkpoint directory {load_dir} has no '{_ck.LATEST}' file; pass tag= "
-                f"(available tags: {_ck._available(load_dir)})"
-            )
-        with open(latest, "rb") as f:
-            tag = _ck.check_tag(f.read(4096).decode(errors="replace").strip(), what=f"tag in {latest}")
-    else:
-        tag = _ck.check_tag(tag)
+    tag = _ck.latest_tag(load_dir) if tag is None else _ck.check_tag(tag)
     return _ck._resolve(load_dir, tag)
 
 
@@ -312,9 +310,9 @@ def load(engine, load_dir, tag):
                 f"checkpoint {path} was saved with compute dtype {meta['compute_dtype']}, this engine computes in "
                 f"{engine.compute_dtype_name}"
             )
-        for name, count in ((e["name"], e["count"]) for p in parts for e in p["params"]):
-            if count < 0:
-                raise ValueError(f"checkpoint {path}: a negative range for {name}")
+        for e in (e for p in parts for e in p["params"]):
+            if not all(_ck._count(e.get(k)) for k in ("start", "count", "offset")):
+                raise ValueError(f"checkpoint {path}: the range of {_ck._short(e.get('name'))} is not made of counts")
         covered = {}
         for p in parts:
             for e in p["params"]:
@@ -327,6 +325,17 @@ def load(engine, load_dir, tag):
             raise ValueError(
                 f"checkpoint {path} has {len(steps)} parameter groups, this engine {engine.optimizer.group_count}"
             )
+        if not all(_ck._count(x) for x in steps):
+            raise ValueError(f"checkpoint {path}: the step counters {_ck._short(steps)} are not counts")
+        # Counters, scheduler state, the schedule's lr at the saved step and this rank's RNG state:
+        # all tried before any rank changes anything.
+        plan = _ck._plan_schedule(engine, meta, path)
+        if "client_state" not in meta:
+            raise ValueError(f"checkpoint {path}: meta.json has no client_state")
+        source = parts[rank] if rank < len(parts) else parts[0]
+        rng_cpu = _ck._tried_rng_state(
+            _ck._rng_tensor(source.get("rng_cpu"), torch.get_rng_state().numel(), path, "CPU"), path, "CPU"
+        )
     except Exception as e:  # noqa: BLE001 (every rank must hear of it before anyone changes)
         error = e
     _all_ok(engine, error)
@@ -372,14 +381,13 @@ def load(engine, load_dir, tag):
     if engine._zero is not None and not stage3:
         engine._gather_updated_params()
     engine.native.flush()
-    engine.global_steps = int(meta["global_steps"])
-    engine.micro_steps = int(meta["micro_steps"])
-    engine.skipped_steps = int(meta["skipped_steps"])
-    if meta["scheduler"] is not None and engine.scheduler is not None:
-        engine.scheduler.load_state_dict(meta["scheduler"])
+    engine.global_steps = plan["global_steps"]
+    engine.micro_steps = plan["micro_steps"]
+    engine.skipped_steps = plan["skipped_steps"]
+    if plan["scheduler"] is not None:
+        engine.scheduler.load_state_dict(plan["scheduler"])
     engine._apply_lr()
-    source = parts[rank] if rank < len(parts) else parts[0]
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(source["rng_cpu"])), dtype=torch.uint8))
+    torch.set_rng_state(rng_cpu)
     return path, meta["client_state"]
 
 

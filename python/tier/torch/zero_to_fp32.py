@@ -17,6 +17,7 @@ import torch
 
 from .. import _tier
 from . import zero_checkpoint
+from .atomic_file import atomic_write, private_dir, publish
 
 
 def main(argv=None):
@@ -35,14 +36,19 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if dtype is not torch.float32:
         sd = {k: v.to(dtype) for k, v in sd.items()}
-    tmp = args.out + ".tmp"
+    # Written fresh beside OUT (nothing planted there is written through) and renamed over it once
+    # complete: torch.save into an O_EXCL|O_NOFOLLOW temporary file; safetensors, which writes by
+    # name, into a private folder made there (not into memory first: the state dict is the model).
     if args.out.endswith(".safetensors"):
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in sd.items()}, tmp)
+        out_dir, name = os.path.split(os.path.abspath(args.out))
+        with private_dir(out_dir) as private:
+            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(private, name))
+            publish(private, name, out_dir)
     else:
-        torch.save(sd, tmp)
-    os.replace(tmp, args.out)
+        with atomic_write(args.out) as f:
+            torch.save(sd, f)
     n = sum(t.numel() for t in sd.values())
     print(f"zero_to_fp32: {len(sd)} tensors, {n} parameters in {args.dtype} from {path} -> {args.out}")
     return 0
