@@ -179,3 +179,22 @@ def test_a_good_rank_checkpoint_loads_whole(engine, tmp_path):
     _, client = engine.load_checkpoint(ckpt)
     assert client == {"k": 1}
     assert_same(saved, snapshot(engine))
+
+
+def test_a_refused_load_keeps_the_gradients_taken_so_far(engine, tmp_path):
+    """A load applies everything or nothing, gradients included: the micro-steps accumulated
+    before a refused load are still there, and the step they make is the one they would make."""
+    ckpt = str(tmp_path / "ckpt")
+    path = saved_then_moved_on(engine, ckpt)
+    edit_json(path, "meta.json", EDITS["rng-invalid-state"])
+    resign(path, "tier-checkpoint-2")
+    x = torch.randn(8, 16)
+    loss = torch.nn.functional.mse_loss(engine(x), torch.sin(x[:, :4] * 2.0))
+    engine.backward(loss)
+    engine.step()  # a micro-step off the boundary: its gradients are held
+    held = {pid: t.clone() for pid, t in engine._grads.held.items()}
+    assert held
+    with pytest.raises(ValueError):
+        engine.load_checkpoint(ckpt)
+    assert engine._grads.held.keys() == held.keys()
+    assert all(torch.equal(engine._grads.held[pid], t) for pid, t in held.items())

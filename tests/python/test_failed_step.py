@@ -90,6 +90,7 @@ def _fail_second_step(engine, overlap, fault):
             engine.optimizer._clear_io_faults()
         else:
             engine.step()
+    assert raised.errno == err
     assert "not applied" in str(raised) and "kept" in str(raised), str(raised)
     assert engine.global_steps == (0 if overlap == "delayed" else 1)
     return raised

@@ -1792,7 +1792,6 @@ class TierEngine(torch.nn.Module):
                     f"scheduler state together, names checked strictly); leave {key} at {default!r}"
                 )
         self._settle()
-        self.zero_grad()
         from .zero_checkpoint import is_rank_checkpoint
 
         if self._zero is not None or is_rank_checkpoint(load_dir, tag):
@@ -1801,6 +1800,9 @@ class TierEngine(torch.nn.Module):
             out = load_ranks(self, load_dir, tag)
         else:
             out = load(self, load_dir, tag)
+        # The gradients taken so far belong to the params before the load; a refused load (which
+        # applies nothing) keeps them.
+        self.zero_grad()
         self._param_version += 1
         return out
 
