@@ -164,7 +164,10 @@ class _MicroStepGrads:
         engine = self._engine()
         engine._withdraw_failed_step()
         acc = self.held.get(pid)
-        if acc is None and engine._gas == 1 and engine._boundary is None and not engine._delayed:
+        # Straight into the optimizer only when engine.backward() says this backward makes the
+        # step; a backward of the caller's own may be one of several before the step.
+        direct = engine._gas == 1 and engine._boundary is None and not engine._delayed and engine._engine_backward
+        if acc is None and direct:
             engine.optimizer.add_grad(pid, grad)
         elif acc is None:
             self.held[pid] = grad.detach().reshape(-1).to(torch.float32, copy=True)
@@ -367,7 +370,8 @@ def initialize(
 
     - ``optimizer``: a ``torch.optim.Optimizer`` view of the engine's offloaded optimizer
       (``param_groups`` with each group's ``lr``, ``state_dict``/``load_state_dict`` of the
-      hyper-parameters, ``zero_grad``); its ``step`` is the engine's business.
+      hyper-parameters, ``zero_grad``); its ``step`` steps the engine in a loop that does not call
+      ``engine.step()`` itself (accelerate's standard loop), and does nothing after it.
     - ``dataloader``: a ``torch.utils.data.DataLoader`` over ``training_data`` with the config's
       micro-batch size (shuffled; ``collate_fn`` if given), or None without ``training_data``.
     - ``lr_scheduler``: the config's scheduler, or the client's ``lr_scheduler`` (a torch LR
@@ -456,9 +460,16 @@ class _OptimizerView(torch.optim.Optimizer):
         self._engine = weakref.ref(engine)
 
     def step(self, closure=None):
-        """The engine steps (``engine.step()``); calling this does nothing, as with DeepSpeed's
-        wrapped optimizers under accelerate."""
-        return closure() if closure is not None else None
+        """Steps the engine when gradients came in since its last ``step()`` without it being
+        called: a loop of the caller's own (plain ``loss.backward()``, accelerate's
+        ``accelerator.backward`` and ``optimizer.step()`` at each accumulation boundary) gets its
+        update here, with every gradient taken since the last step. After ``engine.step()``
+        (DeepSpeed's loop, the Trainer) there is nothing left and this does nothing."""
+        loss = closure() if closure is not None else None
+        engine = self._engine()
+        if engine is not None and engine._grads_since_step:
+            engine._step_now()
+        return loss
 
     def zero_grad(self, set_to_none=True):
         engine = self._engine()
@@ -638,6 +649,8 @@ class TierEngine(torch.nn.Module):
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
+        self._grads_since_step = False  # a gradient came in since the last step() (see _OptimizerView.step)
+        self._engine_backward = False  # engine.backward() is handing gradients over
         self._failed_step = None  # "pending" after a failed boundary step, "withdrawn" once gradients moved on
         self._delayed_retry = False  # overlap "delayed": the pending update failed and runs again
         self._params_behind = False  # an applied step could not deliver its params (see _repair_params)
@@ -1199,6 +1212,7 @@ class TierEngine(torch.nn.Module):
 
     def _grad_ready(self, param):
         slot = self._slot_of[id(param)]
+        self._grads_since_step = True
         grad = param.grad
         if grad is not None:
             if self._reducer is not None:
@@ -1302,16 +1316,20 @@ class TierEngine(torch.nn.Module):
                 self._reduce_sumsq,
             )
         self._in_backward = True
+        self._engine_backward = True  # until its gradients are all handed over (drain, reduce)
         try:
-            scaled.backward(retain_graph=retain_graph)
-        except BaseException:
-            self.optimizer.cancel_overlap()
-            raise
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                self.optimizer.cancel_overlap()
+                raise
+            finally:
+                self._in_backward = False
+            self._drain_grads()
+            if self._reducer is not None:
+                self._reducer.flush(self.is_gradient_accumulation_boundary())
         finally:
-            self._in_backward = False
-        self._drain_grads()
-        if self._reducer is not None:
-            self._reducer.flush(self.is_gradient_accumulation_boundary())
+            self._engine_backward = False
         if self._prefetcher is not None:
             self._prefetcher.drop()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
@@ -1346,6 +1364,7 @@ class TierEngine(torch.nn.Module):
         fp16 overflow check, Adam/AdamW) and then the LR scheduler. Returns the optimizer's report,
         or None off the boundary."""
         self._require_optimizer("step")
+        self._grads_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         if self._reducer is not None:
             self._reducer.flush(boundary)  # a backward run outside engine.backward()
@@ -1366,6 +1385,16 @@ class TierEngine(torch.nn.Module):
         self._timers["step"] += time.perf_counter() - t0
         self._span("step", t0_ns)
         return report
+
+    def _step_now(self):
+        """The optimizer view's step() for a loop that does not call engine.step(): the gradients
+        taken since the last step make one, whatever the micro-step counter says."""
+        saved = self._boundary
+        self._boundary = True
+        try:
+            return self.step()
+        finally:
+            self._boundary = saved
 
     def _boundary_step(self, lr_kwargs):
         """The optimizer step of an accumulation boundary (serial, or finishing the overlapped one).
