@@ -525,6 +525,53 @@ def _alive(ref):
     return engine
 
 
+def _tensors(obj, depth=0):
+    """The tensors in a module's inputs or outputs (tuples, lists, dicts, ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o, depth + 1)
+
+
+def _hook_backward(ref, module, args, out):
+    """One use of a module's backward, bracketed by hooks on the tensors of its forward: the first
+    gradient to reach one of its outputs (their total gradient, so every consumer's backward is
+    done) starts it, which fetches its parameters; the gradient reaching its inputs ends it, which
+    releases them (without inputs that take a gradient: the parameter's final gradient, or the end
+    of backward, does). Tensor hooks stay with a tensor modified in place, so model code may do
+    that to a module's output."""
+    if not torch.is_grad_enabled():
+        return
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if not outs:
+        return
+    started = [False]
+
+    def start(_grad):
+        engine = ref()
+        if engine is not None and not started[0]:
+            started[0] = True
+            engine._fetch_for_backward(module)
+
+    for t in outs:
+        t.register_hook(start)
+    ended = [False]
+
+    def end(_grad):
+        engine = ref()
+        if engine is not None and started[0] and not ended[0]:
+            ended[0] = True
+            engine._after_module_backward(module)
+
+    for t in _tensors(args):
+        if t.requires_grad:
+            t.register_hook(end)
+
+
 def _release(ref, module):
     engine = ref()
     if engine is not None:
@@ -1011,6 +1058,11 @@ class TierEngine(torch.nn.Module):
         # forward (the hooks are entered by the outermost module call and exited after it).
         self._saved_params = _saved_params.SavedParams(lambda slot, r=ref: r()._bring_for_unpack(slot))
         self._saved_hooks = None
+        # A parameter used outside its module's forward is brought for the call that uses it.
+        self._fetch_on_use = _saved_params.FetchOnUse(
+            self._slot_of, lambda slots, r=ref: r()._bring_all(slots), lambda slot, r=ref: r()._drop(slot)
+        )
+        self._fetch_on_use_active = False
         for mod in model.modules():
             guard = _DESTROYED_GUARDS.pop(mod, None)  # the model is managed again
             if guard is not None:
@@ -1032,14 +1084,12 @@ class TierEngine(torch.nn.Module):
             )
             if not owned or self.inference_only:
                 continue
+            # Backward brackets, as hooks on the forward's own tensors (see _hook_backward) rather
+            # than full backward hooks, whose wrapping of outputs breaks models that modify a
+            # module's output in place (Falcon's mlp_output += attention_output).
             self._hook_handles.append(
-                mod.register_full_backward_pre_hook(lambda m, grad_out, r=ref: r()._fetch_for_backward(m))
+                mod.register_forward_hook(lambda m, args, out, r=ref: _hook_backward(r, m, args, out))
             )
-            if any(not s.trainable for s in owned):
-                # Only parameters without gradients need the end of the module's backward.
-                self._hook_handles.append(
-                    mod.register_full_backward_hook(lambda m, gin, gout, r=ref: r()._after_module_backward(m))
-                )
         for slot in self._slots:
             if slot.trainable:
                 ref = weakref.ref(self)
@@ -1132,6 +1182,8 @@ class TierEngine(torch.nn.Module):
                 self._activations.begin_step()
             self._saved_hooks = self._saved_params.hooks()
             self._saved_hooks.__enter__()
+            self._fetch_on_use.__enter__()
+            self._fetch_on_use_active = True
         # A forward of the model itself (engine.module.generate, say) between the boundary backward
         # and step() must see the committed params, as engine(...) does.
         self._cancel_overlap()
@@ -1144,6 +1196,9 @@ class TierEngine(torch.nn.Module):
     def _exit_forward(self):
         self._forward_depth -= 1
         if self._forward_depth == 0 and self._saved_hooks is not None:
+            if self._fetch_on_use_active:
+                self._fetch_on_use_active = False
+                self._fetch_on_use.__exit__(None, None, None)
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
             if self._activations is not None and not self._activations_checked:
@@ -1203,10 +1258,12 @@ class TierEngine(torch.nn.Module):
         slot.backward_fetches += 1
 
     def _after_module_backward(self, module):
-        # Parameters without gradients end their backward fetch here; trainable ones when their
-        # gradient is final (_grad_ready), which can come later for tied weights.
+        # One use of the module has its backward done (the gradient reached its inputs): the fetch
+        # that use made ends. A module run several times in a step (ALBERT's shared layer) so
+        # holds its parameters during each use's backward only, not from the last use's to the
+        # first's, where a trainable parameter's gradient is final (_grad_ready ends what is left).
         for slot in self._module_slots[module]:
-            if not slot.trainable and slot.backward_fetches > 0:
+            if slot.backward_fetches > 0:
                 slot.backward_fetches -= 1
                 self._drop(slot)
 

@@ -113,6 +113,52 @@ class SavedParams:
         return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
 
+class FetchOnUse(torch.overrides.TorchFunctionMode):
+    """During a training forward: a streamed parameter handed to a torch function while it is not
+    in place (a module using another module's weight, `F.linear(h, self.emb.weight)`, outside that
+    module's forward) is brought for the call and released after it. What the call saves of it
+    for backward is a reference (SavedParams), brought again then."""
+
+    def __init__(self, slot_of, bring, drop):
+        super().__init__()
+        self._slot_of = slot_of  # id(Parameter) -> slot
+        self._bring = bring
+        self._drop = drop
+        self.brought = 0  # parameters brought this way (observability, tests)
+
+    def _absent(self, obj, out):
+        if type(obj) is torch.nn.Parameter:
+            slot = self._slot_of.get(id(obj))
+            if slot is not None and slot.fetches == 0:
+                out.append(slot)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                if type(o) is torch.nn.Parameter:
+                    self._absent(o, out)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in ("__get__", "__set__"):
+            # A property (.data, .shape, .grad, ...): not a use of the values, and the engine's
+            # own hooks set .data while this mode is active.
+            return func(*args, **kwargs)
+        absent = []
+        for a in args:
+            self._absent(a, absent)
+        for a in kwargs.values():
+            self._absent(a, absent)
+        if not absent:
+            return func(*args, **kwargs)
+        absent = list({id(s): s for s in absent}.values())
+        self._bring(absent)
+        self.brought += len(absent)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for slot in absent:
+                self._drop(slot)
+
+
 def _storage_key(t):
     try:
         if t.numel() == 0:

@@ -1,0 +1,96 @@
+"""Model code that streamed parameters used to break, trained under tier.torch (params and state
+on NVMe, a device budget below the model) against plain PyTorch AdamW:
+
+- Falcon (parallel attention): ``mlp_output += attention_output`` modifies a module's output in
+  place;
+- ALBERT: one layer's module run by every layer (its parameters fetched and released again and
+  again in one step);
+- a parameter on the root module;
+- a module using another module's weight outside that module's forward (``F.linear(h,
+  self.emb.weight)``, a hand-tied head)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import torch.nn.functional as F  # noqa: E402
+
+import tier.torch  # noqa: E402
+from test_torch_llama import baseline_losses, max_rel_diff, tier_config, tier_losses  # noqa: E402
+
+STEPS = 3
+
+
+def _falcon():
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    new_decoder_architecture=False, parallel_attn=True)
+    return transformers.FalconForCausalLM(cfg)
+
+
+def _albert():
+    torch.manual_seed(0)
+    cfg = transformers.AlbertConfig(vocab_size=512, embedding_size=32, hidden_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)
+    return transformers.AlbertForMaskedLM(cfg)
+
+
+def _output(logits, labels):
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+class _RootParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(256, 64)
+        self.scale = torch.nn.Parameter(torch.ones(64))  # the root's own
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, input_ids, labels):
+        return _output(self.head(self.emb(input_ids) * self.scale), labels)
+
+
+class _BorrowedWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(256, 64)
+        self.mids = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for mid in self.mids:
+            h = torch.tanh(mid(h))
+        return _output(F.linear(h, self.emb.weight), labels)  # the embedding's weight, outside its forward
+
+
+# (the model, a device budget below its parameters that holds its largest modules)
+MODELS = {
+    "falcon": (_falcon, "160K"),
+    "albert": (_albert, "160K"),
+    "root_parameter": (_RootParameter, "96K"),
+    "borrowed_weight": (_BorrowedWeight, "96K"),
+}
+
+
+@pytest.mark.parametrize("overlap", ["serial", "exact"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_code_trains_as_plain_pytorch(swap_dir, name, overlap):
+    make, budget = MODELS[name]
+    expected = baseline_losses(STEPS, make=make)
+    cfg = tier_config(swap_dir, device_budget=budget)
+    cfg["tier"]["optimizer"]["overlap"] = overlap
+    engine, *_ = tier.torch.initialize(make(), cfg)
+    model_bytes = sum(slot.numel * 4 for slot in engine._slots)
+    assert engine.stats()["tiers"]["device"]["budget_bytes"] < model_bytes, "the parameters must stream"
+    got = tier_losses(engine, STEPS)
+    metrics = engine.stats()["metrics"]
+    brought = engine._fetch_on_use.brought
+    engine.destroy()
+    assert max_rel_diff(got, expected) <= 1e-5, (got, expected)
+    assert metrics["prefetch.order_changes"] == 0
+    if name == "borrowed_weight":
+        assert brought > 0, "the borrowed weight is brought for the call that uses it"
