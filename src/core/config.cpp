@@ -249,8 +249,11 @@ struct Parser {
     std::string msg = str("config key '", shown_key(path), "' is not known to tier or DeepSpeed");
     msg += guess.empty() ? "" : str("; did you mean '", prefix.empty() ? guess : prefix + "." + guess, "'?");
     const bool in_tier = path.rfind("tier.", 0) == 0;
-    if (strict || in_tier) {
-      return invalid_argument(msg + (in_tier ? "" : " (strict mode: unknown keys are errors)"));
+    // DeepSpeed refuses unknown keys in zero_optimization (its config models forbid extras): a
+    // typo there (offload_parm) would otherwise leave the params silently not offloaded.
+    const bool in_zero = path.rfind("zero_optimization.", 0) == 0;
+    if (strict || in_tier || in_zero) {
+      return invalid_argument(msg + (in_tier || in_zero ? "" : " (strict mode: unknown keys are errors)"));
     }
     cfg.notes.push_back(msg + "; ignored");
     TIER_LOG(kWarn, "config: ", msg, "; ignored");

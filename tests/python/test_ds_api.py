@@ -338,3 +338,12 @@ def test_the_config_scheduler_answers_get_last_lr(swap_dir):
         engine.step()
     # DeepSpeed runs optimizer step k with last_batch_iteration k - 1 (the warmup is at 0 for two steps)
     assert seen == pytest.approx([0.0, 0.0, LR / 4])
+
+
+def test_a_typo_inside_zero_optimization_is_refused_naming_the_key(swap_dir):
+    """DeepSpeed refuses unknown keys in zero_optimization; so does tier, instead of leaving the
+    params silently not offloaded."""
+    cfg = tier_config(swap_dir)
+    cfg["zero_optimization"]["offload_parm"] = cfg["zero_optimization"].pop("offload_param")
+    with pytest.raises(tier.InvalidArgument, match=r"zero_optimization\.offload_parm.*did you mean 'zero_optimization\.offload_param'"):
+        tier.torch.initialize(make_model(), cfg)
