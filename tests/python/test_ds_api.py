@@ -347,3 +347,36 @@ def test_a_typo_inside_zero_optimization_is_refused_naming_the_key(swap_dir):
     cfg["zero_optimization"]["offload_parm"] = cfg["zero_optimization"].pop("offload_param")
     with pytest.raises(tier.InvalidArgument, match=r"zero_optimization\.offload_parm.*did you mean 'zero_optimization\.offload_param'"):
         tier.torch.initialize(make_model(), cfg)
+
+
+def test_model_parameters_given_as_a_subset_trains_only_that_subset(swap_dir):
+    """As DeepSpeed: the optimizer takes the parameters given; the others stay as they were."""
+    model = make_model()
+    subset = [p for n, p in model.named_parameters() if "mlp" in n]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, optimizer, _, _ = tier.torch.initialize(model, tier_config(swap_dir, gas=1), model_parameters=subset)
+    for i in range(2):
+        out = engine(**batch(i))
+        engine.backward(out.loss)
+        engine.step()
+    after = engine.module_state_dict()
+    for n in before:
+        changed = not torch.equal(after[n], before[n])
+        assert changed == ("mlp" in n), n
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(subset)
+    engine.destroy()
+
+
+def test_parameter_groups_given_as_a_generator_keep_their_groups(swap_dir):
+    model = make_model()
+
+    def groups():
+        yield {"params": (p for n, p in model.named_parameters() if "norm" not in n)}
+        yield {"params": (p for n, p in model.named_parameters() if "norm" in n), "weight_decay": 0.0}
+
+    engine, optimizer, _, _ = tier.torch.initialize(model, tier_config(swap_dir, gas=1), model_parameters=groups())
+    assert len(optimizer.param_groups) == 2
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert len(optimizer.param_groups[1]["params"]) == sum(1 for n, _ in model.named_parameters() if "norm" in n)
+    assert engine.optimizer.group_count == 2
+    engine.destroy()

@@ -637,6 +637,12 @@ class TierEngine(torch.nn.Module):
             cfg["optimizer"] = _client_optimizer_section(optimizer)
             if model_parameters is None:
                 model_parameters = optimizer.param_groups
+        if model_parameters is not None:
+            # Read once, kept: a generator (model.parameters(), a generator of groups) is read by
+            # more than one step of the setup.
+            model_parameters = [
+                dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in model_parameters
+            ]
 
         cfg = _zero_init.engine_config(cfg)
         self._raw_config = cfg
@@ -724,6 +730,20 @@ class TierEngine(torch.nn.Module):
             self._slot_of[id(p)] = slot
         if not self._slots:
             raise ValueError("the model has no parameters to manage")
+        self._excluded_grad_hooks = []
+        if model_parameters:
+            # As DeepSpeed, the optimizer takes the parameters given and only those: the others are
+            # not updated (their gradients, if autograd makes any, are dropped).
+            listed = set()
+            for g in model_parameters:
+                for p in g["params"] if isinstance(g, dict) else [g]:
+                    listed.add(id(p))
+            for slot in self._slots:
+                if slot.trainable and id(slot.param) not in listed:
+                    slot.trainable = False
+                    self._excluded_grad_hooks.append(
+                        slot.param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+                    )
         if self._zero is not None:
             for slot in self._slots:
                 slot.zero_shard, slot.zero_start, slot.zero_count = _zero.shard_range(
@@ -2029,9 +2049,10 @@ class TierEngine(torch.nn.Module):
 
     def close(self):
         """Removes the hooks; the engine's files are removed when it is destroyed."""
-        for h in self._hook_handles:
+        for h in self._hook_handles + self.__dict__.get("_excluded_grad_hooks", []):
             h.remove()
         self._hook_handles = []
+        self._excluded_grad_hooks = []
 
     def destroy(self):
         """Ends the engine: removes the hooks and releases the native optimizer and engine (their
