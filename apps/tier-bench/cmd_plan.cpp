@@ -425,6 +425,9 @@ int run_plan(Args& args) {
     out_cfg["train_micro_batch_size_per_gpu"] = batch;
     out_cfg["gradient_accumulation_steps"] = gas;
     out_cfg["zero_optimization"]["stage"] = 3;
+    // A config the engine can train with as written: AdamW at a common fine-tuning rate, to edit.
+    out_cfg["optimizer"] = {{"type", "AdamW"},
+                            {"params", {{"lr", 2e-5}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}}}};
     auto home = [&](const std::string& h) {
       json j{{"device", h == "cpu" ? "cpu" : h == "nvme" ? "nvme" : "none"}};
       if (h == "nvme") j["nvme_path"] = nvme_dir.empty() ? "/path/to/nvme" : nvme_dir;

@@ -82,6 +82,7 @@ def test_memory_table_follows_the_limits_and_the_config_is_accepted(tmp_path):
     assert got["recommended"] == min(fitting, key=lambda c: c["step_seconds"])["name"]
     written = json.loads(out.read_text())
     assert written["zero_optimization"]["offload_param"]["device"] == by[got["recommended"]]["offload_param"]
+    assert written["optimizer"]["type"] == "AdamW"  # an engine built from it can train
     r = subprocess.run([BENCH, "config", "--check", str(out), "--strict"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
