@@ -322,3 +322,26 @@ def test_activation_values_tier_does_not_take_are_refused_naming_the_key(swap_di
         cfg[k].update(v) if k != "tier" else cfg["tier"].update(v)
     with pytest.raises(tier.InvalidArgument, match=key.replace(".", r"\.")):
         tier.torch.initialize(make_model(), cfg)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_lora_with_checkpointing_matches_plain_peft(swap_dir, reentrant):
+    """Frozen base weights: a recompute saves a frozen parameter as it is (not detached), so it must
+    stay in place until the module's backward; LoRA's adapters train as in plain PEFT."""
+    peft = pytest.importorskip("peft")
+
+    def make():
+        model = make_model()
+        torch.manual_seed(1)
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+        )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.enable_input_require_grads()
+        model.train()
+        return model
+
+    expected = baseline_losses(STEPS, gas=GAS, make=make)
+    got, metrics = _run(swap_dir, make, overlap="exact")
+    assert max_rel_diff(got, expected) <= 1e-6, (got, expected)
+    assert metrics["prefetch.order_changes"] == 0

@@ -58,6 +58,7 @@ class _Slot:
         "pid",
         "fetches",
         "backward_fetches",
+        "recompute_holds",
         "trainable",
         "zero_shard",
         "zero_start",
@@ -74,6 +75,7 @@ class _Slot:
         self.pid = None
         self.fetches = 0
         self.backward_fetches = 0
+        self.recompute_holds = 0  # forward fetches of a recompute, kept until the module's backward
         self.trainable = param.requires_grad
         # Across ranks (tier.torch.zero): the padded shard size and the elements this rank owns.
         self.zero_shard = self.numel
@@ -1262,6 +1264,13 @@ class TierEngine(torch.nn.Module):
         if held == 0:  # the fetch itself failed
             return
         self._forward_fetches[module] = held - 1
+        if torch._C._current_graph_task_id() != -1:
+            # A forward recomputed in backward (activation checkpointing): what it saves for the
+            # module's backward may be the parameter itself (a frozen one is saved as it is, not
+            # detached), so the parameter stays in place until that backward is done.
+            for slot in self._module_slots[module]:
+                slot.recompute_holds += 1
+            return
         for slot in self._module_slots[module]:
             self._drop(slot)
 
@@ -1269,6 +1278,11 @@ class TierEngine(torch.nn.Module):
         self._bring_all(self._module_slots[module])
         for slot in self._module_slots[module]:
             slot.backward_fetches += 1
+
+    def _end_recompute_holds(self, slot):
+        while slot.recompute_holds > 0:
+            slot.recompute_holds -= 1
+            self._drop(slot)
 
     def _bring_for_unpack(self, slot):
         # A saved view of a parameter whose module's backward pre-hook did not bring it (a module
@@ -1286,6 +1300,7 @@ class TierEngine(torch.nn.Module):
             if slot.backward_fetches > 0:
                 slot.backward_fetches -= 1
                 self._drop(slot)
+            self._end_recompute_holds(slot)
 
     def _grad_ready(self, param):
         slot = self._slot_of[id(param)]
@@ -1310,6 +1325,7 @@ class TierEngine(torch.nn.Module):
         while slot.backward_fetches > 0:
             slot.backward_fetches -= 1
             self._drop(slot)
+        self._end_recompute_holds(slot)
 
     def _grad_staging(self):
         staging = self.__dict__.get("_grad_staging_state")
@@ -1411,6 +1427,7 @@ class TierEngine(torch.nn.Module):
             self._prefetcher.drop()
         # Parameters that took part in forward but got no gradient still hold a fetch: end it.
         for slot in self._slots:
+            self._end_recompute_holds(slot)
             while slot.backward_fetches > 0:
                 slot.backward_fetches -= 1
                 self._drop(slot)
