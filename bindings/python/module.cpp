@@ -555,6 +555,19 @@ NB_MODULE(_tier, m) {
           "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host", "initial"_a = nb::none())
       .def("unregister", [](Engine& e, TensorId id) { check(e.unregister_tensor(id)); })
       .def(
+          "retag",
+          [](Engine& e, TensorId id, const std::string& name, const std::string& role, int group) {
+            const Role r = unwrap(parse_role(role));
+            Status s;
+            {
+              nb::gil_scoped_release unlocked;
+              s = e.retag(id, name, r, group);
+            }
+            check(s);
+          },
+          "id"_a, "name"_a, "role"_a = "user", "group"_a = 0,
+          "Renames a registered tensor and sets its role and group; its copies stay where they are.")
+      .def(
           "acquire",
           [](Engine& e, TensorId id, const std::string& tier, const std::string& access, bool traced) {
             const Tier t = unwrap(parse_tier(tier));

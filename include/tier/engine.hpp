@@ -145,6 +145,10 @@ class Engine {
   // own transfers of it (a prefetch, an eviction's write-back) are waited for, up to
   // tier.acquire_timeout_ms (then kTimedOut).
   Status unregister_tensor(TensorId id);
+  // Gives a registered tensor another name, role and group, keeping its copies where they are
+  // (an adapter adopting tensors staged under other names: no byte moves). Errors: kNotFound,
+  // kAlreadyExists (the name is taken), kFailedPrecondition (leases are held).
+  Status retag(TensorId id, const std::string& name, Role role, int group);
 
   // `traced` false: the acquire is neither recorded in the step's access trace nor matched against
   // it (it still counts in the stats). For work beside the step whose order is not the step's own,

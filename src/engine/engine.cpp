@@ -1090,6 +1090,36 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
   return id;
 }
 
+Status Engine::retag(TensorId id, const std::string& name, Role role, int group) {
+  Impl& e = *impl_;
+  if (name.empty()) return invalid_argument("retag: the name is empty");
+  return e.call([&]() -> Status {
+    if (id >= e.tensors.size() || !e.tensors[id].live) return not_found(str("retag: no tensor with id ", id));
+    Impl::TensorRec& t = e.tensors[id];
+    if (t.readers > t.transfers || t.writer) {
+      return failed_precondition(str("retag '", t.desc.name, "': leases are held"));
+    }
+    if (name != t.desc.name && e.by_name.count(name)) {
+      return already_exists(str("retag '", t.desc.name, "' as '", name, "': the name is taken"));
+    }
+    // Its resident bytes move from one role's count to the other's.
+    for (Tier x : kAllTiers) {
+      const auto& c = t.copies[static_cast<int>(x)];
+      if (c.buf) e.note_role_bytes(t.desc, x, -static_cast<std::int64_t>(c.buf.bytes));
+    }
+    e.by_name.erase(t.desc.name);
+    t.desc.name = name;
+    t.desc.role = role;
+    t.desc.group = group;
+    e.by_name[name] = id;
+    for (Tier x : kAllTiers) {
+      const auto& c = t.copies[static_cast<int>(x)];
+      if (c.buf) e.note_role_bytes(t.desc, x, static_cast<std::int64_t>(c.buf.bytes));
+    }
+    return Status::Ok();
+  });
+}
+
 Status Engine::unregister_tensor(TensorId id) {
   Impl& e = *impl_;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(e.cfg.tier.acquire_timeout_ms);

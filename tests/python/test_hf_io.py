@@ -201,3 +201,25 @@ def test_from_pretrained_errors_name_the_file_and_the_tensor(swap_dir, tmp_path)
         f.truncate(size // 2)
     with pytest.raises(ValueError, match="model.safetensors.*truncated"):
         tier.torch.from_pretrained(src, cfg(swap_dir))
+
+
+def test_staged_parameters_become_the_engine_tensors_without_a_copy(swap_dir):
+    """Built under init in the compute dtype, each parameter's staging tensor is renamed into its
+    engine tensor: initialize reads back only what the optimizer needs (the trainable parameters'
+    fp32 masters) and writes no parameter again, so a 7B model is written once, as it is built."""
+    torch.manual_seed(0)
+    with tier.torch.init(cfg(swap_dir)) as ctx:
+        model = transformers.AutoModelForCausalLM.from_config(llama_config())
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "model.norm.weight")  # a frozen base, one small trainable tensor
+    staged_ids = set(ctx.store.live)
+    acquires = json.loads(ctx.store.native.stats_json())["metrics"]["engine.acquires"]
+    engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
+    reads = json.loads(engine.native.stats_json())["metrics"]["engine.acquires"] - acquires
+    # The trainable tensor's read and the optimizer's pipeline buffers (host reservations); a copy
+    # would read every parameter and write it again (44 acquires here).
+    assert reads < len(engine._slots), f"initialize acquired {reads} tensors; only the trainable one is read"
+    assert all(slot.tid in staged_ids for slot in engine._slots), "each parameter keeps its staging tensor"
+    for slot in engine._slots:
+        info = engine.native.info(slot.tid)
+        assert info["name"] == slot.name and info["role"] == "param"

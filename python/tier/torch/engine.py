@@ -480,6 +480,7 @@ class TierEngine(torch.nn.Module):
         self.compute_dtype = _TORCH_DTYPE[self.compute_dtype_name]
         zero = resolved.get("zero_optimization", {})
         param_home = _HOME[zero.get("offload_param", {}).get("device", "none")]
+        self._param_home = param_home
 
         # A model built under tier.torch.init has its parameters staged in an engine already.
         stores = {id(st): st for st in map(_zero_init.staged_store, model.parameters()) if st is not None}
@@ -591,6 +592,21 @@ class TierEngine(torch.nn.Module):
             groups = self._build_groups(model_parameters)
 
         for index, slot in enumerate(self._slots):
+            if self._adoptable(slot, store, initial_values):
+                # Staged by tier.torch.init in the compute dtype, where the parameter lives: the
+                # staging tensor becomes the parameter's (a 7B model is not written twice); only a
+                # trainable one is read, for its fp32 master.
+                slot.tid = store.adopt(slot.param, slot.name, index)
+                if slot.trainable and slot.zero_count > 0:
+                    master = torch.empty(slot.numel, dtype=self.compute_dtype)
+                    self.native.read(slot.tid, master)
+                    group = groups.get(id(slot.param), 0)
+                    slot.pid = self.optimizer.add_partition(
+                        slot.zero_count, group, self.compute_dtype_name, master.float(), slot.name
+                    )
+                    del master
+                _zero_init.swap_data(slot.param, torch.empty(0, dtype=self.compute_dtype, device=self.device))
+                continue
             data = self._initial_value(slot, store, initial_values)
             owned = data.reshape(-1)[slot.zero_start : slot.zero_start + slot.zero_count]
             if self._zero is not None and self._zero.stage == 3:
@@ -765,6 +781,16 @@ class TierEngine(torch.nn.Module):
         digest = [(n, tuple(p.shape), bool(p.requires_grad), str(p.dtype)) for n, p in model.named_parameters()]
         group.check_same_config(self._raw_config, digest)
         return group
+
+    def _adoptable(self, slot, store, initial_values):
+        """Whether the parameter's tier.torch.init staging tensor can be its engine tensor as it is:
+        staged by this engine's store in the compute dtype, whole (one process), and not replaced
+        by initial values."""
+        if store is None or _zero_init.staged_store(slot.param) is not store or self._zero is not None:
+            return False
+        if initial_values is not None:  # (values from a checkpoint being loaded)
+            return False
+        return slot.param.dtype == self.compute_dtype and store.home == self._param_home
 
     @staticmethod
     def _initial_value(slot, store, initial_values):

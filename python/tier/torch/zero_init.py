@@ -132,6 +132,15 @@ class StagedParameters:
         return out
 
 
+    def adopt(self, param, name, index):
+        """The staging tensor of ``param`` becomes the engine's tensor of that parameter as it is
+        (renamed ``name``, role param): no byte moves. Returns its id."""
+        _, tid = param._tier_staged
+        self.native.retag(tid, name, "param", index)
+        self.staged_bytes -= self.live.pop(tid)
+        del param._tier_staged
+        return tid
+
     def drop_rest(self):
         """Drops the staging copies no parameter of the adopted model took (e.g. a weight replaced
         by a tied one after its module was built)."""
