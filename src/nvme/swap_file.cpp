@@ -331,7 +331,9 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
     return failed_precondition(str("swap path ", dir, " is ", odd));
   }
   std::shared_ptr<FileSystem> fsys = FileSystem::current();
-  if (auto there = fsys->stat(dir); !there.ok() && there.status().sys_errno() == ENOENT) {
+  // Missing, or below something that is not a directory (create_directories says which).
+  if (auto there = fsys->stat(dir);
+      !there.ok() && (there.status().sys_errno() == ENOENT || there.status().sys_errno() == ENOTDIR)) {
     if (Status made = fsys->create_directories(dir, 0700); !made.ok()) {
       const int err = made.sys_errno();
       if (err == EACCES || err == EPERM || err == EROFS) {
