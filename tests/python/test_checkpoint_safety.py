@@ -165,14 +165,18 @@ def test_sigkill_at_random_points_of_saves_and_steps_always_leaves_an_exact_chec
     gives the same losses, bit for bit, as a run that was never interrupted."""
     summary = kc.run_kills(KILLS, str(tmp_path), seed=1)
     assert summary["kills"] == KILLS
+    # Every kill after the first completed save is followed by a verified, bit-identical resume.
+    assert summary["resumed"] + summary["no_checkpoint_yet"] == KILLS, summary
+    assert summary["resumed"] >= min(50, KILLS - 5), summary
     assert summary["in_save"] >= KILLS // 4, summary
     assert summary["in_train"] >= KILLS // 4, summary
     assert summary["max_step"] >= KILLS // 4, summary  # the trainers made progress across kills
     # Debris of killed saves is removed by the next save: at most the current version per tag,
     # plus what the last kill left.
     assert summary["versions_left"] <= len(set(kc.TAGS)) + 2, summary["entries_left"]
-    print(f"\n{KILLS} kills ({summary['in_save']} in a save, {summary['in_train']} in a step) in "
-          f"{summary['seconds']:.1f} s; reached step {summary['max_step']}")
+    print(f"\n{KILLS} kills ({summary['in_save']} in a save, {summary['in_train']} in a step), "
+          f"{summary['resumed']} bit-identical resumes, in {summary['seconds']:.1f} s; reached step "
+          f"{summary['max_step']}")
 
 
 # ---------------------------------------------------------------------------- 2: verified, all or nothing
