@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "tier/ext/fault_injecting_file_system.hpp"
 #include "tier/ext/file_system.hpp"
@@ -83,6 +84,17 @@ struct PyFaultFs {
   std::shared_ptr<FaultInjectingFileSystem> fs;
   std::shared_ptr<FileSystem> previous;
   bool installed = true;
+
+  PyFaultFs(std::shared_ptr<FaultInjectingFileSystem> f, std::shared_ptr<FileSystem> p)
+      : fs(std::move(f)), previous(std::move(p)) {}
+  PyFaultFs(PyFaultFs&& o) noexcept
+      : fs(std::move(o.fs)), previous(std::move(o.previous)), installed(std::exchange(o.installed, false)) {}
+  PyFaultFs(const PyFaultFs&) = delete;
+  PyFaultFs& operator=(const PyFaultFs&) = delete;
+  PyFaultFs& operator=(PyFaultFs&&) = delete;
+  // A controller dropped without uninstall() (a test that failed half way) still puts the
+  // previous layer back: a fault layer must never outlive its test.
+  ~PyFaultFs() { uninstall(); }
 
   void uninstall() {
     if (!installed) return;
@@ -294,7 +306,7 @@ void bind_file_layer(nb::module_& m) {
       []() {
         auto fs = std::make_shared<FaultInjectingFileSystem>(FileSystem::posix());
         auto previous = FileSystem::install(fs);
-        return PyFaultFs{fs, previous, true};
+        return PyFaultFs(fs, previous);
       },
       "Test hook: installs a fresh fault-injecting file layer process-wide; returns its controller.");
 }

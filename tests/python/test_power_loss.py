@@ -360,6 +360,21 @@ def test_every_failed_call_of_a_save_raises_and_leaves_a_checkpoint_that_loads(t
     print(f"\n{failed} failed calls, each leaving a loadable checkpoint: {dict(pc.outcomes)}")
 
 
+def test_the_fault_layer_goes_with_its_controller(tmp_path):
+    """A test that drops its controller without uninstall() (it failed half way) leaves no fault
+    layer behind: the next file operation goes to the disk."""
+    import gc
+
+    fault = _tier._install_fault_fs()
+    fault.cut_power_now()
+    with pytest.raises(OSError):
+        tier.fs.write_new(tmp_path / "a", b"x")
+    del fault
+    gc.collect()
+    tier.fs.write_new(tmp_path / "a", b"x")
+    assert (tmp_path / "a").read_bytes() == b"x"
+
+
 def cut_at_every_sync_point(prepare, op, check, limit=100):
     """For k = 0, 1, ...: prepare(), op() with the power cut after k syncs, the power loss, then
     check(k, completed); ends with the first op that completes. Returns the cases checked."""
