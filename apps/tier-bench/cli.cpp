@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <random>
 
+#include "tier/ext/file_system.hpp"
 #include "tier/ext/swap_space.hpp"
 #include "tier/units.hpp"
 
@@ -328,35 +329,8 @@ std::string random_hex() {
 }
 
 Status write_file_atomically(const std::string& path, const std::string& text) {
-  if (path.empty() || path.back() == '/') return invalid_argument(str("'", path, "' is not a file name"));
-  const auto slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-  const std::string tmp = path.substr(0, path.size() - name.size()) + "." + name.substr(0, 160) + "." +
-                          std::to_string(::getpid()) + "." + random_hex() + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-  if (fd < 0) return errno_status(errno, str(path, ": cannot create the temporary file ", tmp));
-  Status s;
-  for (std::size_t done = 0; s.ok() && done < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      s = errno_status(errno, str(tmp, ": write"));
-    else
-      done += static_cast<std::size_t>(n);
-  }
-  if (s.ok() && ::fsync(fd) != 0) s = errno_status(errno, str(tmp, ": fsync"));
-  if (::close(fd) != 0 && s.ok()) s = errno_status(errno, str(tmp, ": close"));
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = errno_status(errno, str("renaming ", tmp, " to ", path));
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  if (const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
-    (void)::fsync(d);
-    ::close(d);
-  }
-  return s;
+  // The library's writer: through the file layer, and a failed directory fsync is an error.
+  return tier::write_file_atomically(path, text, 0666, "config");
 }
 
 }  // namespace tier::bench

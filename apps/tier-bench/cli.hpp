@@ -54,7 +54,7 @@ void take_option(Status& first_error, Result<T> r, U& into) {
 // Writes `text` as the file `path`: into a fresh temporary file of an unpredictable name in its
 // folder (O_CREAT|O_EXCL|O_NOFOLLOW), fsync'd and renamed over `path`, so that a file or symlink
 // another user planted there is never written through and `path` is old or new, never half.
-// (tier's own writers use src/core/atomic_file.hpp; tier-bench sees only the installed headers.)
+// (tier::write_file_atomically of tier/ext/file_system.hpp: the library's writer, through its file layer.)
 Status write_file_atomically(const std::string& path, const std::string& text);
 
 // 64 unpredictable bits as 16 hex digits, for names another user must not guess.

@@ -462,6 +462,12 @@ cpu::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, do
 
 }  // namespace
 
+[[noreturn]] void raise_status(const Status& s) {
+  raise(s);
+}
+
+void bind_file_layer(nb::module_& m);  // file_layer.cpp
+
 NB_MODULE(_tier, m) {
   m.doc() = "tier: memory-tiering and offload engine (native module)";
 
@@ -497,6 +503,7 @@ NB_MODULE(_tier, m) {
     m.attr(d.name) = cls;
     g_errors[static_cast<int>(d.code)] = cls;
   }
+  bind_file_layer(m);
 
   nb::class_<EngineConfig>(m, "Config", "An engine configuration (DeepSpeed JSON plus tier's own section).")
       .def_static(

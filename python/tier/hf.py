@@ -21,6 +21,7 @@ import os
 import torch
 import transformers
 
+from . import fs as _fs
 from . import torch as tier_torch
 from .torch.atomic_file import atomic_write
 
@@ -301,7 +302,7 @@ class TierTrainer(transformers.Trainer):
     def _save(self, output_dir=None, state_dict=None):
         # The model's weights, gathered from the engine tensor by tensor by its state-dict hooks.
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
+        _fs.makedirs(output_dir, exist_ok=True)
         if self.tier_engine is not None:
             self.tier_engine.save_pretrained(output_dir)
         else:

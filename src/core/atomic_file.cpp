@@ -45,16 +45,6 @@ std::string split_dir(const std::string& path, std::string* name) {
   return slash == 0 ? std::string("/") : path.substr(0, slash);
 }
 
-Status fsync_dir(const std::string& dir, const std::string& what, const std::string& path) {
-  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (d < 0) return errno_status(errno, str(what, " ", path, ": opening its directory ", dir, " to sync it"));
-  const int rc = ::fsync(d);
-  const int err = errno;
-  ::close(d);
-  if (rc != 0) return errno_status(err, str(what, " ", path, ": syncing its directory ", dir));
-  return {};
-}
-
 }  // namespace
 
 Result<AtomicFile> AtomicFile::create(const std::string& path, mode_t mode, std::string_view what) {
@@ -64,6 +54,7 @@ Result<AtomicFile> AtomicFile::create(const std::string& path, mode_t mode, std:
                                 "' holds a NUL byte, which would cut it short; give a path without one"));
   }
   AtomicFile f;
+  f.fs_ = FileSystem::current();
   f.path_ = path;
   f.what_ = std::string(what);
   std::string name;
@@ -79,22 +70,23 @@ Result<AtomicFile> AtomicFile::create(const std::string& path, mode_t mode, std:
                   static_cast<unsigned long long>(random_bits()));
     // In the target's directory (the rename must not cross file systems), as given.
     std::string temp = path.substr(0, path.size() - name.size()) + "." + stem + suffix;
-    const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
-    if (fd >= 0) {
-      f.fd_ = fd;
+    auto file = f.fs_->open(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (file.ok()) {
+      f.file_ = std::move(file).value();
       f.temp_ = std::move(temp);
       return f;
     }
-    if (errno != EEXIST) {
-      return errno_status(errno, str(what, " ", path, ": cannot create the temporary file ", temp,
-                                     " (the directory must exist and be writable by this user)"));
+    if (file.status().sys_errno() != EEXIST) {
+      return file.status().with_context(str(what, " ", path, ": cannot create the temporary file ", temp,
+                                            " (the directory must exist and be writable by this user)"));
     }
   }
   return already_exists(str(what, " ", path, ": no fresh temporary file name in ", f.dir_, " after 100 tries"));
 }
 
 AtomicFile::AtomicFile(AtomicFile&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)),
+    : fs_(std::move(other.fs_)),
+      file_(std::move(other.file_)),
       path_(std::move(other.path_)),
       temp_(std::move(other.temp_)),
       dir_(std::move(other.dir_)),
@@ -105,7 +97,8 @@ AtomicFile::AtomicFile(AtomicFile&& other) noexcept
 AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
   if (this != &other) {
     discard();
-    fd_ = std::exchange(other.fd_, -1);
+    fs_ = std::move(other.fs_);
+    file_ = std::move(other.file_);
     path_ = std::move(other.path_);
     temp_ = std::move(other.temp_);
     dir_ = std::move(other.dir_);
@@ -120,37 +113,29 @@ AtomicFile::~AtomicFile() {
 }
 
 void AtomicFile::discard() noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-  if (!temp_.empty()) ::unlink(temp_.c_str());
+  file_.reset();                                           // closes it
+  if (!temp_.empty() && fs_) fs_->unlink(temp_).ignore();  // best effort: a leftover is only a stray file
   temp_.clear();
 }
 
 Status AtomicFile::write(const void* data, std::size_t bytes) {
-  if (fd_ < 0) return failed_precondition(str(what_, " ", path_, ": write after commit"));
-  const auto* p = static_cast<const unsigned char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::write(fd_, p, bytes);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(errno, str(what_, " ", temp_, ": write"));
-    }
-    p += n;
-    bytes -= static_cast<std::size_t>(n);
-  }
+  if (!file_) return failed_precondition(str(what_, " ", path_, ": write after commit"));
+  Status s = file_->write_all(data, bytes);
+  if (!s.ok()) return s.with_context(str(what_, " ", path_));
   return {};
 }
 
 Status AtomicFile::commit() {
-  if (fd_ < 0) return failed_precondition(str(what_, " ", path_, ": committed twice"));
-  if (::fsync(fd_) != 0) return errno_status(errno, str(what_, " ", temp_, ": fsync"));
-  const int rc = ::close(std::exchange(fd_, -1));
-  if (rc != 0) return errno_status(errno, str(what_, " ", temp_, ": close"));
-  if (::rename(temp_.c_str(), path_.c_str()) != 0) {
-    return errno_status(errno, str(what_, ": renaming ", temp_, " to ", path_));
-  }
-  temp_.clear();  // it is the target now
-  return fsync_dir(dir_, what_, path_);
+  if (!file_) return failed_precondition(str(what_, " ", path_, ": committed twice"));
+  Status s = file_->sync();
+  if (s.ok()) s = file_->close();
+  file_.reset();
+  if (s.ok()) s = fs_->rename(temp_, path_);
+  if (!s.ok()) return s.with_context(str(what_, " ", path_));  // the destructor removes the temporary file
+  temp_.clear();                                               // it is the target now
+  s = fs_->sync_dir(dir_);
+  if (!s.ok()) return s.with_context(str(what_, " ", path_, ": syncing its directory"));
+  return {};
 }
 
 }  // namespace tier::detail

@@ -6,7 +6,9 @@
 // so a symlink or file that someone planted under a predictable name ("<name>.tmp") can neither
 // redirect the write nor be truncated; commit() fsyncs it, renames it over the target (rename
 // replaces a symlink at the target, it does not follow it) and fsyncs the directory. A crash
-// leaves the old file or the new one under the target's name, never half of one.
+// leaves the old file or the new one under the target's name, never half of one. Every call goes
+// through the file layer (FileSystem::current() when the file is created; tier/ext/file_system.hpp),
+// so tests can fail any of them or cut the power between them.
 //
 // Thread safety: an AtomicFile is used by one thread at a time; distinct ones are independent.
 #pragma once
@@ -14,9 +16,11 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
 
+#include "tier/ext/file_system.hpp"
 #include "tier/status.hpp"
 
 namespace tier::detail {
@@ -35,8 +39,8 @@ class AtomicFile {
   // Without commit(): closes and removes the temporary file; the target is untouched.
   ~AtomicFile();
 
-  // The temporary file's descriptor, for writes; valid until commit() or destruction.
-  int fd() const noexcept { return fd_; }
+  // The temporary file, for writes; valid until commit() or destruction.
+  File& file() noexcept { return *file_; }
   const std::string& path() const noexcept { return path_; }
   const std::string& temp_path() const noexcept { return temp_; }
 
@@ -50,7 +54,8 @@ class AtomicFile {
   AtomicFile() = default;
   void discard() noexcept;
 
-  int fd_ = -1;
+  std::shared_ptr<FileSystem> fs_;
+  std::unique_ptr<File> file_;
   std::string path_;
   std::string temp_;
   std::string dir_;

@@ -14,6 +14,7 @@
 
 #include "core/config_schema.hpp"
 #include "core/text.hpp"
+#include "tier/ext/file_system.hpp"
 #include "tier/units.hpp"
 
 namespace tier {
@@ -477,15 +478,19 @@ const char* file_kind(mode_t mode) {
 
 // Reads a config file: a regular file of at most kMaxConfigBytes. Devices, FIFOs and the like are
 // refused before a byte is read (O_NONBLOCK keeps the open of a FIFO without a writer from waiting).
+// The layer's error as this reader words it ("cannot open it: <strerror>"); one without an errno
+// (a NUL in the path) as the layer said it.
+Status reworded(const Status& s, std::string_view what) {
+  return s.sys_errno() != 0 ? errno_status(s.sys_errno(), what) : s;
+}
+
 Result<std::string> read_config_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return errno_status(errno, "cannot open it");
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (fstat(fd, &st) != 0) return errno_status(errno, "fstat");
+  auto opened = FileSystem::current()->open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (!opened.ok()) return reworded(opened.status(), "cannot open it");
+  File& f = **opened;
+  auto stated = f.stat();
+  if (!stated.ok()) return reworded(stated.status(), "fstat");
+  const struct stat st = *stated;
   if (!S_ISREG(st.st_mode)) {
     return invalid_argument(str("is ", file_kind(st.st_mode), "; give the path of a JSON file"));
   }
@@ -504,11 +509,10 @@ Result<std::string> read_config_file(const std::string& path) {
       }
       text.resize(std::min(text.size() * 2, kMaxConfigBytes + 1));
     }
-    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno_status(errno, "read");
-    if (n == 0) break;
-    got += static_cast<std::size_t>(n);
+    auto n = f.pread(text.data() + got, text.size() - got, got);
+    if (!n.ok()) return reworded(n.status(), "read");
+    if (*n == 0) break;
+    got += *n;
   }
   text.resize(got);
   return text;

@@ -205,54 +205,42 @@ std::string swap_file_prefix() {
   return cached;
 }
 
-std::vector<FoundSwapFile> reclaim_stale_swap_files(int dir_fd, const std::string& dir) {
+std::vector<FoundSwapFile> reclaim_stale_swap_files(FileSystem& fs, const File& d, const std::string& dir) {
   std::vector<FoundSwapFile> left;
-  const int list_fd = ::openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (list_fd < 0) return left;
-  DIR* d = ::fdopendir(list_fd);
-  if (d == nullptr) {
-    ::close(list_fd);
-    return left;
-  }
+  auto names = fs.list(".", &d);
+  if (!names.ok()) return left;
   std::vector<std::string> removed;
   std::uint64_t removed_bytes = 0;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
+  for (const std::string& name : *names) {
     const auto owner = owner_from_name(name);
     if (!owner) continue;
     // O_NOFOLLOW: a symlink with a swap file's name is never followed, never removed.
-    const int fd = ::openat(dir_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
-      ::close(fd);
-      continue;
-    }
-    FoundSwapFile found{name, static_cast<std::uint64_t>(st.st_blocks) * 512, static_cast<int>(owner->pid), true};
+    auto opened = fs.open(name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0, &d);
+    if (!opened.ok()) continue;
+    File& f = **opened;
+    auto st = f.stat();
+    if (!st.ok() || !S_ISREG(st->st_mode) || st->st_uid != ::geteuid()) continue;
+    FoundSwapFile found{name, static_cast<std::uint64_t>(st->st_blocks) * 512, static_cast<int>(owner->pid), true};
     // A live owner keeps its file locked, so a lock we can take proves nobody uses the file, even
     // an owner whose pid this process cannot see.
-    const bool unlocked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    const bool unlocked = f.lock(LockMode::kExclusive, /*wait=*/false).ok();
     if (unlocked && !named_owner_alive(*owner)) {
-      struct stat now {};
       // Remove by name only while the name still refers to the file checked above.
-      if (::fstatat(dir_fd, name.c_str(), &now, AT_SYMLINK_NOFOLLOW) == 0 && now.st_dev == st.st_dev &&
-          now.st_ino == st.st_ino && ::unlinkat(dir_fd, name.c_str(), 0) == 0) {
+      auto now = fs.stat(name, /*follow=*/false, &d);
+      if (now.ok() && now->st_dev == st->st_dev && now->st_ino == st->st_ino && fs.unlink(name, &d).ok()) {
         removed.push_back(name);
         removed_bytes += found.bytes;
-        ::close(fd);
         continue;
       }
       found.alive = false;
     }
-    ::close(fd);
     left.push_back(std::move(found));
   }
-  ::closedir(d);
   if (!removed.empty()) {
-    std::string names;
-    for (const auto& n : removed) names += str(names.empty() ? "" : ", ", n);
+    std::string names_text;
+    for (const auto& n : removed) names_text += str(names_text.empty() ? "" : ", ", n);
     TIER_LOG(kWarn, "swap path ", dir, ": removed ", removed.size(), " swap file", removed.size() == 1 ? "" : "s", " (",
-             format_bytes(removed_bytes), ") left by tier processes that are gone: ", names);
+             format_bytes(removed_bytes), ") left by tier processes that are gone: ", names_text);
   }
   return left;
 }
@@ -264,7 +252,8 @@ SwapFile& SwapFile::operator=(SwapFile&& o) noexcept {
     name = std::move(o.name);
     path = std::move(o.path);
     fs = std::move(o.fs);
-    dir_fd = o.dir_fd;
+    dir_file = std::move(o.dir_file);
+    file = std::move(o.file);
     fd = o.fd;
     bytes = o.bytes;
     direct = o.direct;
@@ -273,29 +262,34 @@ SwapFile& SwapFile::operator=(SwapFile&& o) noexcept {
     size_align = o.size_align;
     dev = o.dev;
     ino = o.ino;
-    o.dir_fd = -1;
     o.fd = -1;
   }
   return *this;
 }
 
 void SwapFile::remove() noexcept {
-  if (fd >= 0) {
+  if (file) {
     // Unlink by name only while the name still refers to the file we created.
-    struct stat st {};
-    if (dir_fd >= 0 && fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == dev &&
-        st.st_ino == ino) {
-      if (unlinkat(dir_fd, name.c_str(), 0) != 0) {
-        TIER_LOG(kWarn, "swap file ", path, ": could not be removed: ", std::strerror(errno));
+    if (dir_file) {
+      std::shared_ptr<FileSystem> fsys = FileSystem::current();
+      auto st = fsys->stat(name, /*follow=*/false, dir_file.get());
+      if (st.ok() && st->st_dev == dev && st->st_ino == ino) {
+        if (Status s = fsys->unlink(name, dir_file.get()); !s.ok()) {
+          TIER_LOG(kWarn, "swap file ", path, ": could not be removed: ", s.message());
+        }
       }
     }
-    ::close(fd);
+    file.reset();  // closes it
     fd = -1;
   }
-  if (dir_fd >= 0) {
-    ::close(dir_fd);
-    dir_fd = -1;
-  }
+  dir_file.reset();
+}
+
+Status SwapFile::data_sync() {
+  if (!file) return failed_precondition(str("swap file ", path, ": closed"));
+  Status s = file->data_sync();
+  if (!s.ok()) return s.with_context(str("swap file ", path));
+  return {};
 }
 
 Status set_direct(SwapFile& f, bool on) {
@@ -336,11 +330,12 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
   if (std::string odd = odd_path(dir); !odd.empty()) {
     return failed_precondition(str("swap path ", dir, " is ", odd));
   }
-  std::error_code ec;
-  if (!std::filesystem::exists(dir, ec)) {
-    std::filesystem::create_directories(dir, ec);
-    if (ec) {
-      const int err = ec.value();
+  std::shared_ptr<FileSystem> fsys = FileSystem::current();
+  // Missing, or below something that is not a directory (create_directories says which).
+  if (auto there = fsys->stat(dir);
+      !there.ok() && (there.status().sys_errno() == ENOENT || there.status().sys_errno() == ENOTDIR)) {
+    if (Status made = fsys->create_directories(dir, 0700); !made.ok()) {
+      const int err = made.sys_errno();
       if (err == EACCES || err == EPERM || err == EROFS) {
         return errno_status(err, str("swap path ", dir,
                                      ": cannot create the directory; create it writable by this user or choose "
@@ -350,31 +345,33 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
         return errno_status(
             err, str("swap path ", dir, ": cannot create the directory: a part of the path is not a directory"));
       }
-      return errno_status(err, str("swap path ", dir, ": cannot create the directory"));
+      return made.with_context(str("swap path ", dir, ": cannot create the directory"));
     }
-    std::filesystem::permissions(dir, std::filesystem::perms::owner_all, ec);
+    // Private whatever the umask: the swap files hold model state.
+    fsys->chmod(dir, 0700).ignore();
   }
   SwapFile f;
   f.dir = dir;
   f.bytes = bytes;
-  f.dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (f.dir_fd < 0) {
-    const int err = errno;
+  auto opened_dir = fsys->open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (!opened_dir.ok()) {
+    const int err = opened_dir.status().sys_errno();
     if (err == EACCES) {
       return errno_status(err, str("swap path ", dir,
                                    ": cannot open the directory; make it readable and writable by "
                                    "this user or choose another path"));
     }
-    return errno_status(err, str("swap path ", dir, ": cannot open the directory"));
+    return opened_dir.status().with_context(str("swap path ", dir, ": cannot open the directory"));
   }
-  f.fs = fs_name(f.dir_fd);
-  const std::vector<FoundSwapFile> others = reclaim_stale_swap_files(f.dir_fd, dir);
+  f.dir_file = std::move(opened_dir).value();
+  f.fs = fs_name(f.dir_file->fd());
+  const std::vector<FoundSwapFile> others = reclaim_stale_swap_files(*fsys, *f.dir_file, dir);
   const std::string others_note =
       others.empty() ? std::string() : str("; tier swap files of other engines remain here: ", list_files(others));
 
   // File systems without space accounting (ramfs) report no blocks at all; fallocate decides there.
   struct statvfs vfs {};
-  if (fstatvfs(f.dir_fd, &vfs) == 0 && vfs.f_blocks > 0) {
+  if (fstatvfs(f.dir_file->fd(), &vfs) == 0 && vfs.f_blocks > 0) {
     const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (avail < bytes) {
       return Status(
@@ -385,28 +382,33 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
     }
   }
 
-  for (int attempt = 0; attempt < 1000 && f.fd < 0; ++attempt) {
+  for (int attempt = 0; attempt < 1000 && !f.file; ++attempt) {
     f.name = str(swap_file_prefix(), g_sequence.fetch_add(1), kSwapSuffix);
-    f.fd = ::openat(f.dir_fd, f.name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (f.fd < 0 && errno == EACCES) {
-      return errno_status(errno, str("swap path ", dir, ": cannot create ", f.name,
-                                     "; make the directory writable by this user or choose another path"));
+    auto created = fsys->open(f.name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600, f.dir_file.get());
+    if (created.ok()) {
+      f.file = std::move(created).value();
+      break;
     }
-    if (f.fd < 0 && errno != EEXIST) {
-      return errno_status(errno, str("swap path ", dir, ": cannot create ", f.name));
+    const int err = created.status().sys_errno();
+    if (err == EACCES) {
+      return errno_status(err, str("swap path ", dir, ": cannot create ", f.name,
+                                   "; make the directory writable by this user or choose another path"));
     }
+    if (err != EEXIST) return created.status().with_context(str("swap path ", dir, ": cannot create ", f.name));
   }
+  if (!f.file) return already_exists(str("swap path ", dir, ": no fresh swap file name after 1000 tries"));
+  f.fd = f.file->fd();
   // Held until the file closes: tells reclaim_stale_swap_files in other processes that it is in use.
-  if (f.fd >= 0) (void)::flock(f.fd, LOCK_EX | LOCK_NB);
-  if (f.fd < 0) return already_exists(str("swap path ", dir, ": no fresh swap file name after 1000 tries"));
+  f.file->lock(LockMode::kExclusive, /*wait=*/false).ignore();
   f.path = dir + (dir.back() == '/' ? "" : "/") + f.name;
-  struct stat st {};
-  if (fstat(f.fd, &st) != 0) return errno_status(errno, str("swap file ", f.path, ": fstat"));
-  f.dev = st.st_dev;
-  f.ino = st.st_ino;
+  auto st = f.file->stat();
+  if (!st.ok()) return st.status().with_context(str("swap file ", f.path));
+  f.dev = st->st_dev;
+  f.ino = st->st_ino;
 
-  if (bytes > 0 && fallocate(f.fd, 0, 0, static_cast<off_t>(bytes)) != 0) {
-    const int err = errno;
+  Status allocated = bytes > 0 ? f.file->allocate(0, bytes) : Status();
+  if (!allocated.ok()) {
+    const int err = allocated.sys_errno();
     if (err == ENOSPC || err == EDQUOT) {
       return Status(
           StatusCode::kNoSpace,
@@ -414,9 +416,11 @@ Result<SwapFile> create_swap_file(const std::string& dir, std::uint64_t bytes, b
               " bytes): no space left on ", f.fs, others_note, "; free space, lower the swap size or add another path"),
           err);
     }
-    if (err != EOPNOTSUPP) return errno_status(err, str("swap file ", f.path, ": fallocate of ", format_bytes(bytes)));
-    if (ftruncate(f.fd, static_cast<off_t>(bytes)) != 0) {
-      return errno_status(errno, str("swap file ", f.path, ": ftruncate to ", format_bytes(bytes)));
+    if (err != EOPNOTSUPP) {
+      return allocated.with_context(str("swap file ", f.path, ": preallocating ", format_bytes(bytes)));
+    }
+    if (Status s = f.file->truncate(bytes); !s.ok()) {
+      return s.with_context(str("swap file ", f.path, ": sizing it to ", format_bytes(bytes)));
     }
     log_once(str("nvme.no_fallocate.", dir), LogLevel::kWarn,
              str("swap path ", dir, ": ", f.fs,

@@ -1,23 +1,29 @@
 // One swap file: created fresh in a directory, preallocated, optionally O_DIRECT, removed at close.
+// Creation, preallocation, locking, flushing and removal go through the file layer
+// (tier/ext/file_system.hpp); the I/O engines read and write extents through `fd` directly (a
+// swap file is scratch: nothing in it must survive a crash).
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "tier/ext/file_system.hpp"
 #include "tier/status.hpp"
 
 namespace tier::nvme::detail {
 
 struct SwapFile {
   std::string dir;
-  std::string name;  // file name inside dir
-  std::string path;  // dir + "/" + name
-  std::string fs;    // the file system's name ("ext4", "tmpfs", ...) or its magic number
-  int dir_fd = -1;
-  int fd = -1;
+  std::string name;                // file name inside dir
+  std::string path;                // dir + "/" + name
+  std::string fs;                  // the file system's name ("ext4", "tmpfs", ...) or its magic number
+  std::unique_ptr<File> dir_file;  // the directory, which names are resolved in
+  std::unique_ptr<File> file;
+  int fd = -1;  // file->fd(), for the I/O engines
   std::uint64_t bytes = 0;
   bool direct = false;
   std::string direct_refusal;    // why O_DIRECT was refused, when asked for and refused
@@ -28,6 +34,8 @@ struct SwapFile {
 
   SwapFile() = default;
   SwapFile(SwapFile&& o) noexcept { *this = std::move(o); }
+  // Makes the data written so far durable (fdatasync).
+  Status data_sync();
   SwapFile& operator=(SwapFile&& o) noexcept;
   SwapFile(const SwapFile&) = delete;
   SwapFile& operator=(const SwapFile&) = delete;
@@ -53,11 +61,11 @@ struct FoundSwapFile {
   bool alive = false;  // the owner runs (or holds the file's lock)
 };
 
-// Removes the swap files in `dir_fd` (named `dir`) whose owner is gone: only regular files of this
+// Removes the swap files in directory `d` (named `dir`) whose owner is gone: only regular files of this
 // user whose names match tier's pattern exactly (also the older tier-swap-<pid>-<n>.bin, when that
 // pid no longer exists), that no process holds locked. Logs one line when it removed any. Returns
 // the tier swap files left (of live owners, or not removable).
-std::vector<FoundSwapFile> reclaim_stale_swap_files(int dir_fd, const std::string& dir);
+std::vector<FoundSwapFile> reclaim_stale_swap_files(FileSystem& fs, const File& d, const std::string& dir);
 
 // Creates `dir` when missing (mode 0700), reclaims stale swap files in it (see above), then a new
 // file in it with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600, and preallocates `bytes` with fallocate.

@@ -769,9 +769,7 @@ IoFuture SwapSpace::transfer(IoOp kind, const SwapExtent& extent, void* buf, std
 }
 
 Status SwapSpace::flush() {
-  for (const auto& f : impl_->files) {
-    if (::fdatasync(f.fd) != 0) return errno_status(errno, str("swap file ", f.path, ": fdatasync"));
-  }
+  for (auto& f : impl_->files) TIER_RETURN_IF_ERROR(f.data_sync());
   return Status::Ok();
 }
 

@@ -33,6 +33,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.hpp"
+#include "tier/ext/file_system.hpp"
 #include "core/text.hpp"
 #include "optim/chunk_pipeline.hpp"
 #include "optim/crc32c.hpp"
@@ -81,46 +82,19 @@ T get(const std::uint8_t* p, std::size_t at) {
   return v;
 }
 
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-Status write_all(int fd, iovec* iov, int count, const std::string& path) {
-  while (count > 0) {
-    const ssize_t n = ::writev(fd, iov, count);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(errno, str("checkpoint ", path, ": write"));
-    }
-    auto left = static_cast<std::size_t>(n);
-    while (count > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --count;
-    }
-    if (count > 0) {
-      iov->iov_base = static_cast<std::uint8_t*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
-  }
+// All of iov[0..count) at the file's offset, through the file layer.
+Status write_all(File& f, iovec* iov, int count, const std::string& path) {
+  Status s = f.write_all(iov, count);
+  if (!s.ok()) return s.with_context(str("checkpoint ", path));
   return {};
 }
 
-Status read_exact(int fd, void* dst, std::uint64_t n, std::uint64_t at, const std::string& path) {
+Status read_exact(File& f, void* dst, std::uint64_t n, std::uint64_t at, const std::string& path) {
   auto* p = static_cast<std::uint8_t*>(dst);
   while (n > 0) {
-    const ssize_t got = ::pread(fd, p, std::min<std::uint64_t>(n, 1ull << 30), static_cast<off_t>(at));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(errno, str("checkpoint ", path, ": read at byte ", at));
-    }
+    auto r = f.pread(p, std::min<std::uint64_t>(n, 1ull << 30), at);
+    if (!r.ok()) return r.status().with_context(str("checkpoint ", path));
+    const std::size_t got = *r;
     if (got == 0) return data_loss(str("checkpoint ", path, ": the file ends at byte ", at, "; it is truncated"));
     p += got;
     at += static_cast<std::uint64_t>(got);
@@ -349,10 +323,10 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
 // piece at a time.
 class RecordReader {
  public:
-  RecordReader(const OffloadedOptimizer::Impl& im, int fd, std::string path, const std::uint8_t* header,
+  RecordReader(const OffloadedOptimizer::Impl& im, File& file, std::string path, const std::uint8_t* header,
                std::uint64_t data_start, std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype)
       : im_(im),
-        fd_(fd),
+        in_(file),
         path_(std::move(path)),
         pos_(data_start),
         size_(file_size),
@@ -380,7 +354,7 @@ class RecordReader {
       return data_loss(str("checkpoint ", path_, ": the trailer is missing; the file is truncated"));
     }
     std::uint8_t t[kTrailerBytes];
-    TIER_RETURN_IF_ERROR(read_exact(fd_, t, kTrailerBytes, pos_, path_));
+    TIER_RETURN_IF_ERROR(read_exact(in_, t, kTrailerBytes, pos_, path_));
     if (std::memcmp(t, kTrailerMagic, 8) != 0 || get<std::uint32_t>(t, 28) != crc32c(t, 28)) {
       return data_loss(str("checkpoint ", path_, ": the trailer at byte ", pos_, " is damaged or missing"));
     }
@@ -470,7 +444,7 @@ class RecordReader {
   // Reads `bytes` of section s at `off` bytes past the section's start (`sec_at` past the
   // payload's) into dst and extends that section's running checksum.
   Status section(int s, std::uint64_t sec_at, std::uint64_t off, std::uint64_t bytes, void* dst) {
-    TIER_RETURN_IF_ERROR(read_exact(fd_, dst, bytes, payload_ + sec_at + off, path_));
+    TIER_RETURN_IF_ERROR(read_exact(in_, dst, bytes, payload_ + sec_at + off, path_));
     run_[s] = crc32c_extend(run_[s], dst, bytes);
     return {};
   }
@@ -524,7 +498,7 @@ class RecordReader {
                            " of partition ", exp_pid_, "; it is truncated"));
     }
     std::uint8_t h[kRecordBytes];
-    TIER_RETURN_IF_ERROR(read_exact(fd_, h, header_bytes_, pos_, path_));
+    TIER_RETURN_IF_ERROR(read_exact(in_, h, header_bytes_, pos_, path_));
     const std::size_t crc_at = header_bytes_ - 4;
     if (std::memcmp(h, kRecordMagic, 4) != 0 || get<std::uint32_t>(h, crc_at) != crc32c(h, crc_at)) {
       return data_loss(str("checkpoint ", path_, ": record ", records_, " at byte ", pos_,
@@ -558,7 +532,7 @@ class RecordReader {
       const std::uint64_t at = payload_ + count_ * 4 + count_ * 2;
       for (int mo = 0; mo < 2; ++mo) {
         scales_[mo].resize(nscales);
-        TIER_RETURN_IF_ERROR(read_exact(fd_, scales_[mo].data(), nscales * 4, at + mo * nscales * 4, path_));
+        TIER_RETURN_IF_ERROR(read_exact(in_, scales_[mo].data(), nscales * 4, at + mo * nscales * 4, path_));
         run_[3 + mo] = crc32c(scales_[mo].data(), nscales * 4);
       }
     }
@@ -566,7 +540,7 @@ class RecordReader {
   }
 
   const OffloadedOptimizer::Impl& im_;
-  int fd_;
+  File& in_;
   std::string path_;
   std::uint64_t pos_;
   std::uint64_t size_;
@@ -597,7 +571,7 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   // unpredictably named, so nothing planted in the folder is written through.
   TIER_ASSIGN_OR_RETURN(tier::detail::AtomicFile out, tier::detail::AtomicFile::create(path, 0600, "checkpoint"));
   const std::string& tmp = out.temp_path();
-  const int fd = out.fd();
+  File& fd = out.file();
 
   const std::string meta = meta_json(im).dump();
   std::uint8_t header[kHeaderBytes] = {};
@@ -675,16 +649,16 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
     return invalid_argument(str("checkpoint path '", tier::detail::printable(path.substr(0, 200)),
                                 "' holds a NUL byte, which would cut it short; give a path without one"));
   }
-  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (f.fd < 0) return errno_status(errno, str("checkpoint ", path, ": cannot open it"));
-  struct stat st {};
-  if (::fstat(f.fd, &st) != 0) return errno_status(errno, str("checkpoint ", path, ": stat"));
+  auto opened = FileSystem::current()->open(path, O_RDONLY | O_CLOEXEC);
+  if (!opened.ok()) return opened.status().with_context(str("checkpoint ", path, ": cannot open it"));
+  File& f = **opened;
+  TIER_ASSIGN_OR_RETURN(const struct stat st, f.stat());
   const auto size = static_cast<std::uint64_t>(st.st_size);
   if (size < kHeaderBytes + kTrailerBytes) {
     return data_loss(str("checkpoint ", path, ": ", size, " bytes is too short to be a checkpoint; it is truncated"));
   }
   std::uint8_t header[kHeaderBytes];
-  TIER_RETURN_IF_ERROR(read_exact(f.fd, header, kHeaderBytes, 0, path));
+  TIER_RETURN_IF_ERROR(read_exact(f, header, kHeaderBytes, 0, path));
   if (std::memcmp(header, kFileMagic, 8) != 0) {
     return data_loss(str("checkpoint ", path, ": not a tier optimizer checkpoint (bad magic)"));
   }
@@ -703,7 +677,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
                          "truncated or corrupt"));
   }
   std::string meta(meta_bytes, '\0');
-  TIER_RETURN_IF_ERROR(read_exact(f.fd, meta.data(), meta_bytes, kHeaderBytes, path));
+  TIER_RETURN_IF_ERROR(read_exact(f, meta.data(), meta_bytes, kHeaderBytes, path));
   if (get<std::uint32_t>(header, 40) != crc32c(meta.data(), meta.size())) {
     return data_loss(str("checkpoint ", path, ": the metadata fails its checksum; the file is corrupt"));
   }
@@ -719,7 +693,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
 
   if (im.nvme()) {
     // Into the shadow slots; switched over only when every record and the trailer checked out.
-    RecordReader rd(im, f.fd, path, header, data_start, size, version, restored.state_dtype);
+    RecordReader rd(im, f, path, header, data_start, size, version, restored.state_dtype);
     TIER_RETURN_IF_ERROR(detail::run_pipeline(
         *im.swap, im.chunks, im.bufs, false, true,
         [&](std::size_t i, Buffer& b) { return rd.fill(im.chunks[i], b.state); }, nullptr));
@@ -728,11 +702,11 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   } else {
     // Verify the whole file through a buffer first, then copy into the state.
     {
-      RecordReader check(im, f.fd, path, header, data_start, size, version, restored.state_dtype);
+      RecordReader check(im, f, path, header, data_start, size, version, restored.state_dtype);
       for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
       TIER_RETURN_IF_ERROR(check.finish());
     }
-    RecordReader rd(im, f.fd, path, header, data_start, size, version, restored.state_dtype);
+    RecordReader rd(im, f, path, header, data_start, size, version, restored.state_dtype);
     Status s;
     for (const Chunk& c : im.chunks) {
       s = rd.fill(c, c.host.get());

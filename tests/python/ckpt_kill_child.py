@@ -13,7 +13,8 @@ its own process that:
   (and no newer than the save in flight, which may have completed);
 - its client state (the step and the losses the trainer saw) matches an uninterrupted reference
   run, so every resumed trainer continued exactly where the saved one stopped;
-- two steps trained from it give bit-identical losses to the uninterrupted reference run.
+- two steps trained from it give bit-identical losses, and then bit-identical fp32 master
+  params, to the uninterrupted reference run.
 
 The reference and the verifying engine live in the driver; the model is a small MLP with one
 frozen layer (so frozen.bin is exercised), state homed in host memory, on the emulated device.
@@ -136,6 +137,7 @@ class Reference:
         self.engine = new_engine(swap_dir)
         self.rng = torch.get_rng_state()
         self.losses = []  # per step: the GAS micro-batch losses
+        self.params = []  # per step: the fp32 masters after it
 
     def upto(self, steps):
         if len(self.losses) < steps:
@@ -143,6 +145,7 @@ class Reference:
             torch.set_rng_state(self.rng)
             while len(self.losses) < steps:
                 self.losses.append(train_step(self.engine))
+                self.params.append(self.engine.state_dict_fp32())
             self.rng = torch.get_rng_state()
             torch.set_rng_state(keep)
         return self.losses[:steps]
@@ -180,7 +183,7 @@ def run_kills(kills, workdir, seed=0, log=None, timeout=60.0):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here] + [p for p in sys.path if p]))
     zyg = subprocess.Popen([sys.executable, os.path.abspath(__file__), "zygote"], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
-    summary = {"kills": 0, "in_save": 0, "in_train": 0, "no_checkpoint_yet": 0, "max_step": 0,
+    summary = {"kills": 0, "in_save": 0, "in_train": 0, "no_checkpoint_yet": 0, "resumed": 0, "max_step": 0,
                "load_seconds": [], "save_seconds": [], "step_seconds": [], "versions_left": None}
     try:
         ref = Reference(os.path.join(workdir, "ref-swap"))
@@ -260,6 +263,11 @@ def run_kills(kills, workdir, seed=0, log=None, timeout=60.0):
             assert got == expected[k:k + 2], (
                 f"round {round_}: training continued from step {k} gives {got}, "
                 f"the uninterrupted run {expected[k:k + 2]}")
+            params = verifier.state_dict_fp32()
+            for name, want in ref.params[k + 1].items():
+                assert torch.equal(params[name], want), (
+                    f"round {round_}: two steps from step {k} give other values of {name} than the uninterrupted run")
+            summary["resumed"] += 1
             summary["max_step"] = max(summary["max_step"], k)
             if durable is None or k > durable:
                 durable = k

@@ -14,25 +14,16 @@ Every file tier writes from Python (``save_pretrained``'s shards, index and conf
   :func:`publish` moves a finished file from there over its final name the same way.
 
 The C++ side has the same helper (``src/core/atomic_file.hpp``) for the trace and the optimizer's
-checkpoint.
+checkpoint. Both go through tier's file layer (:mod:`tier.fs`): every create, write, fsync, rename
+and removal here is one a test can fail or cut the power at.
 """
 
 import contextlib
 import os
 import secrets
-import shutil
-import tempfile
 
-_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def fsync_dir(path):
-    """Makes the entries of folder ``path`` (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from .. import fs as _fs
+from ..fs import fsync_dir
 
 
 def _temp_name(path):
@@ -45,9 +36,10 @@ def _temp_name(path):
 
 def create_new(path, mode=0o600):
     """A fresh file at exactly ``path`` (``O_CREAT|O_EXCL|O_NOFOLLOW``: refused if anything, even
-    a dangling symlink, is there), opened for binary writing. For files inside a folder tier just
-    made itself; :func:`atomic_write` for anything else."""
-    return os.fdopen(os.open(os.fspath(path), _FLAGS, mode), "wb")
+    a dangling symlink, is there), opened for binary writing (a :class:`tier.fs.File`: ``sync()``
+    makes it durable). For files inside a folder tier just made itself; :func:`atomic_write` for
+    anything else."""
+    return _fs.create_new(path, mode)
 
 
 @contextlib.contextmanager
@@ -60,21 +52,20 @@ def atomic_write(path, mode=0o666):
     directory, tmp = _temp_name(path)
     for _ in range(100):
         try:
-            fd = os.open(tmp, _FLAGS, mode)
+            f = _fs.create_new(tmp, mode)
             break
         except FileExistsError:
             directory, tmp = _temp_name(path)
     else:
         raise FileExistsError(f"{path}: no fresh temporary file name in {directory} after 100 tries")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
+            f.sync()
+        _fs.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            _fs.unlink(tmp)
         raise
     fsync_dir(directory)
 
@@ -90,24 +81,36 @@ def private_dir(parent):
     """A fresh folder (0700, unpredictable name, created with ``mkdir``'s own exclusivity) inside
     ``parent``, removed with whatever is left in it when the block ends. Files written there by
     code that only takes a folder are moved out with :func:`publish`."""
-    d = tempfile.mkdtemp(prefix=".tier-", suffix=".tmp", dir=os.fspath(parent))
+    parent = os.fspath(parent)
+    for _ in range(100):
+        d = os.path.join(parent, f".tier-{secrets.token_hex(8)}.tmp")
+        try:
+            _fs.mkdir(d, 0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{parent}: no fresh private folder name after 100 tries")
     try:
         yield d
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        _fs.rmtree(d, ignore_errors=True)
 
 
 def publish(private, name, directory):
     """Moves ``private/name`` (a regular file written in a :func:`private_dir`) over
-    ``directory/name``: fsynced first, then renamed, then the folder fsynced."""
+    ``directory/name``: fsynced first, then renamed, then both folders fsynced."""
     src = os.path.join(private, name)
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    f = _fs.open_file(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        f.sync()
     finally:
-        os.close(fd)
-    os.rename(src, os.path.join(directory, name))
+        f.close()
+    _fs.rename(src, os.path.join(directory, name))
+    # A rename between folders is durable once both are synced (POSIX promises no less; ext4 and
+    # xfs need only the target's, but other file systems may bring the name back in the old one).
     fsync_dir(directory)
+    fsync_dir(private)
 
 
 __all__ = ["atomic_write", "write_bytes", "create_new", "private_dir", "publish", "fsync_dir"]

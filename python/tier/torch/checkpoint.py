@@ -33,6 +33,11 @@ the new complete version. Leftovers of a killed save are removed by the next suc
 Only names matching tier's own patterns are ever removed from ``<dir>``, and a ``<dir>/<tag>`` that
 is not tier's (a user's file, folder or symlink) is refused, never replaced.
 
+Every write, fsync, rename, symlink, mkdir and removal of a save goes through tier's file layer
+(:mod:`tier.fs`; the optimizer's C++ writer uses the same layer), so the crash tests can cut the
+power at each sync point of a whole save (tests/python/test_power_loss.py). Creating ``<dir>``
+fsyncs its parent, so the first save into a new directory survives a power cut too.
+
 One writer per directory: a save holds an exclusive ``flock`` on ``<dir>/.tier-writer.lock``
 (created ``O_NOFOLLOW``, mode 0600; it holds the writer's pid, host and start time) from before
 its version directory is made until its garbage collection is done. A second save into the same
@@ -64,14 +69,12 @@ import base64
 import contextlib
 import copy
 import errno
-import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import secrets
-import shutil
 import socket
 import stat
 import time
@@ -79,7 +82,8 @@ import time
 import torch
 
 from .. import _tier
-from .atomic_file import create_new, fsync_dir
+from .. import fs as _fs
+from .atomic_file import fsync_dir
 
 FORMAT = "tier-checkpoint-2"
 OLD_FORMAT = "tier-checkpoint-1"
@@ -119,10 +123,7 @@ _fsync_dir = fsync_dir
 
 def _write_new(path, data):
     """Creates ``path`` (0600, must not exist: ``O_EXCL|O_NOFOLLOW``), writes ``data`` and fsyncs it."""
-    with create_new(path) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _fs.write_new(path, data, 0o600)
 
 
 # ---------------------------------------------------------------------------- one writer per directory
@@ -146,7 +147,7 @@ def writer_lock(directory):
     ``tier.FailedPrecondition`` at once, naming the holder, if another writer holds it."""
     path = os.path.join(directory, LOCK)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        lock = _fs.open_file(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise FileExistsError(
@@ -154,11 +155,12 @@ def writer_lock(directory):
             ) from None
         raise
     held = False
+    fd = lock.fileno()
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise FileExistsError(f"checkpoint directory {directory}: {LOCK} is not a regular file; remove it")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.lock(exclusive=True, wait=False)
         except BlockingIOError:
             raise _tier.FailedPrecondition(
                 f"checkpoint directory {directory} is being saved into by another writer ({_holder(fd)}; see {path}); "
@@ -171,14 +173,16 @@ def writer_lock(directory):
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        lock.truncate(0)
+        lock.pwrite(json.dumps(me).encode(), 0)
         yield
     finally:
         if held:
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # released: nobody is named any more
-        os.close(fd)  # closing the last descriptor releases the flock
+                lock.truncate(0)  # released: nobody is named any more
+        # Closing the last descriptor releases the flock (an error closing it still closes it).
+        with contextlib.suppress(OSError):
+            lock.close()
 
 
 def _sha256_file(path):
@@ -261,7 +265,7 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
     # Fails here, before anything is written, if the client state is not JSON.
     meta_bytes = json.dumps(meta, indent=1, allow_nan=True).encode()
 
-    os.makedirs(save_dir, mode=0o700, exist_ok=True)
+    _fs.makedirs(save_dir, mode=0o700, exist_ok=True)
     final = os.path.join(save_dir, tag)
     _check_replaceable(final, tag)  # before the lock too: a refused tag leaves the directory as it was
     with writer_lock(save_dir):
@@ -273,19 +277,18 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
 def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
     version = _new_version(tag)
     vdir = os.path.join(save_dir, version)
-    os.mkdir(vdir, 0o700)
+    _fs.mkdir(vdir, 0o700)
     try:
         opt = os.path.join(vdir, "optimizer.bin")
         engine.optimizer.save_checkpoint(opt)  # fsyncs the file and the directory entry itself
-        os.chmod(opt, 0o600)
+        _fs.chmod(opt, 0o600)
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
             # One parameter at a time: a frozen base model may not fit in host memory at once.
-            with create_new(os.path.join(vdir, "frozen.bin")) as f:
+            with _fs.create_new(os.path.join(vdir, "frozen.bin")) as f:
                 for s in frozen:
                     f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
-                f.flush()
-                os.fsync(f.fileno())
+                f.sync()
         _write_new(os.path.join(vdir, "meta.json"), meta_bytes)
         files = {}
         for name in sorted(os.listdir(vdir)):
@@ -296,22 +299,29 @@ def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
         _write_new(os.path.join(vdir, MANIFEST), json.dumps(manifest, indent=1).encode())
         _fsync_dir(vdir)
     except BaseException:
-        shutil.rmtree(vdir, ignore_errors=True)
+        _fs.rmtree(vdir, ignore_errors=True)
         raise
+    publish(save_dir, tag, version, save_latest)
 
-    # Point the tag at the new version. A plain directory of the old format is moved aside first
-    # (as a version of the tag, which load falls back to) since rename cannot replace it.
+
+def publish(save_dir, tag, version, save_latest):
+    """Steps 3 to 5 of the save protocol: points ``<tag>`` at the complete, fsynced ``version``,
+    then ``latest`` at the tag (each made durable by an fsync of ``save_dir``), then collects the
+    garbage. Shared by the per-rank checkpoints (:mod:`tier.torch.zero_checkpoint`)."""
+    # A plain directory of the old format is moved aside first (as a version of the tag, which
+    # load falls back to) since rename cannot replace it.
+    final = os.path.join(save_dir, tag)
     link_tmp = os.path.join(save_dir, f".link~{version}")
-    os.symlink(version, link_tmp)
+    _fs.symlink(version, link_tmp)
     if os.path.isdir(final) and not os.path.islink(final):
-        os.rename(final, os.path.join(save_dir, _new_version(tag)))
-    os.replace(link_tmp, final)
+        _fs.rename(final, os.path.join(save_dir, _new_version(tag)))
+    _fs.replace(link_tmp, final)
     _fsync_dir(save_dir)
 
     if save_latest:
         latest_tmp = os.path.join(save_dir, f".latest~{version}")
         _write_new(latest_tmp, tag.encode())
-        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+        _fs.replace(latest_tmp, os.path.join(save_dir, LATEST))
         _fsync_dir(save_dir)
 
     _collect_garbage(save_dir)
@@ -355,10 +365,10 @@ def _collect_garbage(directory):
         if m is not None:
             tag = m.group("tag")
             if tag in current and current[tag] != n and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
+                _fs.rmtree(p, ignore_errors=True)
         elif _TEMP_RE.fullmatch(n) and (os.path.islink(p) or os.path.isfile(p)):
             try:
-                os.unlink(p)
+                _fs.unlink(p)
             except FileNotFoundError:
                 pass
 

@@ -1882,9 +1882,10 @@ class TierEngine(torch.nn.Module):
         saves what the model computes in). The file is written under a fresh temporary name
         (``O_EXCL|O_NOFOLLOW``: nothing planted in ``save_dir`` is written through) and renamed.
         Returns True."""
+        from .. import fs as _fs
         from .atomic_file import atomic_write
 
-        os.makedirs(save_dir, exist_ok=True)
+        _fs.makedirs(save_dir, exist_ok=True)
         sd = {k: v.detach().cpu() for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
         with atomic_write(os.path.join(save_dir, save_filename)) as f:
             torch.save(sd, f)

@@ -28,6 +28,7 @@ import struct
 
 import torch
 
+from .. import fs as _fs
 from .atomic_file import atomic_write, private_dir, publish, write_bytes
 
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -316,7 +317,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
     if dtype is not None and dtype not in _NAMED_DTYPE:
         raise ValueError(f"save_pretrained: dtype {dtype!r} is not one of None, fp32, bf16, fp16")
     limit = parse_size(max_shard_size)
-    os.makedirs(save_dir, exist_ok=True)
+    _fs.makedirs(save_dir, exist_ok=True)
 
     def param_fetch(slot):
         def fetch():
@@ -374,10 +375,16 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
         written.append(INDEX_FILE)
     # Shards of an earlier save that this one does not use would confuse a loader: remove them.
     keep = set(written)
+    removed = False
     for old in os.listdir(save_dir):
         stale_shard = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old)
         if stale_shard and old not in keep:
-            os.remove(os.path.join(save_dir, old))
+            _fs.unlink(os.path.join(save_dir, old))
+            removed = True
+    if removed:
+        # Durable before this returns: a stale index that came back after a power cut would make a
+        # loader read the old shards instead of the new file.
+        _fs.fsync_dir(save_dir)
     module = engine.module
     if save_config and hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
         # transformers writes into a folder with plain open(): into a private one here, then each

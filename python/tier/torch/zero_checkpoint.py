@@ -28,13 +28,12 @@ import base64
 import contextlib
 import json
 import os
-import shutil
 
 import torch
 
 from .. import _tier
+from .. import fs as _fs
 from . import checkpoint as _ck
-from .atomic_file import create_new
 
 FORMAT = "tier-checkpoint-zero-1"
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -88,12 +87,12 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
     lock = contextlib.ExitStack()
     if rank == 0:
         try:
-            os.makedirs(save_dir, mode=0o700, exist_ok=True)
+            _fs.makedirs(save_dir, mode=0o700, exist_ok=True)
             _ck._check_replaceable(os.path.join(save_dir, tag), tag)
             lock.enter_context(_ck.writer_lock(save_dir))
             _ck._check_replaceable(os.path.join(save_dir, tag), tag)
             version = _ck._new_version(tag)
-            os.mkdir(os.path.join(save_dir, version), 0o700)
+            _fs.mkdir(os.path.join(save_dir, version), 0o700)
         except Exception as e:  # noqa: BLE001 (every rank must hear of it)
             error = e
     with lock:
@@ -118,11 +117,10 @@ def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state,
         if rank == 0:
             try:
                 if values:
-                    with create_new(os.path.join(vdir, "frozen.bin")) as f:
+                    with _fs.create_new(os.path.join(vdir, "frozen.bin")) as f:
                         for _, v in values:
                             f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
-                        f.flush()
-                        os.fsync(f.fileno())
+                        f.sync()
                 del values
                 _write_meta(engine, vdir, world, client_state)
             except Exception as e:  # noqa: BLE001
@@ -139,37 +137,21 @@ def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state,
                 manifest = dict(body, sha256=_ck._manifest_body_digest(body))
                 _ck._write_new(os.path.join(vdir, _ck.MANIFEST), json.dumps(manifest, indent=1).encode())
                 _ck._fsync_dir(vdir)
-                _publish(save_dir, tag, version, save_latest)
+                _ck.publish(save_dir, tag, version, save_latest)
             except Exception as e:  # noqa: BLE001
                 error = e
         _all_ok(engine, error)
     except BaseException:
         if rank == 0:
-            shutil.rmtree(vdir, ignore_errors=True)
+            _fs.rmtree(vdir, ignore_errors=True)
         raise
     return os.path.join(save_dir, tag)
-
-
-def _publish(save_dir, tag, version, save_latest):
-    final = os.path.join(save_dir, tag)
-    link_tmp = os.path.join(save_dir, f".link~{version}")
-    os.symlink(version, link_tmp)
-    if os.path.isdir(final) and not os.path.islink(final):
-        os.rename(final, os.path.join(save_dir, _ck._new_version(tag)))
-    os.replace(link_tmp, final)
-    _ck._fsync_dir(save_dir)
-    if save_latest:
-        latest_tmp = os.path.join(save_dir, f".latest~{version}")
-        _ck._write_new(latest_tmp, tag.encode())
-        os.replace(latest_tmp, os.path.join(save_dir, _ck.LATEST))
-        _ck._fsync_dir(save_dir)
-    _ck._collect_garbage(save_dir)
 
 
 def _write_rank(engine, vdir, rank, world):
     index = []
     offset = 0
-    with create_new(os.path.join(vdir, f"rank{rank}.bin")) as f:
+    with _fs.create_new(os.path.join(vdir, f"rank{rank}.bin")) as f:
         for s in engine._slots:
             if s.pid is None:
                 continue
@@ -182,8 +164,7 @@ def _write_rank(engine, vdir, rank, world):
                 f.write(buf.numpy().tobytes())
             index.append({"name": s.name, "start": s.zero_start, "count": s.zero_count, "offset": offset})
             offset += 3 * 4 * s.zero_count
-        f.flush()
-        os.fsync(f.fileno())
+        f.sync()
     part = {
         "format": FORMAT,
         "rank": rank,
