@@ -269,6 +269,7 @@ Result<IoBenchResult> run_io_bench(const IoBenchSpec& spec) {
   SwapSpaceOptions o;
   o.paths = spec.paths;
   o.bytes_per_path = (total / spec.paths.size() + spec.block_size) / 4096 * 4096 + (16 << 20);
+  o.preallocate = true;  // laid out before the clock starts, as fio lays out its files
   o.engine = spec.engine;
   o.block_size = spec.block_size;
   o.queue_depth = spec.queue_depth;

@@ -128,6 +128,9 @@ struct IoOptions {
   // Copy buffers or sizes that O_DIRECT cannot take (misaligned, not a multiple of the sector
   // size) through bounce buffers instead of failing the transfer.
   bool bounce_unaligned = false;
+  // Reserve each swap file's whole capacity (tier.budgets.nvme) at creation instead of growing it
+  // with what it holds.
+  bool preallocate = false;
 };
 
 // tier.optimizer: the offloaded optimizer's pipeline (see tier/offloaded_optimizer.hpp).

@@ -615,6 +615,7 @@ std::vector<KeySpec> build_schema() {
   add(K("tier.io.sqpoll", VK::kBool).TIER_FIELD(tier.io.sqpoll).sample(true, 2));
   add(K("tier.io.fixed_buffers", VK::kBool).TIER_FIELD(tier.io.fixed_buffers).sample(false, "x"));
   add(K("tier.io.bounce_unaligned", VK::kBool).TIER_FIELD(tier.io.bounce_unaligned).sample(true, "maybe"));
+  add(K("tier.io.preallocate", VK::kBool).TIER_FIELD(tier.io.preallocate).sample(true, "all"));
   add(K("tier.prefetch", VK::kObject));
   add(K("tier.prefetch.enabled", VK::kBool).TIER_FIELD(tier.prefetch.enabled).sample(false, "x"));
   add(K("tier.prefetch.lookahead", VK::kInt)

@@ -228,20 +228,19 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
           "engine: the NVMe tier needs a directory: set zero_optimization.offload_param.nvme_path "
           "or tier.swap_paths");
     }
+    // The budget caps the swap files, which grow with what they hold (tier.io.preallocate
+    // reserves it whole up front). Auto: each path's free space, or with preallocation a bounded
+    // guess (the model's size is unknown here).
     std::uint64_t total = config.tier.nvme_budget;
-    if (total == 0) {
-      // Auto: as much as the model is likely to need is unknown here; take a generous default that
-      // the extent allocator fills lazily (fallocate reserves it now, so keep it bounded).
-      total = std::min<std::uint64_t>(64ull << 30, 4 * host_budget);
-    }
-    const std::uint64_t per_path = (total / paths.size() + 4095) & ~std::uint64_t{4095};
+    if (total == 0 && config.tier.io.preallocate) total = std::min<std::uint64_t>(64ull << 30, 4 * host_budget);
+    const std::uint64_t per_path = total == 0 ? 0 : (total / paths.size() + 4095) & ~std::uint64_t{4095};
     auto so = nvme::SwapSpaceOptions::from_config(config, per_path, owned->arena.get(), counters.get());
     if (host_auto) so.fixed_buffers = false;
     if (hooks.wrap_io_engine) so.wrap_engine = hooks.wrap_io_engine;
     auto swap = nvme::SwapSpace::create(so);
     if (!swap.ok()) return swap.status().with_context("engine: NVMe tier");
     owned->swap = std::move(swap).value();
-    b.stores[static_cast<int>(Tier::kNvme)] = std::make_unique<NvmeStore>(owned->swap.get(), per_path * paths.size());
+    b.stores[static_cast<int>(Tier::kNvme)] = std::make_unique<NvmeStore>(owned->swap.get(), owned->swap->stats().capacity_bytes);
   }
 
   b.stores[static_cast<int>(Tier::kDevice)] = std::make_unique<DeviceStore>(owned->device.get());

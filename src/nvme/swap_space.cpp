@@ -8,7 +8,10 @@
 // it has no request left in flight and nothing left to cut.
 #include "tier/ext/swap_space.hpp"
 
+#include <sys/statvfs.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -31,6 +34,11 @@ namespace tier::nvme {
 namespace {
 
 constexpr std::uint64_t kGranule = 4096;
+// A swap file that grows does so in steps of this many bytes (fewer fallocate calls, longer runs
+// on disk), never past its capacity.
+constexpr std::uint64_t kGrowStep = 32ull << 20;
+// The auto cap of a path whose file system reports no space (ramfs): fallocate decides.
+constexpr std::uint64_t kAutoCapUnaccounted = 64ull << 30;
 constexpr unsigned kMaxRetries = 64;
 
 std::uint64_t round_up(std::uint64_t v, std::uint64_t a) {
@@ -107,6 +115,9 @@ struct SwapSpace::Impl {
   const SwapSpaceOptions& opt;
   std::vector<detail::SwapFile> files;
   std::vector<detail::ExtentAllocator> allocs;
+  // Per path: the bytes of its file reserved on disk so far (fallocate). Extents lie below it;
+  // without preallocation it grows as extents are allocated, up to the allocator's capacity.
+  std::vector<std::uint64_t> committed;
   std::uint64_t unit = 0;
   std::uint64_t threshold = 0;
   bool direct = false;
@@ -140,9 +151,12 @@ struct SwapSpace::Impl {
       free_bytes += a.free_bytes();
       largest = std::max(largest, a.largest_free());
     }
-    opt.counters->set_metric("nvme.swap.used_bytes", static_cast<double>(used));
-    opt.counters->set_metric("nvme.swap.live_extents", static_cast<double>(extents.size()));
-    opt.counters->set_metric("nvme.swap.fragmentation",
+    std::uint64_t allocated = 0;
+    for (std::uint64_t c : committed) allocated += c;
+    opt.counters->set_metric(opt.metrics_prefix + ".used_bytes", static_cast<double>(used));
+    opt.counters->set_metric(opt.metrics_prefix + ".allocated_bytes", static_cast<double>(allocated));
+    opt.counters->set_metric(opt.metrics_prefix + ".live_extents", static_cast<double>(extents.size()));
+    opt.counters->set_metric(opt.metrics_prefix + ".fragmentation",
                              free_bytes ? 1.0 - static_cast<double>(largest) / static_cast<double>(free_bytes) : 0.0);
   }
 
@@ -189,6 +203,49 @@ struct SwapSpace::Impl {
     auto off = allocs[static_cast<unsigned>(best)].allocate(reserved);
     if (!off) return {};
     return {Piece{static_cast<unsigned>(best), *off, reserved}};
+  }
+
+  // Makes path `p`'s file hold [0, end) on disk: a swap file that grows takes what its extents
+  // need, in kGrowStep steps (up to its capacity), so a small model costs megabytes. A file system
+  // without fallocate grows the file sparse (one log line); a full one gives kNoSpace with the
+  // bytes asked for and free, and nothing changes.
+  Status grow_locked(unsigned p, std::uint64_t end) {
+    if (end <= committed[p]) return Status::Ok();
+    detail::SwapFile& f = files[p];
+    const std::uint64_t cap = allocs[p].capacity();
+    const std::uint64_t stepped = std::min(cap, round_up(end, kGrowStep));
+    Status s = f.file->allocate(committed[p], stepped - committed[p]);
+    std::uint64_t target = stepped;
+    if (!s.ok() && (s.sys_errno() == ENOSPC || s.sys_errno() == EDQUOT) && stepped > end) {
+      target = end;  // the step does not fit: the bytes asked for may
+      s = f.file->allocate(committed[p], end - committed[p]);
+    }
+    if (!s.ok() && s.sys_errno() == EOPNOTSUPP) {
+      s = f.file->truncate(target);
+      if (s.ok()) {
+        log_once(str("nvme.no_fallocate.", f.dir), LogLevel::kWarn,
+                 str("swap path ", f.dir, ": ", f.fs,
+                     " cannot preallocate; the swap file is sparse, so a full disk shows only when a write fails"));
+      }
+    }
+    if (!s.ok()) {
+      const int err = s.sys_errno();
+      if (err == ENOSPC || err == EDQUOT) {
+        std::string free_text = "no";
+        struct statvfs vfs {};
+        if (fstatvfs(f.dir_file->fd(), &vfs) == 0) {
+          free_text = format_bytes(static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize);
+        }
+        return Status(StatusCode::kNoSpace,
+                      str("swap path ", f.dir, ": its swap file cannot grow from ", format_bytes(committed[p]), " to ",
+                          format_bytes(end), " (", end - committed[p], " more bytes): ", free_text, " free on ", f.fs,
+                          "; free space, offload less to NVMe or add another path"),
+                      err);
+      }
+      return s.with_context(str("swap file ", f.path, ": growing it to ", format_bytes(target)));
+    }
+    committed[p] = target;
+    return Status::Ok();
   }
 
   // ------------------------------------------------------------------ I/O threads
@@ -529,6 +586,7 @@ SwapSpaceOptions SwapSpaceOptions::from_config(const EngineConfig& config, std::
   o.sqpoll = config.tier.io.sqpoll;
   o.fixed_buffers = config.tier.io.fixed_buffers;
   o.bounce_unaligned = config.tier.io.bounce_unaligned;
+  o.preallocate = config.tier.io.preallocate;
   o.arena = arena;
   o.counters = counters;
   return o;
@@ -547,7 +605,9 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
   if (o.paths.empty()) {
     return invalid_argument("swap space: no swap paths; set tier.swap_paths or an offload nvme_path");
   }
-  if (o.bytes_per_path == 0) return invalid_argument("swap space: bytes_per_path is 0; give each path some space");
+  if (o.bytes_per_path == 0 && o.preallocate) {
+    return invalid_argument("swap space: bytes_per_path is 0 with preallocate; give each path some space");
+  }
   if (o.block_size == 0 || o.block_size % kGranule != 0 || o.block_size > kMaxRequestBytes) {
     return invalid_argument(str("swap space: block size ", o.block_size,
                                 " must be a multiple of 4096 from 4096 to 1 GiB (aio.block_size)"));
@@ -573,7 +633,22 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
   // Files: all O_DIRECT or all buffered, so that one alignment rule holds for every extent.
   std::string refusal;
   for (const std::string& dir : o.paths) {
-    TIER_ASSIGN_OR_RETURN(detail::SwapFile f, detail::create_swap_file(dir, per_path, o.use_direct));
+    TIER_ASSIGN_OR_RETURN(detail::SwapFile f,
+                          detail::create_swap_file(dir, o.preallocate ? per_path : 0, o.use_direct));
+    std::uint64_t cap = per_path;
+    if (o.bytes_per_path == 0) {
+      // Auto: a cap at the file system's free space now (the file takes only what its extents
+      // need); one without space accounting (ramfs) gets kAutoCapUnaccounted.
+      cap = kAutoCapUnaccounted;
+      struct statvfs vfs {};
+      if (fstatvfs(f.dir_file->fd(), &vfs) == 0 && vfs.f_blocks > 0) {
+        cap = (static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize) & ~(kGranule - 1);
+      }
+      if (cap == 0) {
+        return Status(StatusCode::kNoSpace,
+                      str("swap path ", dir, ": no free space on ", f.fs, "; free space or add another path"), ENOSPC);
+      }
+    }
     if (f.fs == "tmpfs" || f.fs == "ramfs") {
       log_once(str("nvme.in_memory.", dir), LogLevel::kWarn,
                str("swap path ", dir, " is ", f.fs,
@@ -585,7 +660,8 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
     }
     if (refusal.empty() && !f.direct_refusal.empty()) refusal = f.direct_refusal;
     im.files.push_back(std::move(f));
-    im.allocs.emplace_back(per_path);
+    im.allocs.emplace_back(cap);
+    im.committed.push_back(o.preallocate ? per_path : 0);
   }
   im.direct = o.use_direct && refusal.empty();
   for (auto& f : im.files) {
@@ -651,7 +727,9 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
     o.counters->set_info("io_engine", im.engine_name);
     o.counters->set_info("nvme.direct_io", im.direct ? "true" : "false");
     o.counters->set_info("nvme.fixed_buffers", im.fixed_registered ? "true" : "false");
-    o.counters->set_metric("nvme.swap.capacity_bytes", static_cast<double>(per_path * im.files.size()));
+    std::uint64_t capacity = 0;
+    for (const auto& a : im.allocs) capacity += a.capacity();
+    o.counters->set_metric(o.metrics_prefix + ".capacity_bytes", static_cast<double>(capacity));
     std::lock_guard<std::mutex> lk(im.mu);
     im.publish_metrics_locked();
   }
@@ -680,6 +758,13 @@ Result<SwapExtent> SwapSpace::allocate(std::uint64_t bytes) {
     return resource_exhausted(str("swap space: no room for ", format_bytes(reserved), " (", format_bytes(free_bytes),
                                   " free over ", im.files.size(), " path(s), largest free run ", format_bytes(largest),
                                   "); free extents or give the swap space more bytes per path"));
+  }
+  for (const Impl::Piece& piece : pieces) {
+    if (Status grown = im.grow_locked(piece.path, piece.offset + piece.length); !grown.ok()) {
+      for (const Impl::Piece& q : pieces) im.allocs[q.path].release(q.offset, q.length);
+      im.publish_metrics_locked();
+      return grown;
+    }
   }
   const std::uint64_t id = im.next_id++;
   Impl::ExtentRec rec;
@@ -790,12 +875,14 @@ SwapSpaceStats SwapSpace::stats() const {
       p.file = f.path;
       p.direct_io = f.direct;
       p.capacity_bytes = a.capacity();
+      p.allocated_bytes = im.committed[i];
       p.used_bytes = a.used_bytes();
       p.largest_free_bytes = a.largest_free();
       p.free_extents = a.free_runs();
       p.fragmentation = a.fragmentation();
       s.paths.push_back(std::move(p));
       s.capacity_bytes += a.capacity();
+      s.allocated_bytes += im.committed[i];
       free_bytes += a.free_bytes();
       largest = std::max(largest, a.largest_free());
     }

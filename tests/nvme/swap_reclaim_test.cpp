@@ -236,7 +236,9 @@ TEST_F(SwapReclaim, NoSpaceErrorNamesTheSwapFilesOfLiveOwners) {
   ASSERT_EQ(::statvfs(dir_.c_str(), &vfs), 0);
   if (vfs.f_blocks == 0) GTEST_SKIP() << dir_ << " has no space accounting";
   const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-  auto sp = SwapSpace::create(small_options(dir_, avail + (std::uint64_t{1} << 40)));
+  auto o = small_options(dir_, avail + (std::uint64_t{1} << 40));
+  o.preallocate = true;
+  auto sp = SwapSpace::create(o);
   ASSERT_FALSE(sp.ok());
   EXPECT_EQ(sp.status().code(), StatusCode::kNoSpace);
   const std::string& m = sp.status().message();

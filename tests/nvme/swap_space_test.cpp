@@ -20,6 +20,7 @@
 
 #include "nvme/swap_file.hpp"
 #include "nvme_test_util.hpp"
+#include "tier/ext/fault_injecting_file_system.hpp"
 #include "tier/ext/host_arena.hpp"
 #include "tier/log.hpp"
 #include "tier/stats.hpp"
@@ -296,7 +297,9 @@ TEST_P(SwapConformance, FreedExtentsAreReusedAndFragmentationIsReported) {
 TEST_P(SwapConformance, SwapFilesArePrivatePreallocatedAndRemoved) {
   std::string file;
   {
-    auto sp = make(options(1, 4 << 20));
+    auto o = options(1, 4 << 20);
+    o.preallocate = true;
+    auto sp = make(o);
     ASSERT_TRUE(sp);
     file = sp->stats().paths[0].file;
     struct stat st {};
@@ -347,6 +350,7 @@ TEST_P(SwapConformance, PreallocationFailsEarlyWhenThePathIsTooSmall) {
   ASSERT_EQ(::statvfs(dir_->path().c_str(), &vfs), 0);
   const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   auto o = options(1, avail + (std::uint64_t{1} << 40));
+  o.preallocate = true;
   auto sp = SwapSpace::create(o);
   ASSERT_FALSE(sp.ok());
   EXPECT_EQ(sp.status().code(), StatusCode::kNoSpace);
@@ -357,6 +361,103 @@ TEST_P(SwapConformance, PreallocationFailsEarlyWhenThePathIsTooSmall) {
   std::size_t files = 0;
   for (auto& entry : std::filesystem::directory_iterator(o.paths[0])) files += entry.is_regular_file();
   EXPECT_EQ(files, 0u);
+}
+
+// Without preallocation a swap file holds on disk what its extents need (in 32 MiB steps), not
+// its capacity: a small model costs megabytes, whatever the budget.
+TEST_P(SwapConformance, SwapFilesGrowWithTheirExtents) {
+  auto o = options(1, std::uint64_t{1} << 30);
+  auto sp = make(o);
+  ASSERT_TRUE(sp);
+  const std::string file = sp->stats().paths[0].file;
+  auto on_disk = [&] {
+    struct stat st {};
+    EXPECT_EQ(::stat(file.c_str(), &st), 0);
+    return static_cast<std::uint64_t>(st.st_blocks) * 512;
+  };
+  EXPECT_EQ(sp->stats().capacity_bytes, std::uint64_t{1} << 30);
+  EXPECT_EQ(sp->stats().allocated_bytes, 0u);
+  EXPECT_LT(on_disk(), 1u << 20) << "a fresh swap file reserves nothing";
+
+  auto a = sp->allocate(5 << 20);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::uint64_t after_one = sp->stats().allocated_bytes;
+  EXPECT_GE(after_one, 5u << 20);
+  EXPECT_LE(after_one, 32u << 20);
+  auto b = sp->allocate(40 << 20);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_GE(sp->stats().allocated_bytes, 45u << 20);
+  EXPECT_LE(sp->stats().allocated_bytes, 64u << 20);
+  EXPECT_EQ(sp->stats().paths[0].allocated_bytes, sp->stats().allocated_bytes);
+  EXPECT_GE(on_disk(), 45u << 20) << "fallocate reserved the blocks the extents need";
+
+  // The grown part carries data like the rest.
+  const std::uint64_t n = 16 << 20, tail = (40 << 20) - n;  // the extent's last 16 MiB
+  HostBlock src = block(n), dst = block(n);
+  test::fill_pattern(src.data(), n, 5);
+  ASSERT_TRUE(sp->write(*b, src.data(), n, tail).wait().ok());
+  ASSERT_TRUE(sp->read(*b, dst.data(), n, tail).wait().ok());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), n), 0);
+
+  // Freed space is reused below the high-water mark: the file does not grow again.
+  const std::uint64_t high = sp->stats().allocated_bytes;
+  a->reset();
+  auto c = sp->allocate(4 << 20);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(sp->stats().allocated_bytes, high);
+}
+
+TEST_P(SwapConformance, AnAutoCapIsThePathsFreeSpace) {
+  auto o = options(1, 0);
+  auto sp = make(o);
+  ASSERT_TRUE(sp);
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(o.paths[0].c_str(), &vfs), 0);
+  if (vfs.f_blocks == 0) GTEST_SKIP() << o.paths[0] << " has no space accounting";
+  const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  const std::uint64_t cap = sp->stats().capacity_bytes;
+  EXPECT_GT(cap, 0u);
+  // Other processes write to the same disk meanwhile: within 1 GiB of what is free now.
+  EXPECT_LE(cap, avail + (std::uint64_t{1} << 30));
+  EXPECT_GE(cap + (std::uint64_t{1} << 30), avail);
+  EXPECT_EQ(sp->stats().allocated_bytes, 0u);
+  o.preallocate = true;
+  EXPECT_EQ(SwapSpace::create(o).status().code(), StatusCode::kInvalidArgument) << "a whole free disk is not reserved";
+}
+
+// A disk that fills while a file grows: that allocation fails with kNoSpace naming the path and
+// the bytes, nothing is reserved, and once there is room again the same allocation succeeds.
+TEST_P(SwapConformance, AFullDiskRefusesTheAllocationThatWouldGrowTheFile) {
+  auto faults = std::make_shared<FaultInjectingFileSystem>();
+  auto previous = FileSystem::install(faults);
+  struct Restore {
+    std::shared_ptr<FileSystem> fs;
+    ~Restore() { FileSystem::install(fs); }
+  } restore{previous};
+  auto o = options(1, 256 << 20);
+  auto sp = make(o);
+  ASSERT_TRUE(sp);
+  auto first = sp->allocate(1 << 20);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::uint64_t grown = sp->stats().allocated_bytes;
+  faults->add_fault({.op = FileOp::kAllocate, .nth = 1, .count = 1000, .err = ENOSPC});
+  auto big = sp->allocate(100 << 20);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), StatusCode::kNoSpace) << big.status();
+  EXPECT_EQ(big.status().sys_errno(), ENOSPC);
+  const std::string& m = big.status().message();
+  EXPECT_NE(m.find(o.paths[0]), std::string::npos) << m;
+  EXPECT_NE(m.find("cannot grow"), std::string::npos) << m;
+  EXPECT_NE(m.find("free"), std::string::npos) << m;
+  EXPECT_EQ(sp->stats().used_bytes, first->reserved_bytes()) << "the failed allocation holds nothing";
+  EXPECT_EQ(sp->stats().allocated_bytes, grown);
+  // What fits in the file as it is needs no growth and still works.
+  auto small = sp->allocate(4096);
+  EXPECT_TRUE(small.ok()) << small.status();
+  faults->clear_faults();
+  big = sp->allocate(100 << 20);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_GE(sp->stats().allocated_bytes, 101u << 20);
 }
 
 TEST_P(SwapConformance, UnalignedTransfersFailClearlyOrGoThroughBounceBuffers) {

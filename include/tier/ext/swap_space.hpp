@@ -1,10 +1,12 @@
-// tier/ext/swap_space.hpp — the NVMe tier's store: preallocated swap files on one or more paths (one
-// per SSD), an extent allocator over them, and asynchronous reads and writes of extents.
+// tier/ext/swap_space.hpp — the NVMe tier's store: swap files on one or more paths (one per SSD),
+// an extent allocator over them, and asynchronous reads and writes of extents.
 //
 // Each path gets one file, created fresh (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, so it is never
-// someone else's file nor a symlink's target), preallocated with fallocate (a full disk fails at
-// creation, naming the path and the bytes needed, and any other engine's swap files still there)
-// and removed when the swap space closes. A file's name records its owner (pid, process start time,
+// someone else's file nor a symlink's target), grown with fallocate as extents are allocated (so
+// it holds what they need, up to the path's capacity; a full disk fails that allocation with
+// kNoSpace naming the path and the bytes needed and free) or, with `preallocate`, reserved whole at
+// creation (a full disk fails there, naming any other engine's swap files still present), and
+// removed when the swap space closes. A file's name records its owner (pid, process start time,
 // boot), and the owner holds an flock on it; at creation, swap files of owners that are gone (a
 // killed process) are removed with one log line; nothing else in the directory is touched. A swap
 // path that is a symlink to a directory is followed; a dangling symlink, a file or another
@@ -59,7 +61,12 @@ class SwapSpace;
 
 struct SwapSpaceOptions {
   std::vector<std::string> paths;    // directories, one per SSD; created (0700) when missing
-  std::uint64_t bytes_per_path = 0;  // preallocated in each path's file; rounded up to 4 KiB
+  // Each path's capacity, rounded up to 4 KiB. Its file grows as extents are allocated (fallocate
+  // in steps, up to this cap), so it holds on disk what the extents need; 0: the free space of the
+  // path's file system at creation. With `preallocate` the whole capacity is reserved at creation
+  // (a disk that lacks it fails there).
+  std::uint64_t bytes_per_path = 0;
+  bool preallocate = false;
   IoEngineKind engine = IoEngineKind::kAuto;
   std::uint64_t block_size = 1u << 20;  // bytes per request; a multiple of 4 KiB, at most 1 GiB
   unsigned queue_depth = 8;             // requests in flight per I/O thread
@@ -73,6 +80,7 @@ struct SwapSpaceOptions {
   std::uint64_t stripe_threshold = 0;   // extents at least this large are striped; 0: 2 stripe units
   HostArena* arena = nullptr;           // registered as fixed buffers when given; must outlive this
   Counters* counters = nullptr;         // nvme<->host link counters, info and metrics; may be null
+  std::string metrics_prefix = "nvme.swap";  // <prefix>.used_bytes, .allocated_bytes, .capacity_bytes, ...
   // Wraps each I/O thread's engine (e.g. in a FaultInjectingEngine for tests); may be empty.
   std::function<std::unique_ptr<IoEngine>(std::unique_ptr<IoEngine>)> wrap_engine;
 
@@ -120,6 +128,7 @@ struct SwapPathStats {
   std::string file;  // the swap file in dir
   bool direct_io = false;
   std::uint64_t capacity_bytes = 0;
+  std::uint64_t allocated_bytes = 0;  // reserved on disk by the file (grows with the extents)
   std::uint64_t used_bytes = 0;
   std::uint64_t largest_free_bytes = 0;
   std::uint64_t free_extents = 0;  // free runs
@@ -132,6 +141,7 @@ struct SwapSpaceStats {
   std::uint32_t engine_capabilities = 0;
   bool fixed_buffers = false;  // the arena is registered with the engine
   std::uint64_t capacity_bytes = 0;
+  std::uint64_t allocated_bytes = 0;  // reserved on disk by the files: the peak of what was needed
   std::uint64_t used_bytes = 0;
   std::uint64_t peak_used_bytes = 0;
   std::uint64_t live_extents = 0;
@@ -161,8 +171,10 @@ class SwapSpace {
   SwapSpace(const SwapSpace&) = delete;
   SwapSpace& operator=(const SwapSpace&) = delete;
 
-  // Reserves `bytes` (rounded up to 4 KiB). kResourceExhausted when no path (or set of paths, for
-  // a striped extent) has the room; the message says how much is free.
+  // Reserves `bytes` (rounded up to 4 KiB), growing the files when they do not reach that far yet.
+  // kResourceExhausted when no path (or set of paths, for a striped extent) has the room within its
+  // capacity; the message says how much is free. kNoSpace when a file cannot grow (the disk is
+  // full): the message names the path and the bytes needed and free; nothing is reserved.
   Result<SwapExtent> allocate(std::uint64_t bytes);
 
   // Writes `bytes` from `src` to the extent at `offset` (a multiple of 4 KiB), asynchronously.
