@@ -21,6 +21,7 @@
 #include "tier/ext/fault_injecting_engine.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/stats.hpp"
+#include "tier/units.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -470,6 +471,8 @@ void bind_file_layer(nb::module_& m);  // file_layer.cpp
 
 NB_MODULE(_tier, m) {
   m.doc() = "tier: memory-tiering and offload engine (native module)";
+  m.def("format_bytes", [](std::uint64_t n) { return format_bytes(n); }, "n"_a,
+        "A byte count as tier's messages write it: \"1.50 GiB\".");
 
   nb::module_ builtins = nb::module_::import_("builtins");
   nb::object base = nb::steal(PyErr_NewException("tier.TierError", PyExc_RuntimeError, nullptr));
@@ -1097,6 +1100,8 @@ NB_MODULE(_tier, m) {
              d["accumulator_bytes"] = st.accumulator_bytes;
              d["host_state_bytes"] = st.host_state_bytes;
              d["nvme_bytes"] = st.nvme_bytes;
+             d["nvme_capacity_bytes"] = st.nvme_capacity_bytes;
+             d["nvme_allocated_bytes"] = st.nvme_allocated_bytes;
              d["step"] = st.step;
              d["steps_skipped"] = st.steps_skipped;
              d["steps_failed"] = st.steps_failed;

@@ -311,6 +311,10 @@ struct OptimizerStats {
   std::uint64_t accumulator_bytes = 0;  // fp32 gradient accumulators
   std::uint64_t host_state_bytes = 0;   // host home: the state
   std::uint64_t nvme_bytes = 0;         // NVMe home: both slots of every chunk
+  // NVMe home with swap files of its own: their capacity (what its chunks will take once every
+  // partition is added; the files grow to it) and what they reserve on disk now.
+  std::uint64_t nvme_capacity_bytes = 0;
+  std::uint64_t nvme_allocated_bytes = 0;
   std::int64_t step = 0;                // group 0's step counter
   std::uint64_t steps_skipped = 0;
   std::uint64_t steps_failed = 0;

@@ -456,6 +456,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
       so.bytes_per_path = 2 * chunks * per_extent + 2 * detail::round_up(state_bytes, unit);
       if (so.arena == nullptr) so.arena = im->arena;
       if (so.counters == nullptr) so.counters = o.counters;
+      so.metrics_prefix = "optim.swap";  // beside the engine's nvme.swap.* in shared counters
       TIER_ASSIGN_OR_RETURN(im->own_swap, nvme::SwapSpace::create(so));
       im->swap = im->own_swap.get();
     }
@@ -1865,6 +1866,11 @@ OptimizerStats OffloadedOptimizer::stats() const {
     s.record_bytes += c.bytes();
     if (c.host) s.host_state_bytes += c.bytes();
     if (c.slot[0]) s.nvme_bytes += c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes();
+  }
+  if (im.own_swap) {
+    const nvme::SwapSpaceStats ss = im.own_swap->stats();
+    s.nvme_capacity_bytes = ss.capacity_bytes;
+    s.nvme_allocated_bytes = ss.allocated_bytes;
   }
   s.step = im.groups.empty() ? 0 : im.groups[0].step();
   s.steps_skipped = im.steps_skipped;

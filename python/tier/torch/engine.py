@@ -32,6 +32,7 @@ import torch
 
 from .. import _tier
 from . import activations as _activations
+from . import footprint as _footprint
 from .grads import EngineGrads as _EngineGrads
 from .grads import GradStaging as _GradStaging
 from .grads import MicroStepGrads as _MicroStepGrads
@@ -590,6 +591,18 @@ class TierEngine(torch.nn.Module):
                 fault_injection=os.environ.get("TIER_FAULT_INJECTION") == "1",
             )
             groups = self._build_groups(model_parameters)
+
+        # The swap files grow with what they hold: a model its disks cannot hold is refused now.
+        parts = {}
+        if param_home == "nvme" and store is None:
+            esize = torch.empty(0, dtype=self.compute_dtype).element_size()
+            stage3 = self._zero is not None and self._zero.stage == 3
+            parts["parameters"] = sum(
+                _footprint.padded((s.zero_shard if stage3 else s.numel) * esize) for s in self._slots
+            )
+        if self.optimizer is not None:
+            parts["optimizer state"] = self.optimizer.stats()["nvme_capacity_bytes"]
+        _footprint.check_nvme_room(self.config.swap_paths, parts)
 
         for index, slot in enumerate(self._slots):
             if self._adoptable(slot, store, initial_values):

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from .. import _tier
+from . import footprint as _footprint
 
 _OUTPUT_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -128,8 +129,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         total = sum(p.numel() for p in self._params)
         if total == 0:
             raise ValueError("OffloadedAdamW got no parameters with elements")
-        self._native = _tier.Optimizer.create(
-            _tier.Config.from_json(json.dumps(cfg)), total, max_partitions=len(self._params)
+        native_config = _tier.Config.from_json(json.dumps(cfg))
+        self._native = _tier.Optimizer.create(native_config, total, max_partitions=len(self._params))
+        # Its swap files grow with the state: a disk that cannot hold it is refused now.
+        _footprint.check_nvme_room(
+            native_config.swap_paths, {"optimizer state": self._native.stats()["nvme_capacity_bytes"]}
         )
         for gi, g in enumerate(self.param_groups):
             if gi > 0:
