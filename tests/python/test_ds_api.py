@@ -380,3 +380,41 @@ def test_parameter_groups_given_as_a_generator_keep_their_groups(swap_dir):
     assert len(optimizer.param_groups[1]["params"]) == sum(1 for n, _ in model.named_parameters() if "norm" in n)
     assert engine.optimizer.group_count == 2
     engine.destroy()
+
+
+@pytest.mark.parametrize("overlap", ["serial", "delayed"])
+def test_a_step_with_no_backward_changes_nothing(swap_dir, overlap):
+    """step() at a boundary with no backward since the last step applies nothing (no weight decay),
+    counts no step and says so once; a run with such stray steps equals one without them."""
+
+    def run(stray):
+        cfg = tier_config(swap_dir, gas=1)
+        cfg["tier"]["optimizer"]["overlap"] = overlap
+        engine, *_ = tier.torch.initialize(make_model(), cfg)
+        if stray:
+            before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+            with pytest.warns(UserWarning, match="no backward"):
+                assert engine.step() is None
+            assert engine.global_steps == 0
+            assert engine.optimizer.stats()["step"] == 0
+            after = engine.module_state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+        losses = []
+        for i in range(3):
+            out = engine(**batch(i))
+            losses.append(out.loss.item())
+            engine.backward(out.loss)
+            engine.step()
+            if stray:
+                engine.step()  # nothing since the last step
+        steps = engine.global_steps
+        engine.destroy()
+        return losses, steps
+
+    with_stray, steps_with = run(True)
+    without, steps_without = run(False)
+    assert steps_with == steps_without >= 2
+    assert with_stray == without
+    if overlap == "serial":
+        expected, _, _ = baseline(3, 1)
+        assert max_rel_diff(without, expected) <= 1e-5

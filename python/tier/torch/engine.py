@@ -507,6 +507,7 @@ class TierEngine(torch.nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self._grads_since_step = False  # a gradient came in since the last step() (see _OptimizerView.step)
+        self._grads_in_window = False  # a gradient came in since the last applied step or zero_grad()
         self._engine_backward = False  # engine.backward() is handing gradients over
         self._failed_step = None  # "pending" after a failed boundary step, "withdrawn" once gradients moved on
         self._delayed_retry = False  # overlap "delayed": the pending update failed and runs again
@@ -1144,6 +1145,7 @@ class TierEngine(torch.nn.Module):
     def _grad_ready(self, param):
         slot = self._slot_of[id(param)]
         self._grads_since_step = True
+        self._grads_in_window = True
         grad = param.grad
         if grad is not None:
             if self._reducer is not None:
@@ -1307,11 +1309,23 @@ class TierEngine(torch.nn.Module):
         if not boundary:
             self.micro_steps += 1
             return None
+        if not self._grads_in_window and self._failed_step is None and not self._delayed_retry:
+            # No backward since the last step: as torch's optimizers skip a parameter without a
+            # gradient, nothing is updated (no weight decay), and no step is counted.
+            if not self.__dict__.get("_warned_empty_step"):
+                self._warned_empty_step = True
+                warnings.warn(
+                    "engine.step() at an accumulation boundary with no backward() since the last step: nothing to "
+                    "apply; the parameters, the optimizer state and the step count are left as they are",
+                    stacklevel=2,
+                )
+            return None
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
         if self._delayed:
             report = self._start_delayed(lr_kwargs)
+            self._grads_in_window = False
             self.micro_steps += 1
         else:
             report = self._boundary_step(lr_kwargs)
@@ -1377,6 +1391,7 @@ class TierEngine(torch.nn.Module):
             raise
         self._grads.after_step(True)
         self._failed_step = None
+        self._grads_in_window = False
         self.micro_steps += 1
         self._after_report(report, lr_kwargs)
         return report
@@ -1547,6 +1562,7 @@ class TierEngine(torch.nn.Module):
         model's ``.grad`` are freed as soon as they are final)."""
         self._drain_grads()
         self._grads.clear()
+        self._grads_in_window = False
         if self.__dict__.get("_failed_step") is not None or self.__dict__.get("_delayed_retry"):
             # After a failed step the whole accumulation window is dropped with its gradients: the
             # next gradient_accumulation_steps micro-steps make the step again.
