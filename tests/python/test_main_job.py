@@ -22,6 +22,12 @@ def test_the_summary_reports_host_memory_per_parameter_and_phase_times(tmp_path,
     assert summary["peak_rss_bytes"] > 0
     assert summary["host_bytes_per_param"] == pytest.approx(summary["peak_rss_bytes"] / summary["parameters"], rel=0.2)
     assert set(summary["phase_seconds"]) == {"forward", "backward", "step"}
+    # The swap files grew to what the model holds: params, gradients and the optimizer's two
+    # slots of fp32 state (28 bytes per parameter at least), in 32 MiB steps, not the NVMe budget.
+    assert summary["nvme_allocated_peak_bytes"] >= 28 * summary["parameters"]
+    assert summary["nvme_allocated_peak_bytes"] <= 4 * (32 << 20)
+    assert summary["nvme_bytes_per_param"] == pytest.approx(
+        summary["nvme_allocated_peak_bytes"] / summary["parameters"])
     assert summary["prefetch_dropped_unused"] >= 0
     assert all(v > 0 for v in summary["phase_seconds"].values())
     # Each step's own split (bench/scale.py takes the steady state from it), adding up to the whole.
@@ -73,3 +79,59 @@ def test_offloading_activations_without_checkpointing_is_refused(tmp_path, capsy
     with pytest.raises(SystemExit):
         finetune_llama.main(TINY + ["--steps", "1", "--swap-dir", str(tmp_path), "--offload-activations", "host"])
     assert "needs --checkpoint-activations" in capsys.readouterr().err
+
+
+def test_lora_in_bf16_with_checkpointing_trains_and_saves_an_adapter_plain_peft_loads(tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+
+    shape = ["--vocab", "320", "--kv-heads", "1", "--intermediate", "96", "--dtype", "bf16", "--lora-r", "4"]
+    adapter = tmp_path / "adapter"
+    argv = TINY + shape + ["--checkpoint-activations", "--steps", "2", "--lr", "1e-2", "--swap-dir",
+                           str(tmp_path / "swap"), "--save-adapter", str(adapter), "--json"]
+    assert finetune_llama.main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{\n"):])["summary"]
+    args = finetune_llama.main.__globals__["argparse"].Namespace(
+        hidden=64, layers=1, heads=2, kv_heads=1, intermediate=96, vocab=320, seq=16, dtype="bf16", lora_r=4,
+        lora_targets="q_proj,k_proj,v_proj,o_proj")
+    n_params, _, _, trainable = finetune_llama.model_shape(args)
+    assert summary["parameters"] == n_params
+    assert trainable == 4 * 4 * (64 + 64) - 2 * 4 * (64 - 32)  # k and v project to one kv head of 32
+    # Plain PEFT loads the adapter onto the same base (built eagerly with the same seed) and the
+    # trained adapter differs from a fresh one (LoRA's B starts at zero).
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        base = transformers.LlamaForCausalLM(finetune_llama.llama_config(args))
+    finally:
+        torch.set_default_dtype(previous)
+    model = peft.PeftModel.from_pretrained(base, str(adapter))
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 4
+    assert all(p.abs().max() > 0 for p in lora_b)
+    ids = torch.randint(0, 256, (1, 16))
+    assert torch.isfinite(model(input_ids=ids).logits.float()).all()
+
+
+def test_a_preset_the_disk_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import os
+
+    from tier.torch import footprint
+
+    real = os.statvfs
+
+    class Disk:  # 50 GB free, whatever this machine has
+        def __init__(self, st):
+            self.f_blocks, self.f_frsize, self.f_bavail = st.f_blocks, 4096, 50_000_000_000 // 4096
+
+    monkeypatch.setattr(footprint.os, "statvfs", lambda p: Disk(real(p)))
+    swap = tmp_path / "swap"
+    assert finetune_llama.main(["--preset", "7b", "--swap-dir", str(swap)]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer state 151" in err or "optimizer state 150" in err, err  # 24 B x 6.74 B parameters
+    assert "parameters 12.5" in err, err  # bf16
+    assert "are free" in err
+    assert not swap.exists() or not any(swap.iterdir()), "nothing written"

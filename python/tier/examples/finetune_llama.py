@@ -21,6 +21,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -28,6 +29,7 @@ import transformers
 
 import tier
 import tier.torch
+from tier.torch import footprint
 
 LINKS = [("nvme_to_host", "nvme>host"), ("host_to_device", "host>dev"), ("device_to_host", "dev>host"),
          ("host_to_nvme", "host>nvme")]
@@ -62,34 +64,111 @@ def corpus_bytes(where):
 
 def llama_config(args):
     return transformers.LlamaConfig(
-        vocab_size=256,
+        vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3 // 64 * 64 or 64,
+        intermediate_size=args.intermediate or (args.hidden * 8 // 3 // 64 * 64 or 64),
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=max(1, args.heads // 2),
+        num_key_value_heads=args.kv_heads or max(1, args.heads // 2),
         max_position_embeddings=args.seq,
         tie_word_embeddings=False,
     )
 
 
+def _dtype(args):
+    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
+def _lora_targets(args):
+    return [t for t in args.lora_targets.split(",") if t]
+
+
 def model_shape(args):
-    """(parameters, bytes of the largest module's own parameters in fp32), from a model built on
-    the meta device: nothing allocated."""
+    """(parameters, bytes of the largest module's own parameters, bytes of one layer's, trainable
+    parameters), in the model's dtype, from a model built on the meta device: nothing allocated.
+    With LoRA the trainable ones are the adapters' (r x (in + out) per targeted projection)."""
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config(args))
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * 4
-    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4
-    return sum(p.numel() for p in model.parameters()), largest, layer
+    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * esize
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * esize
+    n_params = sum(p.numel() for p in model.parameters())
+    trainable = n_params
+    if args.lora_r:
+        targets = set(_lora_targets(args))
+        adapters = sum(args.lora_r * (m.in_features + m.out_features) for name, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+        n_params += adapters
+        trainable = adapters
+    return n_params, largest, layer, trainable
 
 
-def make_model(args, config):
+class BuildProgress:
+    """Prints, every few seconds while the model is built into the engine, the bytes written so far
+    and the rate (a 7B model is minutes of writing)."""
+
+    def __init__(self, store, total_bytes, say, every=10.0):
+        self.store, self.total, self.say, self.every = store, total_bytes, say, every
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def _line(self):
+        done = self.store.written_bytes
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        # Each weight is written when its module is built and again by transformers' init.
+        return (f"building: {self.store.count} tensors staged, {fmt_bytes(done)} written (model "
+                f"{fmt_bytes(self.total)}), {fmt_bytes(done / dt)}/s")
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            self.say(self._line(), flush=True)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if exc[0] is None:
+            self.say(self._line() + f" in {time.perf_counter() - self.t0:.1f} s", flush=True)
+        return False
+
+
+def make_model(args, config, say=print):
     """The model, built under tier.torch.init: each module's parameters go into the engine as it
     is constructed, so the model never exists whole in host memory (same weights as an eager
-    build with the same seed)."""
+    build with the same seed). In bf16 with --dtype bf16; with --lora-r, wrapped by PEFT's LoRA
+    inside the same context (the adapters are staged like the rest, the base is frozen)."""
     torch.manual_seed(args.seed)
-    with tier.torch.init(config):
-        return transformers.LlamaForCausalLM(llama_config(args))
+    n_params = model_shape(args)[0]
+    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    previous = torch.get_default_dtype()
+    with tier.torch.init(config) as ctx, BuildProgress(ctx.store, n_params * esize, say):
+        torch.set_default_dtype(_dtype(args))
+        try:
+            model = transformers.LlamaForCausalLM(llama_config(args))
+            if args.lora_r:
+                import peft
+
+                lora = peft.LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                       target_modules=_lora_targets(args))
+                # Adapters in the model's dtype (tier keeps their fp32 masters): PEFT's fp32
+                # upcast would make new tensors of the staged ones, without their values.
+                model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+        finally:
+            torch.set_default_dtype(previous)
+    return model
+
+
+def check_disk(args, shape, swap_dir):
+    """Refuses, before anything is written, a run whose NVMe files cannot fit the swap folder's
+    disk: the parameters in their dtype and the optimizer's fp32 state for the trainable ones
+    (master, m and v: 12 bytes per element, in two slots)."""
+    n_params, _, _, trainable = shape
+    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    footprint.check_nvme_room([swap_dir], {"parameters": n_params * esize, "optimizer state": 24 * trainable})
 
 
 def peak_rss_bytes():
@@ -98,15 +177,15 @@ def peak_rss_bytes():
 
 
 def default_config(args, shape):
-    n_params, largest, layer = shape
-    total = n_params * 4
+    n_params, largest, layer, _ = shape
+    total = n_params * torch.empty(0, dtype=_dtype(args)).element_size()
     device_budget = max(int(total * args.device_fraction), 3 * largest)
     if getattr(args, "checkpoint_activations", False):
         # A layer's recompute keeps its weights until their backward (and the next is prefetched).
         device_budget = max(device_budget, 2 * layer + 3 * largest)
     if args.device_budget:
         device_budget = args.device_budget
-    return {
+    cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.gas,
         "gradient_clipping": 1.0,
@@ -120,12 +199,16 @@ def default_config(args, shape):
         },
         "aio": {"block_size": 1048576, "queue_depth": 16},
         # Host memory is bounded by this budget, not by the model (params, gradients and optimizer
-        # state live on NVMe); a few layers' worth is enough. The engine's NVMe files hold params
-        # and gradients (4 + 4 bytes per parameter, and room to stage the next); the optimizer
-        # state has its own (12 bytes per parameter, twice: the committed copy and the next).
+        # state live on NVMe); a few layers' worth is enough. The NVMe budget caps the engine's
+        # swap files (params and gradients, 4 + 4 bytes per parameter, and room to stage the
+        # next), which grow with what they hold; the optimizer state has its own (12 bytes per
+        # parameter, twice: the committed copy and the next).
         "tier": {"budgets": {"device": device_budget, "host": max(64 << 20, 4 * largest, min(2 * total, 1 << 30)),
                              "nvme": max(256 << 20, 3 * total)}},
     }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def claim_swap_dir(swap_dir):
@@ -161,6 +244,16 @@ PRESETS = {
     "1.5b": {"hidden": 2560, "layers": 20, "heads": 20, "lr": 2e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_budget": 768 << 20},
     "3b": {"hidden": 3072, "layers": 26, "heads": 24, "lr": 2e-4, "batch": 1, "seq": 64, "steps": 3, "gas": 1, "device_budget": 768 << 20},
 }
+# Llama-2-7B's shape (tier's byte-level corpus maps into its vocabulary) in bf16, with gradient
+# checkpointing; the device budget is what one layer's recompute and the largest module need.
+# "7b" is the full fine-tune (its optimizer state alone is 162 GB: refused where the disk lacks
+# it; --layers K runs K of its 32 layers); "7b-lora" trains LoRA adapters (r=16 on the attention
+# projections) over the frozen base streamed from NVMe.
+_7B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 32, "intermediate": 11008, "vocab": 32000,
+       "dtype": "bf16", "checkpoint_activations": True, "batch": 1, "seq": 128, "steps": 3, "gas": 1,
+       "device_fraction": 0.0}
+PRESETS["7b"] = dict(_7B, lr=1e-5)
+PRESETS["7b-lora"] = dict(_7B, lr=2e-4, lora_r=16)
 # Fewer steps than this do not say whether the model learns: the loss is reported, not judged.
 JUDGE_LOSS_FROM_STEPS = 10
 
@@ -181,6 +274,17 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default: heads / 2)")
+    p.add_argument("--intermediate", type=int, default=0, help="MLP width (default: 8/3 of hidden)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (the corpus is bytes: at least 256)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the model's dtype (bf16: bf16 weights and compute, fp32 optimizer state)")
+    p.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank over a frozen base "
+                   "(0: full fine-tune)")
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                   help="the projections LoRA adapts (comma-separated module names)")
+    p.add_argument("--save-adapter", metavar="DIR", help="with --lora-r: save the trained adapter to DIR with "
+                   "PEFT's save_pretrained (loads with peft.PeftModel.from_pretrained)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-fraction", type=float, default=0.4, help="device budget as a fraction of the model")
@@ -199,6 +303,10 @@ def main(argv=None):
     p.add_argument("--trace", metavar="FILE", help="write the run's timeline (transfers per link, stalls, "
                    "forward/backward/optimizer spans) to FILE as Chrome trace JSON (ui.perfetto.dev)")
     args = p.parse_args(argv)
+    if args.vocab < 256:
+        p.error("--vocab must be at least 256: the corpus is bytes")
+    if args.save_adapter and not args.lora_r:
+        p.error("--save-adapter needs --lora-r")
     if args.offload_activations != "none" and not args.checkpoint_activations:
         p.error("--offload-activations needs --checkpoint-activations (only checkpointed layer inputs are offloaded)")
     if args.preset:
@@ -210,6 +318,9 @@ def main(argv=None):
     own, created = claim_swap_dir(args.swap_dir)
     try:
         return run(args, own)
+    except tier.NoSpace as e:  # refused before anything was written: say why, no traceback
+        print(f"tier: {e}", file=sys.stderr)
+        return 2
     finally:
         release_swap_dir(own, args.swap_dir, created)
         _end_distributed()
@@ -258,18 +369,22 @@ def run(args, swap_dir):
     args = argparse.Namespace(**dict(vars(args), swap_dir=swap_dir))
     shape = model_shape(args)
     n_params = shape[0]
+    check_disk(args, shape, swap_dir)
     config = args.config or default_config(args, shape)
     if args.trace:
         if isinstance(config, str):
             raise SystemExit("--trace with --config: set \"tier\": {\"trace_file\": ...} in the config instead")
         config.setdefault("tier", {})["trace_file"] = os.path.abspath(args.trace)
-    model = make_model(args, config)
+    model = make_model(args, config, say)
     acts = {}
     if args.checkpoint_activations:
         acts = {"checkpoint_activations": True, "offload_activations": args.offload_activations}
     engine, *_ = tier.torch.initialize(model, config, **acts)
     s0 = engine.stats()
-    say(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * 4)} fp32), "
+    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    trained = f", {shape[3] / 1e6:.2f} M of them trained (LoRA r={args.lora_r})" if args.lora_r else ""
+    say(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * esize)} "
+          f"{args.dtype}){trained}, "
           f"{args.layers} layers; device: {s0['info'].get('device', '?')}, budget "
           f"{fmt_bytes(s0['tiers']['device']['budget_bytes'])}; params and optimizer state on NVMe in {args.swap_dir} "
           f"({s0['info'].get('io_engine', '?')})", flush=True)
@@ -315,6 +430,10 @@ def run(args, swap_dir):
               flush=True)
 
     total = time.perf_counter() - t_start
+    if args.save_adapter:
+        # Only the adapters are gathered from the engine, not the frozen base.
+        engine.module.save_pretrained(args.save_adapter,
+                                      state_dict=engine.module_state_dict(exclude_frozen_parameters=True))
     s = engine.stats()
     summary = {
         "parameters": n_params,
@@ -343,7 +462,13 @@ def run(args, swap_dir):
         "activation_peak_bytes": {t: s["metrics"].get(f"activations.{t}.peak_bytes", 0.0)
                                   for t in ("device", "host", "nvme")},
         "activations_offloaded": engine._activations.offloaded if engine._activations is not None else 0,
+        # Blocks the swap files took on disk (they only grow): the engine's and the optimizer's.
+        "nvme_allocated_peak_bytes": s["metrics"].get("nvme.swap.allocated_bytes", 0.0)
+        + s["metrics"].get("optim.swap.allocated_bytes", 0.0),
     }
+    summary["nvme_bytes_per_param"] = summary["nvme_allocated_peak_bytes"] / n_params
+    if args.save_adapter:
+        summary["adapter_dir"] = args.save_adapter
     if args.json:
         say(json.dumps({"summary": summary, "history": history}, indent=1))
     else:
@@ -353,7 +478,7 @@ def run(args, swap_dir):
               f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
         say("  moved: " + ", ".join(f"{short} {fmt_bytes(summary['links'][k])}" for k, short in LINKS))
         say(f"  peak: device {fmt_bytes(summary['peak_bytes']['device'])} of a {fmt_bytes(summary['device_budget'])} "
-              f"budget (model {fmt_bytes(n_params * 4)}), host {fmt_bytes(summary['peak_bytes']['host'])}, "
+              f"budget (model {fmt_bytes(n_params * esize)}), host {fmt_bytes(summary['peak_bytes']['host'])}, "
               f"nvme {fmt_bytes(summary['peak_bytes']['nvme'])}; optimizer pinned buffers "
               f"{fmt_bytes(summary['optimizer_pinned_bytes'])}")
         say(f"  prefetch: {summary['prefetch_hits']:.0f} hits of {summary['acquires']:.0f} acquires, "
@@ -366,6 +491,10 @@ def run(args, swap_dir):
             say(f"  activations: {summary['activations_offloaded']} layer checkpoints offloaded to "
                 f"{args.offload_activations}; at most device {fmt_bytes(ap['device'])}, host {fmt_bytes(ap['host'])}, "
                 f"nvme {fmt_bytes(ap['nvme'])} at once")
+        if args.save_adapter:
+            say(f"  adapter: saved to {args.save_adapter} (peft.PeftModel.from_pretrained loads it)")
+        say(f"  disk: swap files took {fmt_bytes(summary['nvme_allocated_peak_bytes'])} = "
+            f"{summary['nvme_bytes_per_param']:.1f} bytes per parameter")
         say(f"  host memory: peak RSS {fmt_bytes(summary['peak_rss_bytes'])} = "
               f"{summary['host_bytes_per_param']:.1f} bytes per parameter (host budget "
               f"{fmt_bytes(summary['host_budget'])})")

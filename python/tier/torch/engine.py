@@ -1890,11 +1890,20 @@ class TierEngine(torch.nn.Module):
             state_dict[full] = t.requires_grad_(p.requires_grad) if state_dict[full].requires_grad else t
 
     def module_state_dict(self, exclude_frozen_parameters=False):
-        """The model's state dict with every parameter gathered from the engine (compute dtype, CPU)."""
-        sd = self.module.state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            sd = {k: v for k, v in sd.items() if k not in frozen}
+        """The model's state dict with every parameter gathered from the engine (compute dtype, CPU).
+        With ``exclude_frozen_parameters`` only the trainable parameters (and the buffers) are
+        gathered: a LoRA adapter's state dict reads megabytes, not the frozen base."""
+        if not exclude_frozen_parameters:
+            return self.module.state_dict()
+        sd = {}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                slot = self._slot_of.get(id(p))
+                sd[name] = self.parameter(slot.name) if slot is not None else p.detach().cpu()
+        for prefix, mod in self.module.named_modules():
+            for name, b in mod._buffers.items():
+                if b is not None and name not in mod._non_persistent_buffers_set:  # as state_dict()
+                    sd[f"{prefix}.{name}" if prefix else name] = b.detach().cpu()
         return sd
 
     def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype=None, save_config=True):

@@ -84,6 +84,7 @@ class StagedParameters:
         self.native = _tier.Engine.create(self.config)
         self.count = 0
         self.staged_bytes = 0
+        self.written_bytes = 0  # into the engine so far, a parameter initialized twice counted twice
         self.live = {}  # staged tensor id -> bytes, for those not yet taken
 
     def same_engine_config(self, cfg):
@@ -105,6 +106,7 @@ class StagedParameters:
         self.count += 1
         self.live[tid] = data.numel() * data.element_size()
         self.staged_bytes += data.numel() * data.element_size()
+        self.written_bytes += data.numel() * data.element_size()
         swap_data(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
         param._tier_staged = (self, tid)
 
@@ -118,7 +120,9 @@ class StagedParameters:
     def restage(self, param):
         """Stores a materialized parameter's (possibly changed) values and makes it meta again."""
         _, tid = param._tier_staged
-        self.native.write(tid, param.detach().contiguous())
+        data = param.detach().contiguous()
+        self.native.write(tid, data)
+        self.written_bytes += data.numel() * data.element_size()
         swap_data(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
 
     def take(self, param):
