@@ -215,3 +215,23 @@ def test_bad_configs_name_the_key_and_the_fix(swap_dir):
     with pytest.raises(tier.ResourceExhausted) as e:
         tier.torch.initialize(make_model(), tier_config(swap_dir, device_budget="16K"))
     assert "tier.budgets.device" in str(e.value)
+
+
+def test_a_host_budget_too_small_for_a_step_is_refused_at_initialize(swap_dir):
+    """4.3 MB of host budget beside 4 MiB of optimizer buffers: a step could never move a chunk of
+    gradients and updated params through host memory and would time out mid-step (TimedOut after
+    tier.acquire_timeout_ms); it is refused at initialize with the numbers. The least it asks
+    for trains."""
+    cfg = tier_config(swap_dir, gas=1)
+    cfg["tier"]["budgets"]["host"] = "4300K"
+    with pytest.raises(tier.ResourceExhausted) as e:
+        tier.torch.initialize(make_model(), cfg)
+    message = str(e.value)
+    assert "tier.budgets.host is 4.20 MiB" in message and "pinned buffers take 4.00 MiB" in message, message
+    need = int(message.split("raise tier.budgets.host to at least ")[1].split("(")[1].split(" bytes")[0])
+    cfg["tier"]["budgets"]["host"] = need
+    cfg["tier"]["acquire_timeout_ms"] = 20000
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
+    losses = tier_losses(engine, 2, gas=1)
+    engine.destroy()
+    assert max_rel_diff(losses, baseline_losses(2, gas=1)) <= 1e-5

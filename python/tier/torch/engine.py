@@ -593,6 +593,8 @@ class TierEngine(torch.nn.Module):
             )
             groups = self._build_groups(model_parameters)
 
+        self._check_host_working_set()
+
         # The swap files grow with what they hold: a model its disks cannot hold is refused now.
         parts = {}
         if param_home == "nvme" and store is None:
@@ -1578,6 +1580,31 @@ class TierEngine(torch.nn.Module):
                 self.optimizer.clear_grads()
         for slot in self._slots:
             slot.param.grad = None
+
+    def _check_host_working_set(self):
+        """A host budget that cannot hold what a step moves through host memory at once is refused
+        now, with the numbers, not met as a TimedOut after tier.acquire_timeout_ms mid-step. Inside
+        the budget: the optimizer's pinned buffers, then one chunk's gradients (fp32) and updated
+        parameters (compute dtype) as the optimizer reads and delivers them, or the largest
+        parameter's fp32 master and its update, whichever is more."""
+        if self.optimizer is None:
+            return
+        budget = json.loads(self.native.stats_json())["tiers"]["host"]["budget_bytes"]
+        st = self.optimizer.stats()
+        esize = torch.empty(0, dtype=self.compute_dtype).element_size()
+        elements = sum(s.zero_count for s in self._slots if s.trainable)  # (partitions come later)
+        chunk = min(st["chunk_elements"], elements) * (4 + esize)
+        largest = max((s.zero_count for s in self._slots if s.trainable), default=0) * (4 + esize)
+        moving = max(chunk, largest)
+        need = st["pinned_bytes"] + moving
+        if need > budget:
+            fmt = _tier.format_bytes
+            raise _tier.ResourceExhausted(
+                f"tier.budgets.host is {fmt(budget)} ({budget} bytes): the optimizer's pinned buffers take "
+                f"{fmt(st['pinned_bytes'])} and a step moves up to {fmt(moving)} of gradients and updated parameters "
+                f"through host memory at once (a chunk of {st['chunk_elements']} elements, or the largest parameter); "
+                f"raise tier.budgets.host to at least {fmt(need)} ({need} bytes), or lower tier.optimizer.buffer_bytes"
+            )
 
     def _require_optimizer(self, what):
         if self.optimizer is None:
