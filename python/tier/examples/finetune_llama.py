@@ -303,17 +303,17 @@ def main(argv=None):
     p.add_argument("--trace", metavar="FILE", help="write the run's timeline (transfers per link, stalls, "
                    "forward/backward/optimizer spans) to FILE as Chrome trace JSON (ui.perfetto.dev)")
     args = p.parse_args(argv)
+    if args.preset:
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+        for key, value in PRESETS[args.preset].items():
+            if "--" + key.replace("_", "-") not in given:
+                setattr(args, key, value)
     if args.vocab < 256:
         p.error("--vocab must be at least 256: the corpus is bytes")
     if args.save_adapter and not args.lora_r:
         p.error("--save-adapter needs --lora-r")
     if args.offload_activations != "none" and not args.checkpoint_activations:
         p.error("--offload-activations needs --checkpoint-activations (only checkpointed layer inputs are offloaded)")
-    if args.preset:
-        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
-        for key, value in PRESETS[args.preset].items():
-            if "--" + key.replace("_", "-") not in given:
-                setattr(args, key, value)
 
     own, created = claim_swap_dir(args.swap_dir)
     try:
