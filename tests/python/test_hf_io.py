@@ -65,6 +65,16 @@ def test_a_model_built_under_init_trains_exactly_like_the_eager_one(swap_dir, ma
     assert got == expected  # same random numbers drawn in the same order, same arithmetic
 
 
+def test_building_under_init_writes_each_weight_about_twice_not_once_per_level(swap_dir):
+    """Construction stages each weight once; transformers' init visits every module after its
+    children and brings the children's weights again: only values that changed are written back,
+    so a model costs about twice its bytes to build, not once per level of the module tree."""
+    with tier.torch.init(cfg(swap_dir)) as ctx:
+        model = transformers.AutoModelForCausalLM.from_config(llama_config(tied=False))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_bytes <= ctx.store.written_bytes <= 2 * model_bytes, (ctx.store.written_bytes, model_bytes)
+
+
 def test_init_keeps_ties_and_drops_staging_copies(swap_dir):
     with tier.torch.init(cfg(swap_dir)) as ctx:
         model = transformers.AutoModelForCausalLM.from_config(llama_config(tied=True))

@@ -117,12 +117,13 @@ class StagedParameters:
         self.native.read(tid, real)
         swap_data(param, real)
 
-    def restage(self, param):
-        """Stores a materialized parameter's (possibly changed) values and makes it meta again."""
+    def restage(self, param, changed=True):
+        """Stores a materialized parameter's values (when ``changed``) and makes it meta again."""
         _, tid = param._tier_staged
-        data = param.detach().contiguous()
-        self.native.write(tid, data)
-        self.written_bytes += data.numel() * data.element_size()
+        if changed:
+            data = param.detach().contiguous()
+            self.native.write(tid, data)
+            self.written_bytes += data.numel() * data.element_size()
         swap_data(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
 
     def take(self, param):
@@ -258,6 +259,8 @@ class init:
 
         @functools.wraps(original)
         def initialize_weights(model, module, *args, **kwargs):
+            if getattr(module, "_is_hf_initialized", False):
+                return original(model, module, *args, **kwargs)  # returns at once: nothing to bring
             # As initialize_weights_zero3: _init_weights may touch the direct children's parameters.
             params = list(module.parameters(recurse=False))
             for child in module.children():
@@ -268,12 +271,15 @@ class init:
                 if id(p) not in seen and staged_store(p) is store:
                     seen.add(id(p))
                     store.materialize(p)
-                    staged.append(p)
+                    staged.append((p, p.detach().clone()))
             try:
                 return original(model, module, *args, **kwargs)
             finally:
-                for p in staged:
-                    store.restage(p)
+                # A parent's visit brings its children's parameters again (post-order: they were
+                # initialized already) and mostly leaves them as they are: only a parameter whose
+                # values changed is written back (a 7B model is not rewritten once per level).
+                for p, before in staged:
+                    store.restage(p, changed=not torch.equal(p.detach(), before))
 
         PreTrainedModel._initialize_weights = initialize_weights
         self._patched.append((PreTrainedModel, "_initialize_weights", original))
