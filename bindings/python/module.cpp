@@ -471,8 +471,9 @@ void bind_file_layer(nb::module_& m);  // file_layer.cpp
 
 NB_MODULE(_tier, m) {
   m.doc() = "tier: memory-tiering and offload engine (native module)";
-  m.def("format_bytes", [](std::uint64_t n) { return format_bytes(n); }, "n"_a,
-        "A byte count as tier's messages write it: \"1.50 GiB\".");
+  m.def(
+      "format_bytes", [](std::uint64_t n) { return format_bytes(n); }, "n"_a,
+      "A byte count as tier's messages write it: \"1.50 GiB\".");
 
   nb::module_ builtins = nb::module_::import_("builtins");
   nb::object base = nb::steal(PyErr_NewException("tier.TierError", PyExc_RuntimeError, nullptr));

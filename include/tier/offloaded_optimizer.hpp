@@ -315,7 +315,7 @@ struct OptimizerStats {
   // partition is added; the files grow to it) and what they reserve on disk now.
   std::uint64_t nvme_capacity_bytes = 0;
   std::uint64_t nvme_allocated_bytes = 0;
-  std::int64_t step = 0;                // group 0's step counter
+  std::int64_t step = 0;  // group 0's step counter
   std::uint64_t steps_skipped = 0;
   std::uint64_t steps_failed = 0;
   // Steps whose update was committed, since creation (an overlapped pass in flight moves `step`

@@ -121,17 +121,21 @@ std::vector<KeySpec> build_schema() {
 
   // ---------------------------------------------------------------- top level (DeepSpeed)
   add(K("", VK::kObject));
+  // The engine takes whatever batch the training loop feeds; the adapters read the batch keys.
+  static const std::string kBatchNote =
+      "the engine takes whatever batch the training loop feeds; tier.torch reads it for the DataLoader "
+      "initialize(training_data=...) builds and for train_batch_size()";
   add(K("train_batch_size", VK::kInt)
           .range(1, kBig)
           .auto_is(0)
-          // Acted on by the adapters: tier.torch's train_batch_size() and the DataLoader
-          // initialize(training_data=...) builds (the engine itself takes whatever batch comes).
+          .noted(kBatchNote)
           .set([](EngineConfig& c, const json& v) { c.train_batch_size = v.get<std::uint64_t>(); })
           .get([](const EngineConfig& c) { return c.train_batch_size ? json(c.train_batch_size) : json(nullptr); })
           .sample(32, 0));
   add(K("train_micro_batch_size_per_gpu", VK::kInt)
           .range(1, kBig)
           .auto_is(0)
+          .noted(kBatchNote)
           .set([](EngineConfig& c, const json& v) { c.train_micro_batch_size_per_gpu = v.get<std::uint64_t>(); })
           .get([](const EngineConfig& c) {
             return c.train_micro_batch_size_per_gpu ? json(c.train_micro_batch_size_per_gpu) : json(nullptr);

@@ -240,7 +240,8 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
     auto swap = nvme::SwapSpace::create(so);
     if (!swap.ok()) return swap.status().with_context("engine: NVMe tier");
     owned->swap = std::move(swap).value();
-    b.stores[static_cast<int>(Tier::kNvme)] = std::make_unique<NvmeStore>(owned->swap.get(), owned->swap->stats().capacity_bytes);
+    b.stores[static_cast<int>(Tier::kNvme)] =
+        std::make_unique<NvmeStore>(owned->swap.get(), owned->swap->stats().capacity_bytes);
   }
 
   b.stores[static_cast<int>(Tier::kDevice)] = std::make_unique<DeviceStore>(owned->device.get());

@@ -60,7 +60,7 @@ namespace tier::nvme {
 class SwapSpace;
 
 struct SwapSpaceOptions {
-  std::vector<std::string> paths;    // directories, one per SSD; created (0700) when missing
+  std::vector<std::string> paths;  // directories, one per SSD; created (0700) when missing
   // Each path's capacity, rounded up to 4 KiB. Its file grows as extents are allocated (fallocate
   // in steps, up to this cap), so it holds on disk what the extents need; 0: the free space of the
   // path's file system at creation. With `preallocate` the whole capacity is reserved at creation
@@ -68,18 +68,18 @@ struct SwapSpaceOptions {
   std::uint64_t bytes_per_path = 0;
   bool preallocate = false;
   IoEngineKind engine = IoEngineKind::kAuto;
-  std::uint64_t block_size = 1u << 20;  // bytes per request; a multiple of 4 KiB, at most 1 GiB
-  unsigned queue_depth = 8;             // requests in flight per I/O thread
-  unsigned intra_op_parallelism = 1;    // I/O threads, each with its own engine
-  bool single_submit = false;           // one system call per request instead of per batch
-  bool use_direct = true;               // O_DIRECT (falls back per path when refused)
-  bool sqpoll = false;                  // io_uring submission polling
-  bool fixed_buffers = true;            // register the arena with io_uring
-  bool bounce_unaligned = false;        // copy misaligned buffers/sizes through bounce buffers
-  std::uint64_t stripe_unit = 0;        // bytes per stripe piece; 0: block_size
-  std::uint64_t stripe_threshold = 0;   // extents at least this large are striped; 0: 2 stripe units
-  HostArena* arena = nullptr;           // registered as fixed buffers when given; must outlive this
-  Counters* counters = nullptr;         // nvme<->host link counters, info and metrics; may be null
+  std::uint64_t block_size = 1u << 20;       // bytes per request; a multiple of 4 KiB, at most 1 GiB
+  unsigned queue_depth = 8;                  // requests in flight per I/O thread
+  unsigned intra_op_parallelism = 1;         // I/O threads, each with its own engine
+  bool single_submit = false;                // one system call per request instead of per batch
+  bool use_direct = true;                    // O_DIRECT (falls back per path when refused)
+  bool sqpoll = false;                       // io_uring submission polling
+  bool fixed_buffers = true;                 // register the arena with io_uring
+  bool bounce_unaligned = false;             // copy misaligned buffers/sizes through bounce buffers
+  std::uint64_t stripe_unit = 0;             // bytes per stripe piece; 0: block_size
+  std::uint64_t stripe_threshold = 0;        // extents at least this large are striped; 0: 2 stripe units
+  HostArena* arena = nullptr;                // registered as fixed buffers when given; must outlive this
+  Counters* counters = nullptr;              // nvme<->host link counters, info and metrics; may be null
   std::string metrics_prefix = "nvme.swap";  // <prefix>.used_bytes, .allocated_bytes, .capacity_bytes, ...
   // Wraps each I/O thread's engine (e.g. in a FaultInjectingEngine for tests); may be empty.
   std::function<std::unique_ptr<IoEngine>(std::unique_ptr<IoEngine>)> wrap_engine;
