@@ -1143,7 +1143,9 @@ Status Engine::unregister_tensor(TensorId id) {
       ++t.generation;
       e.by_name.erase(t.desc.name);
       e.free_ids.push_back(id);
-      e.trace.reset();
+      // The recorded order stays valid unless it holds this tensor (an untraced one, such as a
+      // reserve_host region, leaves it alone; its id may be reused by a tensor registered later).
+      if (e.trace.touches(id)) e.trace.reset();
       return Status::Ok();
     });
     // A prefetch or an eviction's write-back of an idle tensor ends on its own: wait for it.
@@ -1178,16 +1180,31 @@ Status Engine::write(TensorId id, const void* src) {
 
 namespace {
 // What keeps a reserve_host region: the lease on the tensor, then the tensor itself.
+// It reaches the engine only through the engine's link, so a region that outlives its engine
+// (against the documented order) ends harmlessly: the engine took its memory with it.
 struct HostReservation {
-  Engine* engine = nullptr;
+  std::shared_ptr<detail::EngineLink> link;
+  std::shared_ptr<std::atomic<std::uint64_t>> reserved;
   TensorId id = 0;
+  std::uint64_t generation = 0;
   Lease lease;
-  std::atomic<std::uint64_t>* reserved = nullptr;
   std::uint64_t bytes = 0;
   ~HostReservation() {
-    lease.release().ignore();
-    engine->unregister_tensor(id).ignore();
-    if (reserved != nullptr) reserved->fetch_sub(bytes);
+    lease.release().ignore();  // posted to the engine first, so the tensor is idle below
+    reserved->fetch_sub(bytes);
+    const TensorId tid = id;
+    const std::uint64_t gen = generation;
+    link->post([tid, gen](Engine::Impl& e) {
+      if (tid >= e.tensors.size() || e.tensors[tid].generation != gen || !e.tensors[tid].live) return;
+      Engine::Impl::TensorRec& t = e.tensors[tid];
+      for (Tier x : kAllTiers) e.drop_copy(t, x);
+      t.live = false;
+      ++t.generation;
+      e.by_name.erase(t.desc.name);
+      e.free_ids.push_back(tid);
+      if (e.trace.touches(tid)) e.trace.reset();
+      for (Tier x : kAllTiers) e.serve_room_waiters(x);
+    });
   }
 };
 }  // namespace
@@ -1204,25 +1221,34 @@ Result<PinnedRegion> Engine::reserve_host(const std::string& name, std::uint64_t
   };
   // Reserved memory is held until its region goes, never evicted: past the budget, waiting for
   // room would only end in the acquire timeout.
-  const std::uint64_t held = impl_->reserved_host.load();
-  if (held > 0 && held + bytes > impl_->budget[static_cast<int>(Tier::kHost)]) {
-    return why(resource_exhausted(str("the reservations already made hold ", format_bytes(held),
-                                      ", and reserved memory is not given back to make room")));
-  }
+  // Claimed before anything is placed, in one step: two reservations made at once cannot both
+  // pass the check and then wait for room the other holds.
+  std::uint64_t held = impl_->reserved_host->load();
+  do {
+    if (held > 0 && held + bytes > impl_->budget[static_cast<int>(Tier::kHost)]) {
+      return why(resource_exhausted(str("the reservations already made hold ", format_bytes(held),
+                                        ", and reserved memory is not given back to make room")));
+    }
+  } while (!impl_->reserved_host->compare_exchange_weak(held, held + bytes));
+  auto unclaim = [&] { impl_->reserved_host->fetch_sub(bytes); };
   auto id = register_tensor(desc, Tier::kHost);
-  if (!id.ok()) return why(id.status());
+  if (!id.ok()) {
+    unclaim();
+    return why(id.status());
+  }
   auto lease = acquire_now(*id, Tier::kHost, Access::kWrite);
   if (!lease.ok()) {
     unregister_tensor(*id).ignore();
+    unclaim();
     return why(lease.status());
   }
   auto keep = std::make_shared<HostReservation>();
-  keep->engine = this;
+  keep->link = impl_->link;
+  keep->reserved = impl_->reserved_host;
   keep->id = *id;
+  keep->generation = impl_->call([&] { return impl_->tensors[*id].generation; });
   keep->lease = std::move(lease).value();
-  keep->reserved = &impl_->reserved_host;
   keep->bytes = bytes;
-  impl_->reserved_host.fetch_add(bytes);
   PinnedRegion r;
   r.data = static_cast<std::byte*>(keep->lease.data());
   r.bytes = bytes;

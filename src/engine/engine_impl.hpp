@@ -55,6 +55,10 @@ struct AcquireState {
   Status status;
   std::shared_ptr<LeaseState> lease;
   std::shared_ptr<EngineLink> link;
+  // The last reference gone (the future dropped unwaited, before or after the grant) with a lease
+  // nobody took: it ends unused. A write lease is abandoned, so the reserved copy, which holds no
+  // data, is never published as the tensor's contents.
+  ~AcquireState();
 };
 
 struct LeaseState {
@@ -71,6 +75,10 @@ struct LeaseState {
   void end(bool abandon = false) noexcept;
   ~LeaseState() { end(); }
 };
+
+inline AcquireState::~AcquireState() {
+  if (lease) lease->end(/*abandon=*/true);
+}
 
 }  // namespace tier::detail
 
@@ -190,7 +198,9 @@ struct Engine::Impl {
   void note_role_bytes(const TensorDesc& d, Tier tier, std::int64_t delta);
   std::array<std::uint64_t, kNumTiers> freeing{};  // bytes of write-backs in flight per tier
   // Bytes held by Engine::reserve_host regions (any thread; never evicted until released).
-  std::atomic<std::uint64_t> reserved_host{0};
+  // Bytes held by reserve_host regions; shared with them, which give their bytes back at once when
+  // they go (their tensors are dropped on this thread after).
+  std::shared_ptr<std::atomic<std::uint64_t>> reserved_host = std::make_shared<std::atomic<std::uint64_t>>(0);
 
   // ---- state
   std::vector<TensorRec> tensors;

@@ -62,6 +62,11 @@ void AccessTrace::reset() {
   if (mode_ == Mode::kReplaying) mode_ = Mode::kIdle;
 }
 
+bool AccessTrace::touches(TensorId tensor) const {
+  if (tensor < uses_.size() && !uses_[tensor].empty()) return true;
+  return std::any_of(recording_.begin(), recording_.end(), [&](const TraceEntry& e) { return e.tensor == tensor; });
+}
+
 void AccessTrace::rebuild_index() {
   uses_.clear();
   for (std::uint32_t i = 0; i < trace_.size(); ++i) {

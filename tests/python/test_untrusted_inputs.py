@@ -180,6 +180,7 @@ def test_no_space_carries_errno(tmp_path):
     cfg = copy.deepcopy(kc.config(str(tmp_path / "swap")))
     cfg["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
     cfg["tier"]["budgets"]["nvme"] = "1000T"  # more than any test machine's disk
+    cfg["tier"]["io"] = {"preallocate": True}  # reserved up front (else the budget is only a cap)
     with pytest.raises(tier.NoSpace) as info:
         tier.torch.initialize(kc.make_model(), cfg)
     e = info.value

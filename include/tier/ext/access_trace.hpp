@@ -41,8 +41,10 @@ class AccessTrace {
   // Records or matches one acquire. Returns false when it did not match a replayed trace.
   // `write_only`: the acquire is Access::kWrite (see TraceEntry).
   bool on_acquire(TensorId tensor, Tier tier, bool write_only = false);
-  // Forgets the trace (e.g. when tensors are unregistered).
+  // Forgets the trace (e.g. when a tensor it holds is unregistered).
   void reset();
+  // Whether the trace or the step being recorded holds an acquire of `tensor`.
+  bool touches(TensorId tensor) const;
 
   Mode mode() const noexcept { return mode_; }
   bool has_trace() const noexcept { return !trace_.empty(); }
