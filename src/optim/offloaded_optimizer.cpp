@@ -776,9 +776,18 @@ std::uint64_t OffloadedOptimizer::partitions_with_grads() const noexcept {
 
 namespace {
 
+// Puts the groups' step counters back (a pass that was not committed advanced them).
+void restore_steps(OffloadedOptimizer::Impl& im, const std::vector<std::int64_t>& old_steps) {
+  std::lock_guard<std::mutex> lock(im.groups_mu);
+  for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
+}
+
 // Counters and the timeline after a step.
 void publish_step(const OffloadedOptimizer::Impl& im, StepReport& r, Clock::time_point t0) {
-  r.step = im.groups[0].step();
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    r.step = im.groups[0].step();
+  }
   r.seconds = since(t0);
   if (Counters* c = im.opt.counters) {
     c->add_metric("optim.steps", 1);
@@ -954,16 +963,20 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
 
   std::vector<std::int64_t> old_steps;
   std::vector<cpu::AdamStep> steps;
-  for (std::size_t g = 0; g < im.groups.size(); ++g) {
-    old_steps.push_back(im.groups[g].step());
-    auto st = im.groups[g].begin_step(grad_scale);
-    if (!st.ok()) {
-      for (std::size_t k = 0; k < g; ++k) im.groups[k].set_step(old_steps[k]).ignore();
-      return st.status().with_context(str("optimizer step: parameter group ", g));
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    for (std::size_t g = 0; g < im.groups.size(); ++g) {
+      old_steps.push_back(im.groups[g].step());
+      auto st = im.groups[g].begin_step(grad_scale);
+      if (!st.ok()) {
+        for (std::size_t k = 0; k < g; ++k) im.groups[k].set_step(old_steps[k]).ignore();
+        return st.status().with_context(str("optimizer step: parameter group ", g));
+      }
+      steps.push_back(std::move(st).value());
     }
-    steps.push_back(std::move(st).value());
   }
   auto rollback = [&] {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
     for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
   };
 
@@ -1029,8 +1042,8 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   detail::PipelineStats lamb_pass;  // added to the report's streams after pass 2
   bool any_lamb = false;
   for (const Partition& p : im.parts) {
-    any_lamb =
-        any_lamb || im.groups[static_cast<std::size_t>(p.group)].hyper_params().kind == cpu::OptimizerKind::kLamb;
+    // (the step's own constants: a group's kind is fixed when the step begins)
+    any_lamb = any_lamb || steps[static_cast<std::size_t>(p.group)].hyper_params().kind == cpu::OptimizerKind::kLamb;
   }
   if (any_lamb) {
     std::vector<std::unique_ptr<cpu::LambNorms>> norms(im.parts.size());
@@ -1418,7 +1431,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   Result<StepReport> pass = std::move(held->result);
   if (!norm_error.ok()) {
-    for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+    restore_steps(im, held->old_steps);
     if (!held->options.redeliver_abandoned_outputs) return norm_error;
     return after_failed_step(*this, im, held->options, held->touched, norm_error);
   }
@@ -1445,7 +1458,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
                                  ? std::string(held->abort_reason)
                                  : str("the speculative pass failed: ", pass.status().to_string());
   const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : held->speculated;
-  for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+  restore_steps(im, held->old_steps);
   if (held->options.outputs_abandoned) held->options.outputs_abandoned();
   if (overflow && held->options.redeliver_abandoned_outputs) {
     // The skipped step must leave the params as they were: deliver the committed ones again.
@@ -1493,7 +1506,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   ov.thread.join();
   im.skipping.clear();
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
-  for (std::size_t g = 0; g < held->old_steps.size(); ++g) im.groups[g].set_step(held->old_steps[g]).ignore();
+  restore_steps(im, held->old_steps);
   // The params the pass delivered are not the committed state's: deliver those again.
   if (held->options.outputs_abandoned) held->options.outputs_abandoned();
   if (!held->options.redeliver_abandoned_outputs) return;
@@ -1508,6 +1521,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
 // ------------------------------------------------------------------------------------ hyper-parameters
 
 std::size_t OffloadedOptimizer::group_count() const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->groups_mu);
   return impl_->groups.size();
 }
 
@@ -1520,27 +1534,33 @@ Status check_group(const OffloadedOptimizer::Impl& im, int group) {
 }
 }  // namespace
 
+// Each takes the groups' lock: a step on another thread may be reading or advancing them.
 Result<cpu::AdamHyperParams> OffloadedOptimizer::hyper_params(int group) const {
+  std::lock_guard<std::mutex> lock(impl_->groups_mu);
   TIER_RETURN_IF_ERROR(check_group(*impl_, group));
   return impl_->groups[static_cast<std::size_t>(group)].hyper_params();
 }
 
 Status OffloadedOptimizer::set_hyper_params(int group, const cpu::AdamHyperParams& hp) {
+  std::lock_guard<std::mutex> lock(impl_->groups_mu);
   TIER_RETURN_IF_ERROR(check_group(*impl_, group));
   return impl_->groups[static_cast<std::size_t>(group)].set_hyper_params(hp);
 }
 
 Status OffloadedOptimizer::set_lr(int group, double lr) {
+  std::lock_guard<std::mutex> lock(impl_->groups_mu);
   TIER_RETURN_IF_ERROR(check_group(*impl_, group));
   return impl_->groups[static_cast<std::size_t>(group)].set_lr(lr);
 }
 
 Result<std::int64_t> OffloadedOptimizer::group_step(int group) const {
+  std::lock_guard<std::mutex> lock(impl_->groups_mu);
   TIER_RETURN_IF_ERROR(check_group(*impl_, group));
   return impl_->groups[static_cast<std::size_t>(group)].step();
 }
 
 Status OffloadedOptimizer::set_group_step(int group, std::int64_t step) {
+  std::lock_guard<std::mutex> lock(impl_->groups_mu);
   TIER_RETURN_IF_ERROR(check_group(*impl_, group));
   return impl_->groups[static_cast<std::size_t>(group)].set_step(step).with_context(str("optimizer group ", group));
 }
@@ -1872,7 +1892,10 @@ OptimizerStats OffloadedOptimizer::stats() const {
     s.nvme_capacity_bytes = ss.capacity_bytes;
     s.nvme_allocated_bytes = ss.allocated_bytes;
   }
-  s.step = im.groups.empty() ? 0 : im.groups[0].step();
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    s.step = im.groups.empty() ? 0 : im.groups[0].step();
+  }
   s.steps_skipped = im.steps_skipped;
   s.steps_failed = im.steps_failed;
   s.steps_applied = im.steps_applied;

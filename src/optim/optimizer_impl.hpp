@@ -154,6 +154,10 @@ struct OffloadedOptimizer::Impl {
   std::uint64_t numel_total = 0;  // the partitions' elements (elements less the int8 alignment gaps)
   std::uint64_t capacity = 0;     // own swap space: the elements (gaps included) it was sized for
   std::vector<cpu::AdamGroup> groups;
+  // Guards the groups' hyper-parameters and step counters: a step running on another thread (an
+  // overlapped or asynchronous pass) takes them at its start while the caller's thread may set the
+  // next step's lr (a scheduler) or read them.
+  mutable std::mutex groups_mu;
   std::unique_ptr<LossScaler> scaler;
 
   // Registration: the chunk being filled (its state lives in `open_base`).

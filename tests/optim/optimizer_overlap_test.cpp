@@ -6,6 +6,7 @@
 // refused.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -141,6 +142,39 @@ TEST_P(Overlap, AccumulatedGradientsMatchTheSerialStep) {
   const auto reports = run_both(GetParam(), opts(0, 3), 2, 1e-2f, true);
   ASSERT_EQ(reports.size(), 2u);
   for (const StepReport& r : reports) EXPECT_FALSE(r.redone) << r.redo_reason;
+}
+
+// A scheduler on the caller's thread sets the next step's lr (and reads the groups) while the
+// overlapped pass, on its own thread, takes the step's constants: the groups are shared under a
+// lock (TSan reported the race before), and the step is committed with one lr or the other.
+TEST_P(Overlap, SettingTheLrWhileAPassRunsIsSafe) {
+  OffloadedOptimizerOptions o = opts(0);
+  Reference ref(test::mixed_model(), o.groups, 12);
+  auto rig = test::make_rig(GetParam(), o, ref);
+  OffloadedOptimizer& opt = rig->opt();
+  test::Outputs out(ref.model());
+  StepOptions so;
+  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  std::atomic<bool> stop{false};
+  std::thread scheduler([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      EXPECT_TRUE(opt.set_lr(0, (i % 2) ? 1e-3 : 2e-3).ok());
+      EXPECT_TRUE(opt.hyper_params(0).ok());
+      EXPECT_TRUE(opt.group_step(0).ok());
+      (void)opt.stats();
+    }
+  });
+  for (int step = 1; step <= 3; ++step) {
+    auto g = grads_for(ref, step, 0, 1.0f);
+    ASSERT_TRUE(opt.start_overlapped_step(so).ok());
+    for (std::size_t i = ref.model().size(); i-- > 0;) ASSERT_TRUE(give(opt, ref, g, i).ok());
+    auto r = opt.finish_overlapped_step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->applied);
+  }
+  stop = true;
+  scheduler.join();
+  EXPECT_EQ(*opt.group_step(0), 3);
 }
 
 TEST_P(Overlap, AnOverflowSkipsTheStepAndDeliversTheCommittedParamsAgain) {
