@@ -29,6 +29,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 
 #include <nlohmann/json.hpp>
 
@@ -135,7 +136,10 @@ json group_json(const cpu::AdamGroup& g) {
 
 json meta_json(const OffloadedOptimizer::Impl& im) {
   json groups = json::array();
-  for (const auto& g : im.groups) groups.push_back(group_json(g));
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    for (const auto& g : im.groups) groups.push_back(group_json(g));
+  }
   json parts = json::array();
   for (const Partition& p : im.parts) parts.push_back(json::array({p.numel, p.group, p.name}));
   const LossScaleState& ls = im.scaler->state();
@@ -721,9 +725,12 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
     }
   }
   im.state_invalid = Status();
-  for (std::size_t g = 0; g < im.groups.size(); ++g) {
-    TIER_RETURN_IF_ERROR(im.groups[g].set_hyper_params(restored.hp[g]));
-    TIER_RETURN_IF_ERROR(im.groups[g].set_step(restored.steps[g]));
+  {
+    std::lock_guard<std::mutex> groups_lock(im.groups_mu);
+    for (std::size_t g = 0; g < im.groups.size(); ++g) {
+      TIER_RETURN_IF_ERROR(im.groups[g].set_hyper_params(restored.hp[g]));
+      TIER_RETURN_IF_ERROR(im.groups[g].set_step(restored.steps[g]));
+    }
   }
   TIER_RETURN_IF_ERROR(im.scaler->restore(restored.scale));
   clear_grads();

@@ -654,6 +654,7 @@ Result<int> OffloadedOptimizer::add_group(const cpu::AdamHyperParams& hp) {
   }
   TIER_ASSIGN_OR_RETURN(cpu::AdamGroup g, cpu::AdamGroup::create(hp));
   // A new group starts at the step the others are at, so that its bias correction matches.
+  std::lock_guard<std::mutex> lock(im.groups_mu);
   if (!im.groups.empty()) TIER_RETURN_IF_ERROR(g.set_step(im.groups[0].step()));
   im.groups.push_back(std::move(g));
   return static_cast<int>(im.groups.size() - 1);
@@ -1323,11 +1324,14 @@ Status OffloadedOptimizer::start_overlapped_step(const StepOptions& options) {
         "optimizer start_overlapped_step: the state is in host memory and updated in place, so a speculative "
         "update could not be redone; overlap needs the NVMe home (use step())");
   }
-  for (const cpu::AdamGroup& g : im.groups) {
-    if (g.hyper_params().kind == cpu::OptimizerKind::kLamb) {
-      return failed_precondition(
-          "optimizer start_overlapped_step: Lamb needs every gradient for its trust ratios before any update "
-          "(use step())");
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    for (const cpu::AdamGroup& g : im.groups) {
+      if (g.hyper_params().kind == cpu::OptimizerKind::kLamb) {
+        return failed_precondition(
+            "optimizer start_overlapped_step: Lamb needs every gradient for its trust ratios before any update "
+            "(use step())");
+      }
     }
   }
   auto ov = std::make_unique<detail::Overlap>();
@@ -1336,7 +1340,10 @@ Status OffloadedOptimizer::start_overlapped_step(const StepOptions& options) {
   ov->touched.assign(n, 0);
   ov->scale = im.scaler->scale();
   ov->options = options;
-  for (const cpu::AdamGroup& g : im.groups) ov->old_steps.push_back(g.step());
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    for (const cpu::AdamGroup& g : im.groups) ov->old_steps.push_back(g.step());
+  }
   if (options.skip_missing_grads) im.skipping.assign(n, 0);
   im.overlap = std::move(ov);
   // Gradients already final (declared before the start) count at once.
@@ -1833,10 +1840,13 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   TIER_RETURN_IF_ERROR(im.usable("measure_update_seconds"));
   TIER_RETURN_IF_ERROR(im.idle("measure_update_seconds"));
   std::vector<cpu::AdamStep> steps;
-  for (const cpu::AdamGroup& g : im.groups) {
-    TIER_ASSIGN_OR_RETURN(cpu::AdamStep s,
-                          cpu::AdamStep::make(g.hyper_params(), std::max<std::int64_t>(1, g.step() + 1)));
-    steps.push_back(s);
+  {
+    std::lock_guard<std::mutex> lock(im.groups_mu);
+    for (const cpu::AdamGroup& g : im.groups) {
+      TIER_ASSIGN_OR_RETURN(cpu::AdamStep s,
+                            cpu::AdamStep::make(g.hyper_params(), std::max<std::int64_t>(1, g.step() + 1)));
+      steps.push_back(s);
+    }
   }
   // Chunks take turns over scratch slots in RAM that together exceed the CPU caches (256 MiB, or
   // the whole state when smaller), so the pass streams from memory as the step does; the slots
