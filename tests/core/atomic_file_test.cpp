@@ -2,6 +2,7 @@
 // victim, a symlink at the target's name) is never written through; the target is the old file
 // or the new one, never half of one; the temporary name is fresh each time; a NUL is refused.
 #include "core/atomic_file.hpp"
+#include "core/scratch.hpp"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -16,25 +17,8 @@ namespace tier::detail {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Scratch {
-  fs::path path;
-  Scratch() {
-    path = fs::temp_directory_path() / ("tier-atomic-file-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+using test::Scratch;
+using test::slurp;
 
 void put(const fs::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary) << text;

@@ -2,6 +2,7 @@
 // names by a sync of their directory) and puts back what unsynced removals and renames took;
 // power cuts stop every call after the chosen sync point; faults fail the chosen call.
 #include "tier/ext/fault_injecting_file_system.hpp"
+#include "core/scratch.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -16,30 +17,9 @@ namespace tier {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Scratch {
-  fs::path path;
-  Scratch() {
-    path = fs::temp_directory_path() / ("tier-fault-fs-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string sub(const std::string& name) const { return (path / name).string(); }
-};
-
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-
-void put(const std::string& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary) << text;
-}
+using test::put;
+using test::Scratch;
+using test::slurp;
 
 // Creates `path` through `fsys` with `text`; syncs the file when `sync`.
 void create(FileSystem& fsys, const std::string& path, const std::string& text, bool sync) {

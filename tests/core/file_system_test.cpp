@@ -15,38 +15,15 @@
 #include <string>
 
 #include "tier/ext/fault_injecting_file_system.hpp"
+#include "core/power_cut.hpp"
+#include "core/scratch.hpp"
 
 namespace tier {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Scratch {
-  fs::path path;
-  Scratch() {
-    path = fs::temp_directory_path() / ("tier-file-system-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string sub(const std::string& name) const { return (path / name).string(); }
-};
-
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-
-// Puts the previous file system back whatever the test does.
-struct Installed {
-  std::shared_ptr<FileSystem> previous;
-  explicit Installed(std::shared_ptr<FileSystem> fs) : previous(FileSystem::install(std::move(fs))) {}
-  ~Installed() { FileSystem::install(previous); }
-};
+using test::Scratch;
+using test::slurp;
 
 TEST(FileSystem, PosixIsTheDefault) {
   EXPECT_EQ(FileSystem::current(), FileSystem::posix());
@@ -154,7 +131,7 @@ TEST(FileSystem, InstalledFileSystemIsUsedAndOpenFilesKeepTheirs) {
   auto fault = std::make_shared<FaultInjectingFileSystem>();
   std::unique_ptr<File> before;
   {
-    Installed use(fault);
+    test::InstalledFileSystem use(fault);
     EXPECT_EQ(FileSystem::current(), fault);
     ASSERT_TRUE(write_file_atomically(d.sub("out.json"), "{}", 0644, "config").ok());
     const FileSystemCounters c = fault->counters();

@@ -15,40 +15,15 @@
 #include "tier/config.hpp"
 #include "tier/ext/file_system.hpp"
 #include "tier/stats.hpp"
+#include "core/scratch.hpp"
 
 namespace tier {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Scratch {
-  fs::path path;
-  Scratch() {
-    path = fs::temp_directory_path() / ("tier-power-loss-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string sub(const std::string& name) const { return (path / name).string(); }
-  std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path)) out.push_back(e.path().filename().string());
-    return out;
-  }
-};
-
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-
-void put(const std::string& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
-}
+using test::put;
+using test::Scratch;
+using test::slurp;
 
 TEST(PowerLoss, AnAtomicRewriteIsOldOrNewAtEverySyncPoint) {
   Scratch d;
