@@ -620,6 +620,18 @@ Tier Engine::Impl::toward_home(Tier from, Tier home) const {
   return home;  // from host: toward the device or NVMe home
 }
 
+void Engine::Impl::forget_tensor(TensorId id) {
+  TensorRec& t = tensors[id];
+  for (Tier x : kAllTiers) drop_copy(t, x);
+  t.live = false;
+  ++t.generation;
+  by_name.erase(t.desc.name);
+  free_ids.push_back(id);
+  // The recorded order stays valid unless it holds this tensor (an untraced one, such as a
+  // reserve_host region, leaves it alone).
+  if (trace.touches(id)) trace.reset();
+}
+
 void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
   Copy& c = t.copies[static_cast<int>(tier)];
   if (c.prefetched && c.state == CopyState::kValid) {
@@ -1138,14 +1150,7 @@ Status Engine::unregister_tensor(TensorId id) {
         return failed_precondition(
             str("unregister '", t.desc.name, "': the engine's own transfers of it are in flight"));
       }
-      for (Tier x : kAllTiers) e.drop_copy(t, x);
-      t.live = false;
-      ++t.generation;
-      e.by_name.erase(t.desc.name);
-      e.free_ids.push_back(id);
-      // The recorded order stays valid unless it holds this tensor (an untraced one, such as a
-      // reserve_host region, leaves it alone; its id may be reused by a tensor registered later).
-      if (e.trace.touches(id)) e.trace.reset();
+      e.forget_tensor(id);
       return Status::Ok();
     });
     // A prefetch or an eviction's write-back of an idle tensor ends on its own: wait for it.
@@ -1196,13 +1201,7 @@ struct HostReservation {
     const std::uint64_t gen = generation;
     link->post([tid, gen](Engine::Impl& e) {
       if (tid >= e.tensors.size() || e.tensors[tid].generation != gen || !e.tensors[tid].live) return;
-      Engine::Impl::TensorRec& t = e.tensors[tid];
-      for (Tier x : kAllTiers) e.drop_copy(t, x);
-      t.live = false;
-      ++t.generation;
-      e.by_name.erase(t.desc.name);
-      e.free_ids.push_back(tid);
-      if (e.trace.touches(tid)) e.trace.reset();
+      e.forget_tensor(tid);
       for (Tier x : kAllTiers) e.serve_room_waiters(x);
     });
   }

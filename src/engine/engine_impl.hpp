@@ -171,6 +171,9 @@ struct Engine::Impl {
   // The scheduler's side of AcquireFuture::cancel.
   void give_up(const std::shared_ptr<detail::AcquireState>& st);
   void drop_copy(TensorRec& t, Tier tier);
+  // Drops every copy of an idle tensor and frees its id and name (the access trace is forgotten
+  // only if it holds the tensor: the id may name another tensor later).
+  void forget_tensor(TensorId id);
   void start_writeback(TensorId id, Tier from);
   void on_release(TensorId id, Tier tier, Access access, std::uint64_t generation, bool abandon = false);
   void complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, int counted, Status s);

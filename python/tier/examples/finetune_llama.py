@@ -79,6 +79,10 @@ def _dtype(args):
     return torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
 
+def _esize(args):
+    return torch.empty(0, dtype=_dtype(args)).element_size()
+
+
 def _lora_targets(args):
     return [t for t in args.lora_targets.split(",") if t]
 
@@ -89,7 +93,7 @@ def model_shape(args):
     With LoRA the trainable ones are the adapters' (r x (in + out) per targeted projection)."""
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config(args))
-    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    esize = _esize(args)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * esize
     layer = sum(p.numel() for p in model.model.layers[0].parameters()) * esize
     n_params = sum(p.numel() for p in model.parameters())
@@ -143,7 +147,7 @@ def make_model(args, config, say=print):
     inside the same context (the adapters are staged like the rest, the base is frozen)."""
     torch.manual_seed(args.seed)
     n_params = model_shape(args)[0]
-    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    esize = _esize(args)
     previous = torch.get_default_dtype()
     with tier.torch.init(config) as ctx, BuildProgress(ctx.store, n_params * esize, say):
         torch.set_default_dtype(_dtype(args))
@@ -167,7 +171,7 @@ def check_disk(args, shape, swap_dir):
     disk: the parameters in their dtype and the optimizer's fp32 state for the trainable ones
     (master, m and v: 12 bytes per element, in two slots)."""
     n_params, _, _, trainable = shape
-    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    esize = _esize(args)
     footprint.check_nvme_room([swap_dir], {"parameters": n_params * esize, "optimizer state": 24 * trainable})
 
 
@@ -178,7 +182,7 @@ def peak_rss_bytes():
 
 def default_config(args, shape):
     n_params, largest, layer, _ = shape
-    total = n_params * torch.empty(0, dtype=_dtype(args)).element_size()
+    total = n_params * _esize(args)
     device_budget = max(int(total * args.device_fraction), 3 * largest)
     if getattr(args, "checkpoint_activations", False):
         # A layer's recompute keeps its weights until their backward (and the next is prefetched).
@@ -381,7 +385,7 @@ def run(args, swap_dir):
         acts = {"checkpoint_activations": True, "offload_activations": args.offload_activations}
     engine, *_ = tier.torch.initialize(model, config, **acts)
     s0 = engine.stats()
-    esize = torch.empty(0, dtype=_dtype(args)).element_size()
+    esize = _esize(args)
     trained = f", {shape[3] / 1e6:.2f} M of them trained (LoRA r={args.lora_r})" if args.lora_r else ""
     say(f"tier {tier.__version__}: Llama with {n_params / 1e6:.2f} M parameters ({fmt_bytes(n_params * esize)} "
           f"{args.dtype}){trained}, "
