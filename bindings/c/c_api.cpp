@@ -10,8 +10,10 @@
 #include <exception>
 #include <new>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cuda_copy.hpp"
 #include "dlpack_convert.hpp"
@@ -21,6 +23,7 @@
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 #include "tier/log.hpp"
+#include "tier/step_driver.hpp"
 
 using tier::Access;
 using tier::DType;
@@ -85,6 +88,10 @@ constexpr std::size_t kTensorOptionsV1 = sizeof(tier_tensor_options_t);
 constexpr std::size_t kTensorInfoV1 = sizeof(tier_tensor_info_t);
 constexpr std::size_t kCommCallbacksV1 = sizeof(tier_comm_callbacks_t);
 constexpr std::size_t kCommNcclConfigV1 = sizeof(tier_comm_nccl_config_t);
+constexpr std::size_t kOptimizerConfigV1 = sizeof(tier_optimizer_config_t);
+constexpr std::size_t kParamGroupV1 = sizeof(tier_param_group_t);
+constexpr std::size_t kStepOptionsV1 = sizeof(tier_step_options_t);
+constexpr std::size_t kStepReportV1 = sizeof(tier_step_report_t);
 
 // ---- errors
 
@@ -425,6 +432,20 @@ const char* tier_last_error(void) {
 // ---------------------------------------------------------------------------------------------
 // Engine
 
+namespace {
+
+// A configuration from JSON text or a file (neither: every default), as the *_config_t structs
+// give it.
+Result<tier::EngineConfig> parse_config(const char* json, const char* json_path, int32_t strict, int32_t ignore_env) {
+  tier::ConfigOptions options;
+  options.strict = strict != 0;
+  options.apply_env = ignore_env == 0;
+  return json_path != nullptr ? tier::EngineConfig::from_file(json_path, options)
+                              : tier::EngineConfig::from_json(json != nullptr && *json != '\0' ? json : "{}", options);
+}
+
+}  // namespace
+
 tier_status_t tier_engine_create(const tier_engine_config_t* config, tier_engine_t** out_engine) {
   return guarded("tier_engine_create", [&]() -> Status {
     TIER_C_REQUIRE(out_engine);
@@ -436,13 +457,7 @@ tier_status_t tier_engine_create(const tier_engine_config_t* config, tier_engine
     if (c.json != nullptr && c.json_path != nullptr) {
       return tier::invalid_argument("config: set json or json_path, not both");
     }
-    tier::ConfigOptions options;
-    options.strict = c.strict != 0;
-    options.apply_env = c.ignore_env == 0;
-    Result<tier::EngineConfig> cfg =
-        c.json_path != nullptr
-            ? tier::EngineConfig::from_file(c.json_path, options)
-            : tier::EngineConfig::from_json(c.json != nullptr && *c.json != '\0' ? c.json : "{}", options);
+    Result<tier::EngineConfig> cfg = parse_config(c.json, c.json_path, c.strict, c.ignore_env);
     if (!cfg.ok()) return cfg.status().with_context("config");
     TIER_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(*cfg));
     auto handle = std::make_unique<tier_engine>();
@@ -984,5 +999,321 @@ tier_status_t tier_shard_range(uint64_t numel, int32_t world, int32_t rank, uint
     *out_offset = map.offset(rank);
     *out_count = map.count(rank);
     return Status::Ok();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training: the step driver
+
+struct tier_optimizer {
+  std::unique_ptr<tier::step::StepDriver> driver;
+};
+
+namespace {
+
+tier::step::StepDriver& driver_of(tier_optimizer_t* o) {
+  return *o->driver;
+}
+
+// A tensor the optimizer reads or writes during the call: checked layout, host memory (a CUDA
+// gradient is copied to `staging` first when the library has CUDA).
+struct HostView {
+  tier::capi::SourceLayout layout;
+  const void* data = nullptr;
+  std::span<const std::int64_t> shape() const { return {layout.shape.data(), static_cast<std::size_t>(layout.ndim)}; }
+};
+
+Result<HostView> host_view(const DLTensor* t, const char* arg, const std::string& param, bool allow_cuda,
+                           std::vector<std::uint8_t>* staging) {
+  if (t == nullptr) return null_argument(arg);
+  Result<tier::capi::SourceLayout> layout = tier::capi::inspect_source(*t);
+  if (!layout.ok()) return layout.status().with_context(str(arg, " of '", param, "'"));
+  if (!layout->compact) {
+    return tier::invalid_argument(str(arg, " of '", param, "': strides are not compact row-major; make it contiguous"));
+  }
+  HostView v{*layout, layout->base};
+  const int type = enum_value(t->device.device_type);
+  if (type == kDLCPU || type == kDLCUDAHost || type == kDLCUDAManaged) {
+    if (type != kDLCPU) TIER_RETURN_IF_ERROR(tier::capi::sync_cuda_stream(t->device.device_id, nullptr));
+    return v;
+  }
+  if (type == kDLCUDA && allow_cuda && staging != nullptr) {
+    if (!tier::capi::cuda_built()) {
+      return tier::invalid_argument(str(arg, " of '", param,
+                                        "' is in CUDA memory and this library was built without CUDA; hand in "
+                                        "host memory"));
+    }
+    staging->resize(layout->bytes);
+    TIER_RETURN_IF_ERROR(
+        tier::capi::copy_from_cuda(staging->data(), layout->base, layout->bytes, t->device.device_id, nullptr));
+    v.data = staging->data();
+    return v;
+  }
+  return tier::invalid_argument(str(arg, " of '", param, "': device type ", type, " is not host memory (kDLCPU or ",
+                                    "kDLCUDAHost", allow_cuda ? ", or kDLCUDA" : "", ")"));
+}
+
+Status check_index(tier::step::StepDriver& d, uint32_t index) {
+  if (index >= d.param_count()) {
+    return tier::invalid_argument(
+        str("parameter index ", index, " is out of range (", d.param_count(), " parameters were added)"));
+  }
+  return Status::Ok();
+}
+
+// An output tensor for parameter `index`: its shape, and `dtype` (the parameter's own when
+// kNumDTypes), host memory.
+Result<void*> output_view(tier::step::StepDriver& d, uint32_t index, DLTensor* t, const char* arg,
+                          std::optional<DType> dtype) {
+  const tier::step::ParamInfo& p = d.param(index);
+  TIER_ASSIGN_OR_RETURN(HostView v, host_view(t, arg, p.name, false, nullptr));
+  const auto shape = v.shape();
+  if (!std::equal(shape.begin(), shape.end(), p.shape.begin(), p.shape.end())) {
+    return tier::invalid_argument(str(arg, " of '", p.name, "' has ", v.layout.ndim, " dimensions / ", v.layout.numel,
+                                      " elements; the parameter's shape has ", p.shape.size(), " / ", p.numel));
+  }
+  if (dtype && v.layout.dtype != *dtype) {
+    return tier::invalid_argument(str(arg, " of '", p.name, "' is ", tier::dtype_name(v.layout.dtype), "; it must be ",
+                                      tier::dtype_name(*dtype)));
+  }
+  return const_cast<void*>(v.data);
+}
+
+Result<tier::optim::StateKind> state_kind(const tier_state_kind_t& k) {
+  const int v = enum_value(k);
+  if (v < 0 || v > 2) {
+    return tier::invalid_argument(
+        str("kind is ", v, "; use TIER_STATE_MASTER (0), TIER_STATE_EXP_AVG (1) or TIER_STATE_EXP_AVG_SQ (2)"));
+  }
+  return static_cast<tier::optim::StateKind>(v);
+}
+
+}  // namespace
+
+tier_status_t tier_optimizer_create(const tier_optimizer_config_t* config, tier_optimizer_t** out_optimizer) {
+  return guarded("tier_optimizer_create", [&]() -> Status {
+    TIER_C_REQUIRE(out_optimizer);
+    *out_optimizer = nullptr;
+    TIER_C_REQUIRE(config);
+    const tier_optimizer_config_t defaults = TIER_OPTIMIZER_CONFIG_INIT;
+    TIER_ASSIGN_OR_RETURN(tier_optimizer_config_t c,
+                          read_versioned(config, defaults, kOptimizerConfigV1, "config", "tier_optimizer_config_t",
+                                         "TIER_OPTIMIZER_CONFIG_INIT"));
+    if (c.json != nullptr && c.json_path != nullptr) {
+      return tier::invalid_argument("config: set json or json_path, not both");
+    }
+    Result<tier::EngineConfig> cfg = parse_config(c.json, c.json_path, c.strict, c.ignore_env);
+    if (!cfg.ok()) return cfg.status().with_context("config");
+    auto handle = std::make_unique<tier_optimizer>();
+    TIER_ASSIGN_OR_RETURN(handle->driver, tier::step::StepDriver::create(*cfg, c.max_elements, c.max_params));
+    *out_optimizer = handle.release();
+    return Status::Ok();
+  });
+}
+
+void tier_optimizer_destroy(tier_optimizer_t* optimizer) {
+  try {
+    delete optimizer;
+  } catch (...) {
+  }
+}
+
+tier_status_t tier_optimizer_add_param(tier_optimizer_t* optimizer, const char* name, const DLTensor* initial,
+                                       int32_t group, uint32_t* out_index) {
+  return guarded("tier_optimizer_add_param", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(name);
+    TIER_ASSIGN_OR_RETURN(HostView v, host_view(initial, "initial", name, false, nullptr));
+    TIER_ASSIGN_OR_RETURN(std::size_t index,
+                          driver_of(optimizer).add_param(name, {v.data, v.layout.dtype, v.shape()}, group));
+    if (out_index != nullptr) *out_index = static_cast<uint32_t>(index);
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_add_group(tier_optimizer_t* optimizer, const tier_param_group_t* group,
+                                       int32_t* out_group) {
+  return guarded("tier_optimizer_add_group", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(group);
+    TIER_C_REQUIRE(out_group);
+    const tier_param_group_t defaults = TIER_PARAM_GROUP_INIT;
+    TIER_ASSIGN_OR_RETURN(tier_param_group_t g, read_versioned(group, defaults, kParamGroupV1, "group",
+                                                               "tier_param_group_t", "TIER_PARAM_GROUP_INIT"));
+    TIER_ASSIGN_OR_RETURN(int index, driver_of(optimizer).add_group(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay));
+    *out_group = index;
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_param_count(tier_optimizer_t* optimizer, uint32_t* out_count) {
+  return guarded("tier_optimizer_param_count", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(out_count);
+    *out_count = static_cast<uint32_t>(driver_of(optimizer).param_count());
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_find_param(tier_optimizer_t* optimizer, const char* name, uint32_t* out_index) {
+  return guarded("tier_optimizer_find_param", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(name);
+    TIER_C_REQUIRE(out_index);
+    TIER_ASSIGN_OR_RETURN(std::size_t index, driver_of(optimizer).find(name));
+    *out_index = static_cast<uint32_t>(index);
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_add_grad(tier_optimizer_t* optimizer, uint32_t index, const DLTensor* grad) {
+  return guarded("tier_optimizer_add_grad", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_RETURN_IF_ERROR(check_index(d, index));
+    std::vector<std::uint8_t> staging;
+    TIER_ASSIGN_OR_RETURN(HostView v, host_view(grad, "grad", d.param(index).name, true, &staging));
+    return d.add_grad(index, {v.data, v.layout.dtype, v.shape()});
+  });
+}
+
+tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer) {
+  return guarded("tier_optimizer_clear_grads", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    driver_of(optimizer).clear_grads();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_step(tier_optimizer_t* optimizer, const tier_step_options_t* options,
+                                  tier_step_report_t* out_report) {
+  return guarded("tier_optimizer_step", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    tier_step_options_t o = TIER_STEP_OPTIONS_INIT;
+    if (options != nullptr) {
+      const tier_step_options_t defaults = TIER_STEP_OPTIONS_INIT;
+      TIER_ASSIGN_OR_RETURN(o, read_versioned(options, defaults, kStepOptionsV1, "options", "tier_step_options_t",
+                                              "TIER_STEP_OPTIONS_INIT"));
+    }
+    std::size_t report_bytes = 0;
+    if (out_report != nullptr) {
+      TIER_ASSIGN_OR_RETURN(report_bytes, output_size(out_report, kStepReportV1, "out_report", "tier_step_report_t",
+                                                      "TIER_STEP_REPORT_INIT"));
+    }
+    tier::step::StepArgs args;
+    if (o.set_lr != 0) args.lr = o.lr;
+    if (o.params_out != nullptr) {
+      if (o.num_params_out != d.param_count()) {
+        return tier::invalid_argument(str("options->num_params_out is ", o.num_params_out, " but ", d.param_count(),
+                                          " parameters were added (one entry per parameter, NULL to skip one)"));
+      }
+      args.outputs.resize(d.param_count(), nullptr);
+      for (uint32_t i = 0; i < o.num_params_out; ++i) {
+        if (o.params_out[i] == nullptr) continue;
+        TIER_ASSIGN_OR_RETURN(args.outputs[i],
+                              output_view(d, i, o.params_out[i], "options->params_out[i]", d.param(i).dtype));
+      }
+    } else if (o.num_params_out != 0) {
+      return tier::invalid_argument("options->num_params_out is set but params_out is NULL");
+    }
+    TIER_ASSIGN_OR_RETURN(tier::optim::StepReport r, d.step(args));
+    if (out_report != nullptr) {
+      tier_step_report_t rep = TIER_STEP_REPORT_INIT;
+      rep.step = r.step;
+      rep.applied = r.applied ? 1 : 0;
+      rep.grad_norm = r.grad_norm;
+      rep.clip_coefficient = r.clip_coefficient;
+      rep.loss_scale = r.loss_scale;
+      rep.seconds = r.seconds;
+      std::memcpy(static_cast<void*>(out_report), &rep, report_bytes);
+      out_report->struct_size = report_bytes;
+    }
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_read_param(tier_optimizer_t* optimizer, uint32_t index, DLTensor* dst) {
+  return guarded("tier_optimizer_read_param", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_RETURN_IF_ERROR(check_index(d, index));
+    TIER_ASSIGN_OR_RETURN(void* out, output_view(d, index, dst, "dst", std::nullopt));
+    TIER_ASSIGN_OR_RETURN(DType dtype, tier::capi::from_dl_dtype(dst->dtype));
+    return d.read_param(index, dtype, out);
+  });
+}
+
+tier_status_t tier_optimizer_read_state(tier_optimizer_t* optimizer, uint32_t index, tier_state_kind_t kind,
+                                        DLTensor* dst) {
+  return guarded("tier_optimizer_read_state", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_RETURN_IF_ERROR(check_index(d, index));
+    TIER_ASSIGN_OR_RETURN(tier::optim::StateKind k, state_kind(kind));
+    TIER_ASSIGN_OR_RETURN(void* out, output_view(d, index, dst, "dst", DType::kF32));
+    return d.read_state(index, k, static_cast<float*>(out));
+  });
+}
+
+tier_status_t tier_optimizer_write_state(tier_optimizer_t* optimizer, uint32_t index, tier_state_kind_t kind,
+                                         const DLTensor* src) {
+  return guarded("tier_optimizer_write_state", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_RETURN_IF_ERROR(check_index(d, index));
+    TIER_ASSIGN_OR_RETURN(tier::optim::StateKind k, state_kind(kind));
+    TIER_ASSIGN_OR_RETURN(void* in, output_view(d, index, const_cast<DLTensor*>(src), "src", DType::kF32));
+    return d.write_state(index, k, static_cast<const float*>(in));
+  });
+}
+
+tier_status_t tier_optimizer_group_step(tier_optimizer_t* optimizer, int32_t group, int64_t* out_step) {
+  return guarded("tier_optimizer_group_step", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(out_step);
+    TIER_ASSIGN_OR_RETURN(*out_step, driver_of(optimizer).group_step(group));
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_set_group_step(tier_optimizer_t* optimizer, int32_t group, int64_t step) {
+  return guarded("tier_optimizer_set_group_step", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    return driver_of(optimizer).set_group_step(group, step);
+  });
+}
+
+tier_status_t tier_optimizer_loss_scale(tier_optimizer_t* optimizer, double* out_scale) {
+  return guarded("tier_optimizer_loss_scale", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(out_scale);
+    *out_scale = driver_of(optimizer).loss_scale();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_save(tier_optimizer_t* optimizer, const char* path) {
+  return guarded("tier_optimizer_save", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(path);
+    return driver_of(optimizer).save(path);
+  });
+}
+
+tier_status_t tier_optimizer_load(tier_optimizer_t* optimizer, const char* path) {
+  return guarded("tier_optimizer_load", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(path);
+    return driver_of(optimizer).load(path);
+  });
+}
+
+tier_status_t tier_optimizer_stats_json(tier_optimizer_t* optimizer, char** out_json) {
+  return guarded("tier_optimizer_stats_json", [&]() -> Status {
+    TIER_C_REQUIRE(out_json);
+    *out_json = nullptr;
+    TIER_C_REQUIRE(optimizer);
+    return hand_out_string(driver_of(optimizer).stats_json(), out_json);
   });
 }

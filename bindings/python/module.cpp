@@ -467,7 +467,8 @@ cpu::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, do
   raise(s);
 }
 
-void bind_file_layer(nb::module_& m);  // file_layer.cpp
+void bind_file_layer(nb::module_& m);   // file_layer.cpp
+void bind_step_driver(nb::module_& m);  // step_driver.cpp
 
 NB_MODULE(_tier, m) {
   m.doc() = "tier: memory-tiering and offload engine (native module)";
@@ -508,6 +509,7 @@ NB_MODULE(_tier, m) {
     g_errors[static_cast<int>(d.code)] = cls;
   }
   bind_file_layer(m);
+  bind_step_driver(m);
 
   nb::class_<EngineConfig>(m, "Config", "An engine configuration (DeepSpeed JSON plus tier's own section).")
       .def_static(

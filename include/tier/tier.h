@@ -33,6 +33,9 @@
  *    tier_string_free.
  *  - tier_comm_t*: from tier_comm_create_callbacks / tier_comm_create_nccl, given back with
  *    tier_comm_destroy.
+ *  - tier_optimizer_t*: from tier_optimizer_create, given back with tier_optimizer_destroy.
+ *    DLTensors handed to tier_optimizer_* calls stay the caller's (tier reads or writes them
+ *    during the call only).
  *
  * Thread safety. Engine functions may be called from any thread, concurrently. A ticket, and a
  * communicator, is used by one thread at a time (any thread). A DLPack tensor's deleter may be
@@ -482,6 +485,163 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_comm_barrier(tier_comm_t* comm);
  * [0, world)). */
 TIER_API TIER_CHECK_RESULT tier_status_t tier_shard_range(uint64_t numel, int32_t world, int32_t rank,
                                                           uint64_t* out_offset, uint64_t* out_count);
+
+/* ---------------------------------------------------------------------------------------------
+ * Training: an optimizer over offloaded state (tier::step::StepDriver; docs/c_api.md)
+ *
+ * The fp32 master params and the optimizer's moments live where the config puts them
+ * (zero_optimization.offload_optimizer.device "nvme" with nvme_path, or "cpu"); the caller keeps
+ * its own params (fp32, bf16 or fp16) for the forward and backward, hands in each step's
+ * gradients, and gets the updated params written into its tensors by the step. Every input is
+ * checked against the parameter it is for before anything changes: on any error the state, the
+ * gradients taken so far and the step counters are as they were, and tier_last_error() names the
+ * parameter. An optimizer is used by one thread at a time. */
+
+/* An optimizer. Opaque. */
+typedef struct tier_optimizer tier_optimizer_t;
+
+typedef struct tier_optimizer_config {
+  size_t struct_size;    /* sizeof(tier_optimizer_config_t); set by TIER_OPTIMIZER_CONFIG_INIT */
+  const char* json;      /* DeepSpeed's JSON plus tier's section (as tier_engine_config_t), or NULL */
+  const char* json_path; /* or a path to a JSON file, or NULL; giving both is an error */
+  int32_t strict;        /* nonzero: keys neither tier nor DeepSpeed knows are errors */
+  int32_t ignore_env;    /* nonzero: do not apply the TIER_* environment overrides */
+  /* The elements of every parameter together (at most): sizes the swap files' cap when the state
+   * is on NVMe (required then; the files grow as parameters are added). */
+  uint64_t max_elements;
+  /* The number of parameters (at most), for int8 state's alignment; 0: unknown. */
+  uint64_t max_params;
+} tier_optimizer_config_t;
+#define TIER_OPTIMIZER_CONFIG_INIT \
+  { sizeof(tier_optimizer_config_t), NULL, NULL, 0, 0, 0, 0 }
+
+/* Builds an optimizer from the config's "optimizer" section (Adam, AdamW, Adagrad, Lion, Lamb),
+ * zero_optimization.offload_optimizer, gradient_clipping, fp16 loss scaling,
+ * gradient_accumulation_steps and the tier section. On failure *out_optimizer is NULL. Errors:
+ * TIER_ERROR_INVALID_ARGUMENT (a bad key or value; NVMe state without max_elements),
+ * TIER_ERROR_NOT_FOUND (json_path), TIER_ERROR_IO / TIER_ERROR_NO_SPACE (the swap path). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_create(const tier_optimizer_config_t* config,
+                                                               tier_optimizer_t** out_optimizer);
+/* Gives the optimizer back: its threads, buffers and swap files go. NULL is ignored. */
+TIER_API void tier_optimizer_destroy(tier_optimizer_t* optimizer);
+
+/* Adds a parameter named `name` (unique) with the shape, dtype (float32, bfloat16 or float16) and
+ * values of `initial` (host memory: kDLCPU or kDLCUDAHost, compact row-major; copied, the caller
+ * keeps it) to parameter group `group` (0, or one from tier_optimizer_add_group). Its index (0, 1,
+ * ... in order) goes to *out_index (may be NULL). Only before the first gradient. Errors:
+ * TIER_ERROR_ALREADY_EXISTS (the name), TIER_ERROR_INVALID_ARGUMENT (dtype, layout, device, no
+ * elements, unknown group), TIER_ERROR_FAILED_PRECONDITION (after the first gradient). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_param(tier_optimizer_t* optimizer, const char* name,
+                                                                  const DLTensor* initial, int32_t group,
+                                                                  uint32_t* out_index);
+
+/* A parameter group's hyper-parameters. */
+typedef struct tier_param_group {
+  size_t struct_size; /* sizeof(tier_param_group_t); set by TIER_PARAM_GROUP_INIT */
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+} tier_param_group_t;
+#define TIER_PARAM_GROUP_INIT \
+  { sizeof(tier_param_group_t), 1e-3, 0.9, 0.999, 1e-8, 0.0 }
+
+/* Adds a parameter group of the same kind as the config's optimizer; its index goes to
+ * *out_group. Errors: TIER_ERROR_INVALID_ARGUMENT (a non-finite or negative value, a beta outside
+ * [0, 1)). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_group(tier_optimizer_t* optimizer,
+                                                                  const tier_param_group_t* group, int32_t* out_group);
+
+/* The number of parameters, and the index of the one named `name` (TIER_ERROR_NOT_FOUND). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_param_count(tier_optimizer_t* optimizer, uint32_t* out_count);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_find_param(tier_optimizer_t* optimizer, const char* name,
+                                                                   uint32_t* out_index);
+
+/* One micro-step's gradient of parameter `index`: the parameter's shape, float32, bfloat16 or
+ * float16, host memory (kDLCPU or kDLCUDAHost) compact row-major, or kDLCUDA memory when the library
+ * was built with CUDA (copied to the host first). Added into the parameter's fp32 accumulator at
+ * once (its sum of squares in the same pass); the caller's memory is free when the call returns.
+ * gradient_accumulation_steps calls per parameter make a step's gradient. Errors:
+ * TIER_ERROR_INVALID_ARGUMENT (shape, dtype, device or layout: the message names the parameter;
+ * an unknown index), TIER_ERROR_FAILED_PRECONDITION (more micro-steps than
+ * gradient_accumulation_steps). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_grad(tier_optimizer_t* optimizer, uint32_t index,
+                                                                 const DLTensor* grad);
+/* Forgets the gradients taken since the last step. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer);
+
+typedef struct tier_step_options {
+  size_t struct_size; /* sizeof(tier_step_options_t); set by TIER_STEP_OPTIONS_INIT */
+  int32_t set_lr;     /* nonzero: every group's learning rate becomes `lr` from this step on */
+  double lr;
+  /* NULL, or num_params_out == the parameter count: where each parameter's updated values go
+   * (NULL entries are skipped), each with the parameter's shape and dtype, in host memory. */
+  DLTensor* const* params_out;
+  uint32_t num_params_out;
+} tier_step_options_t;
+#define TIER_STEP_OPTIONS_INIT \
+  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0 }
+
+typedef struct tier_step_report {
+  size_t struct_size; /* sizeof(tier_step_report_t); set by TIER_STEP_REPORT_INIT */
+  int64_t step;       /* group 0's step counter afterwards */
+  int32_t applied;    /* 0: skipped, a gradient was inf/nan (the state is unchanged) */
+  double grad_norm;   /* global L2 norm of the unscaled gradient */
+  double clip_coefficient;
+  double loss_scale; /* the scale the gradients carried */
+  double seconds;
+} tier_step_report_t;
+#define TIER_STEP_REPORT_INIT \
+  { sizeof(tier_step_report_t), 0, 0, 0.0, 0.0, 0.0, 0.0 }
+
+/* One optimizer step over every parameter (options and out_report may be NULL). Checked first:
+ * every parameter has its gradient_accumulation_steps gradients, the lr is finite and not
+ * negative, each params_out tensor matches its parameter. Then the state is updated where it
+ * lives and the new params written into params_out. Errors: TIER_ERROR_FAILED_PRECONDITION (a
+ * parameter without its gradient: the message names it), TIER_ERROR_INVALID_ARGUMENT, and the
+ * state's I/O errors (TIER_ERROR_IO, TIER_ERROR_NO_SPACE: the previous state is intact and the
+ * gradients are kept, so the step can be retried). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_step(tier_optimizer_t* optimizer,
+                                                             const tier_step_options_t* options,
+                                                             tier_step_report_t* out_report);
+
+/* The parameter's current values (from its fp32 master) into `dst`: its shape, float32, bfloat16
+ * or float16, host memory. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_read_param(tier_optimizer_t* optimizer, uint32_t index,
+                                                                   DLTensor* dst);
+
+/* The three fp32 arrays of a parameter's state. */
+typedef enum tier_state_kind {
+  TIER_STATE_MASTER = 0,
+  TIER_STATE_EXP_AVG = 1,
+  TIER_STATE_EXP_AVG_SQ = 2
+} tier_state_kind_t;
+
+/* A parameter's state array, read into or overwritten from a float32 host tensor of its shape. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_read_state(tier_optimizer_t* optimizer, uint32_t index,
+                                                                   tier_state_kind_t kind, DLTensor* dst);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_write_state(tier_optimizer_t* optimizer, uint32_t index,
+                                                                    tier_state_kind_t kind, const DLTensor* src);
+
+/* A group's step counter (the steps applied, which bias correction uses), read or set. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_group_step(tier_optimizer_t* optimizer, int32_t group,
+                                                                   int64_t* out_step);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_set_group_step(tier_optimizer_t* optimizer, int32_t group,
+                                                                       int64_t step);
+
+/* The loss scale to multiply the loss by before backward (1 without fp16 dynamic scaling). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_loss_scale(tier_optimizer_t* optimizer, double* out_scale);
+
+/* Saves the state (masters, moments, hyper-parameters, step counters, loss scale) to `path`:
+ * written beside it and renamed, with checksums; `path` is the old file or the whole new one.
+ * Loading checks the checksums and that the parameters match (count, sizes, groups, names);
+ * TIER_ERROR_DATA_LOSS for a damaged file, and the current state is kept. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_save(tier_optimizer_t* optimizer, const char* path);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_load(tier_optimizer_t* optimizer, const char* path);
+
+/* The optimizer's statistics as one JSON object (free with tier_string_free). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_stats_json(tier_optimizer_t* optimizer, char** out_json);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,0 +1,297 @@
+// The step driver (tier/step_driver.hpp): AdamW by parameter name against a reference written
+// here, in host memory and on NVMe; every bad input refused with the parameter's name and nothing
+// applied; bf16 params with fp32 masters; accumulation; checkpoints; the host passes per gradient
+// element.
+#include "tier/step_driver.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "nvme/nvme_test_util.hpp"
+#include "tier/cpu_kernels.hpp"
+
+namespace tier::step {
+namespace {
+
+using nvme::test::ScratchDir;
+
+constexpr double kLr = 1e-2, kB1 = 0.9, kB2 = 0.999, kEps = 1e-8, kWd = 0.01;
+
+std::string config_json(const std::string& nvme_dir, int accumulation = 1) {
+  std::string offload =
+      nvme_dir.empty() ? R"({"device": "cpu"})" : R"({"device": "nvme", "nvme_path": ")" + nvme_dir + R"("})";
+  return R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
+            "weight_decay": 0.01}}, "gradient_accumulation_steps": )" +
+         std::to_string(accumulation) + R"(, "zero_optimization": {"stage": 3, "offload_optimizer": )" + offload +
+         R"(}, "tier": {"io": {"use_direct": false}}})";
+}
+
+std::unique_ptr<StepDriver> make_driver(const std::string& nvme_dir, std::uint64_t elements, int accumulation = 1) {
+  auto cfg = EngineConfig::from_json(config_json(nvme_dir, accumulation));
+  EXPECT_TRUE(cfg.ok()) << cfg.status().to_string();
+  auto d = StepDriver::create(*cfg, elements);
+  EXPECT_TRUE(d.ok()) << d.status().to_string();
+  return d.ok() ? std::move(d).value() : nullptr;
+}
+
+// torch.optim.AdamW on one parameter, in double.
+struct RefAdamW {
+  std::vector<double> p, m, v;
+  int t = 0;
+  explicit RefAdamW(const std::vector<float>& init) : p(init.begin(), init.end()), m(init.size()), v(init.size()) {}
+  void step(const std::vector<float>& g, double lr = kLr) {
+    ++t;
+    const double bc1 = 1 - std::pow(kB1, t), bc2 = 1 - std::pow(kB2, t);
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      p[i] *= 1 - lr * kWd;
+      m[i] = kB1 * m[i] + (1 - kB1) * g[i];
+      v[i] = kB2 * v[i] + (1 - kB2) * double(g[i]) * g[i];
+      p[i] -= lr * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + kEps);
+    }
+  }
+};
+
+std::vector<float> values(std::size_t n, float scale, float phase) {
+  std::vector<float> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = scale * std::sin(0.37f * float(i) + phase);
+  return out;
+}
+
+struct Model {
+  std::vector<std::vector<std::int64_t>> shapes{{16, 8}, {8}, {4, 16}};
+  std::vector<std::vector<float>> params;
+  Model() {
+    for (std::size_t k = 0; k < shapes.size(); ++k) {
+      std::size_t n = 1;
+      for (auto d : shapes[k]) n *= std::size_t(d);
+      params.push_back(values(n, 0.5f, float(k)));
+    }
+  }
+  HostTensor tensor(std::size_t k, const void* data, DType dt = DType::kF32) const {
+    return {data, dt, {shapes[k].data(), shapes[k].size()}};
+  }
+};
+
+::testing::AssertionResult near(const std::vector<float>& got, const std::vector<double>& want, double tol) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::abs(double(got[i]) - want[i]) > tol * (1 + std::abs(want[i]))) {
+      return ::testing::AssertionFailure() << "element " << i << ": " << got[i] << " vs " << want[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class StepDriverHomes : public ::testing::TestWithParam<bool> {};  // true: NVMe
+
+TEST_P(StepDriverHomes, TrainsAsAdamWAndWritesParamsInPlace) {
+  std::unique_ptr<ScratchDir> dir;
+  if (GetParam()) {
+    dir = std::make_unique<ScratchDir>(nvme::test::shm_base(), "step-driver");
+    ASSERT_TRUE(dir->ok());
+  }
+  Model m;
+  auto d = make_driver(dir ? dir->sub("swap") : "", 16 * 8 + 8 + 4 * 16);
+  ASSERT_NE(d, nullptr);
+  std::vector<RefAdamW> ref;
+  for (std::size_t k = 0; k < m.shapes.size(); ++k) {
+    auto idx = d->add_param("p" + std::to_string(k), m.tensor(k, m.params[k].data()));
+    ASSERT_TRUE(idx.ok()) << idx.status().to_string();
+    EXPECT_EQ(*idx, k);
+    ref.emplace_back(m.params[k]);
+  }
+  for (int step = 1; step <= 6; ++step) {
+    StepArgs args;
+    const double lr = kLr * (step <= 3 ? 1.0 : 0.5);  // a schedule: the lr changes at step 4
+    args.lr = lr;
+    for (std::size_t k = 0; k < m.shapes.size(); ++k) {
+      const auto g = values(m.params[k].size(), 0.1f, float(step * 7 + k));
+      ASSERT_TRUE(d->add_grad(k, m.tensor(k, g.data())).ok());
+      ref[k].step(g, lr);
+      args.outputs.push_back(m.params[k].data());
+    }
+    auto r = d->step(args);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_TRUE(r->applied);
+    EXPECT_EQ(r->step, step);
+    for (std::size_t k = 0; k < m.shapes.size(); ++k) EXPECT_TRUE(near(m.params[k], ref[k].p, 1e-5)) << "step " << step;
+  }
+  std::vector<float> exp_avg(m.params[0].size());
+  ASSERT_TRUE(d->read_state(0, optim::StateKind::kExpAvg, exp_avg.data()).ok());
+  std::vector<double> m_ref(ref[0].m.begin(), ref[0].m.end());
+  EXPECT_TRUE(near(exp_avg, m_ref, 1e-5));
+  // Intake plus the update's read: two host passes per gradient element, no more.
+  EXPECT_DOUBLE_EQ(d->host_passes_per_grad_element(), 2.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Homes, StepDriverHomes, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "nvme" : "host"; });
+
+// Every bad input fails with the parameter's name, and the step that follows equals the reference
+// (nothing of the refused input was applied).
+TEST(StepDriver, BadInputIsRefusedByNameAndNothingIsApplied) {
+  Model m;
+  auto d = make_driver("", 16 * 8 + 8 + 4 * 16);
+  ASSERT_NE(d, nullptr);
+  std::vector<RefAdamW> ref;
+  for (std::size_t k = 0; k < m.shapes.size(); ++k) {
+    ASSERT_TRUE(d->add_param("layer" + std::to_string(k), m.tensor(k, m.params[k].data())).ok());
+    ref.emplace_back(m.params[k]);
+  }
+  // A name given twice, a group that does not exist, an integer dtype.
+  auto twice = d->add_param("layer1", m.tensor(1, m.params[1].data()));
+  EXPECT_EQ(twice.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(twice.status().message().find("layer1"), std::string::npos);
+  EXPECT_EQ(d->add_param("x", m.tensor(1, m.params[1].data()), 5).status().code(), StatusCode::kInvalidArgument);
+  std::vector<std::int32_t> ints(8);
+  EXPECT_EQ(d->add_param("y", m.tensor(1, ints.data(), DType::kI32)).status().code(), StatusCode::kInvalidArgument);
+
+  const auto g0 = values(m.params[0].size(), 0.1f, 1);
+  const auto g1 = values(m.params[1].size(), 0.1f, 2);
+  const auto g2 = values(m.params[2].size(), 0.1f, 3);
+  // A gradient of the wrong shape (the right count, transposed) and of an integer dtype.
+  const std::vector<std::int64_t> transposed{8, 16};
+  Status s = d->add_grad(0, {g0.data(), DType::kF32, {transposed.data(), 2}});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("layer0"), std::string::npos) << s.to_string();
+  EXPECT_EQ(d->add_grad(1, m.tensor(1, ints.data(), DType::kI32)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->add_grad(7, m.tensor(1, g1.data())).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(d->add_grad(0, m.tensor(0, g0.data())).ok());
+  ASSERT_TRUE(d->add_grad(2, m.tensor(2, g2.data())).ok());
+  // A step while layer1 has no gradient.
+  auto missing = d->step();
+  EXPECT_EQ(missing.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(missing.status().message().find("layer1"), std::string::npos) << missing.status().to_string();
+  // A second gradient for layer0 in a step without accumulation.
+  EXPECT_EQ(d->add_grad(0, m.tensor(0, g0.data())).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(d->add_grad(1, m.tensor(1, g1.data())).ok());
+  // Non-finite and negative learning rates; an output list of the wrong length.
+  for (double lr : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(), -1.0}) {
+    StepArgs bad;
+    bad.lr = lr;
+    EXPECT_EQ(d->step(bad).status().code(), StatusCode::kInvalidArgument) << lr;
+  }
+  StepArgs short_outputs;
+  short_outputs.outputs = {m.params[0].data()};
+  EXPECT_EQ(d->step(short_outputs).status().code(), StatusCode::kInvalidArgument);
+  // Parameters are added before the first gradient.
+  EXPECT_EQ(d->add_param("late", m.tensor(1, g1.data())).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*d->group_step(0), 0);
+
+  StepArgs args;
+  for (auto& p : m.params) args.outputs.push_back(p.data());
+  auto r = d->step(args);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ref[0].step(g0);
+  ref[1].step(g1);
+  ref[2].step(g2);
+  for (std::size_t k = 0; k < m.shapes.size(); ++k) EXPECT_TRUE(near(m.params[k], ref[k].p, 1e-6)) << k;
+}
+
+TEST(StepDriver, Bf16ParamsKeepFp32Masters) {
+  auto d = make_driver("", 64);
+  ASSERT_NE(d, nullptr);
+  const std::vector<std::int64_t> shape{64};
+  auto init = values(64, 1.0f, 0.3f);
+  std::vector<std::uint16_t> bf(64);
+  ASSERT_TRUE(
+      cpu::convert(cpu::ConstTensorRef(init.data(), DType::kF32, 64), cpu::TensorRef(bf.data(), DType::kBF16, 64))
+          .ok());
+  ASSERT_TRUE(d->add_param("w", {bf.data(), DType::kBF16, {shape.data(), 1}}).ok());
+  std::vector<float> widened(64);
+  ASSERT_TRUE(
+      cpu::convert(cpu::ConstTensorRef(bf.data(), DType::kBF16, 64), cpu::TensorRef(widened.data(), DType::kF32, 64))
+          .ok());
+  RefAdamW ref(widened);
+  for (int step = 0; step < 5; ++step) {
+    const auto g = values(64, 1e-3f, float(step));
+    std::vector<std::uint16_t> gb(64);
+    ASSERT_TRUE(
+        cpu::convert(cpu::ConstTensorRef(g.data(), DType::kF32, 64), cpu::TensorRef(gb.data(), DType::kBF16, 64)).ok());
+    std::vector<float> gw(64);
+    ASSERT_TRUE(
+        cpu::convert(cpu::ConstTensorRef(gb.data(), DType::kBF16, 64), cpu::TensorRef(gw.data(), DType::kF32, 64))
+            .ok());
+    ASSERT_TRUE(d->add_grad(0, {gb.data(), DType::kBF16, {shape.data(), 1}}).ok());
+    ref.step(gw);
+    StepArgs args;
+    args.outputs = {bf.data()};
+    ASSERT_TRUE(d->step(args).ok());
+  }
+  // The master followed the fp32 reference; the bf16 output is the master rounded (and, with
+  // steps of 1e-2 on values near 1, differs from it).
+  std::vector<float> master(64), rounded(64);
+  ASSERT_TRUE(d->read_state(0, optim::StateKind::kMaster, master.data()).ok());
+  EXPECT_TRUE(near(master, ref.p, 1e-5));
+  ASSERT_TRUE(
+      cpu::convert(cpu::ConstTensorRef(bf.data(), DType::kBF16, 64), cpu::TensorRef(rounded.data(), DType::kF32, 64))
+          .ok());
+  int differ = 0;
+  for (int i = 0; i < 64; ++i) {
+    EXPECT_LE(std::abs(rounded[i] - master[i]), std::abs(master[i]) / 128 + 1e-7f) << i;
+    differ += rounded[i] != master[i];
+  }
+  EXPECT_GT(differ, 0);
+}
+
+TEST(StepDriver, AccumulatesMicroStepsAndRefusesAnIncompleteStep) {
+  auto d = make_driver("", 32, 2);
+  ASSERT_NE(d, nullptr);
+  const std::vector<std::int64_t> shape{32};
+  auto w = values(32, 0.5f, 0);
+  ASSERT_TRUE(d->add_param("w", {w.data(), DType::kF32, {shape.data(), 1}}).ok());
+  RefAdamW ref(w);
+  const auto a = values(32, 0.1f, 1), b = values(32, 0.1f, 2);
+  ASSERT_TRUE(d->add_grad(0, {a.data(), DType::kF32, {shape.data(), 1}}).ok());
+  auto early = d->step();
+  EXPECT_EQ(early.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.status().message().find("1 gradient(s) of the 2"), std::string::npos) << early.status().to_string();
+  ASSERT_TRUE(d->add_grad(0, {b.data(), DType::kF32, {shape.data(), 1}}).ok());
+  EXPECT_EQ(d->add_grad(0, {b.data(), DType::kF32, {shape.data(), 1}}).code(), StatusCode::kFailedPrecondition);
+  StepArgs args;
+  args.outputs = {w.data()};
+  ASSERT_TRUE(d->step(args).ok());
+  std::vector<float> sum(32);
+  for (int i = 0; i < 32; ++i) sum[i] = a[i] + b[i];
+  ref.step(sum);
+  EXPECT_TRUE(near(w, ref.p, 1e-6));
+  // Two intakes and one update read per two gradient elements.
+  EXPECT_LE(d->host_passes_per_grad_element(), 2.0);
+}
+
+TEST(StepDriver, SaveAndLoadReplayTheSameStep) {
+  ScratchDir dir(nvme::test::shm_base(), "step-driver-ckpt");
+  ASSERT_TRUE(dir.ok());
+  auto d = make_driver(dir.sub("swap"), 128);
+  ASSERT_NE(d, nullptr);
+  const std::vector<std::int64_t> shape{128};
+  auto w = values(128, 0.5f, 0);
+  ASSERT_TRUE(d->add_param("w", {w.data(), DType::kF32, {shape.data(), 1}}).ok());
+  auto feed_and_step = [&](float phase) {
+    const auto g = values(128, 0.1f, phase);
+    EXPECT_TRUE(d->add_grad(0, {g.data(), DType::kF32, {shape.data(), 1}}).ok());
+    StepArgs args;
+    args.outputs = {w.data()};
+    EXPECT_TRUE(d->step(args).ok());
+  };
+  feed_and_step(1);
+  const std::string ckpt = dir.sub("opt.ckpt");
+  ASSERT_TRUE(d->save(ckpt).ok());
+  const std::vector<float> saved = w;
+  feed_and_step(2);
+  const std::vector<float> first = w;
+  ASSERT_TRUE(d->load(ckpt).ok());
+  std::vector<float> restored(128);
+  ASSERT_TRUE(d->read_param(0, DType::kF32, restored.data()).ok());
+  EXPECT_EQ(0, std::memcmp(restored.data(), saved.data(), 128 * sizeof(float)));
+  EXPECT_EQ(*d->group_step(0), 1);
+  feed_and_step(2);
+  EXPECT_EQ(0, std::memcmp(w.data(), first.data(), 128 * sizeof(float)));
+}
+
+}  // namespace
+}  // namespace tier::step
