@@ -382,6 +382,14 @@ def test_parameter_groups_given_as_a_generator_keep_their_groups(swap_dir):
     assert optimizer.param_groups[1]["weight_decay"] == 0.0
     assert len(optimizer.param_groups[1]["params"]) == sum(1 for n, _ in model.named_parameters() if "norm" in n)
     assert engine.optimizer.group_count == 2
+    # DeepSpeed's engine.optimizer is the optimizer initialize returned, param_groups and all.
+    assert engine.optimizer is optimizer
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.01, 0.0]
+    engine.optimizer.param_groups[0]["lr"] = LR / 2  # as a scheduler writes it: the next step uses it
+    out = engine(**batch(0))
+    engine.backward(out.loss)
+    engine.step()
+    assert engine.get_lr()[0] == pytest.approx(LR / 2)
     engine.destroy()
 
 

@@ -267,14 +267,14 @@ class RecordingOptimizer:
 
 def lrs_used_by_engine(engine, steps):
     """The lr each optimizer step ran with."""
-    engine.optimizer = RecordingOptimizer(engine.optimizer)
+    engine.native_optimizer = RecordingOptimizer(engine.native_optimizer)
     x = torch.randn(4, 8)
     for _ in range(steps):
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         engine.step()
     assert engine.global_steps == steps
-    return engine.optimizer.used
+    return engine.native_optimizer.used
 
 
 def test_engine_runs_deepspeeds_schedule_without_running_a_step_ahead():

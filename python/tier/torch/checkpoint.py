@@ -280,7 +280,7 @@ def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
     _fs.mkdir(vdir, 0o700)
     try:
         opt = os.path.join(vdir, "optimizer.bin")
-        engine.optimizer.save_checkpoint(opt)  # fsyncs the file and the directory entry itself
+        engine.native_optimizer.save_checkpoint(opt)  # fsyncs the file and the directory entry itself
         _fs.chmod(opt, 0o600)
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
@@ -663,7 +663,7 @@ def load(engine, load_dir, tag):
 
     # Everything is checked; from here on the engine changes. The optimizer's reader checks its
     # records before it replaces any state, so a failure there still leaves the engine as it was.
-    engine.optimizer.load_checkpoint(os.path.join(path, "optimizer.bin"))
+    engine.native_optimizer.load_checkpoint(os.path.join(path, "optimizer.bin"))
     engine._params_from_masters()
     if plan["frozen"]:
         with open(plan["frozen_path"], "rb") as f:

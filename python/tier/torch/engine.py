@@ -262,6 +262,17 @@ class _OptimizerView(torch.optim.Optimizer):
             self.param_groups = shared_groups
         self._engine = weakref.ref(engine)
 
+    def __getattr__(self, name):
+        # tier's own optimizer methods (stats(), kind(), group_count, ...) reach through to the
+        # engine's offloaded optimizer, so engine.optimizer serves both surfaces.
+        if name == "_engine":
+            raise AttributeError(name)
+        engine = self._engine()
+        native = engine.native_optimizer if engine is not None else None
+        if native is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(native, name)
+
     def step(self, closure=None):
         """Steps the engine when gradients came in since its last ``step()`` without it being
         called: a loop of the caller's own (plain ``loss.backward()``, accelerate's
@@ -573,7 +584,7 @@ class TierEngine(torch.nn.Module):
             for slot in self._slots:
                 slot.param.requires_grad_(False)
                 slot.trainable = False
-            self.optimizer = None
+            self.native_optimizer = None
             groups = {}
         else:
             # Across ranks, this rank's shards only.
@@ -583,7 +594,7 @@ class TierEngine(torch.nn.Module):
             opt_cfg = dict(cfg, gradient_accumulation_steps=1)
             opt_cfg.pop("train_batch_size", None)
             opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
-            self.optimizer = _tier.Optimizer.create(
+            self.native_optimizer = _tier.Optimizer.create(
                 opt_config,
                 trainable_numel,
                 self.native,
@@ -603,8 +614,8 @@ class TierEngine(torch.nn.Module):
             parts["parameters"] = sum(
                 _footprint.padded((s.zero_shard if stage3 else s.numel) * esize) for s in self._slots
             )
-        if self.optimizer is not None:
-            parts["optimizer state"] = self.optimizer.stats()["nvme_capacity_bytes"]
+        if self.native_optimizer is not None:
+            parts["optimizer state"] = self.native_optimizer.stats()["nvme_capacity_bytes"]
         _footprint.check_nvme_room(self.config.swap_paths, parts)
 
         for index, slot in enumerate(self._slots):
@@ -617,7 +628,7 @@ class TierEngine(torch.nn.Module):
                     master = torch.empty(slot.numel, dtype=self.compute_dtype)
                     self.native.read(slot.tid, master)
                     group = groups.get(id(slot.param), 0)
-                    slot.pid = self.optimizer.add_partition(
+                    slot.pid = self.native_optimizer.add_partition(
                         slot.zero_count, group, self.compute_dtype_name, master.float(), slot.name
                     )
                     del master
@@ -637,7 +648,7 @@ class TierEngine(torch.nn.Module):
             if slot.trainable and slot.zero_count > 0:
                 master = owned.float().contiguous()
                 group = groups.get(id(slot.param), 0)
-                slot.pid = self.optimizer.add_partition(
+                slot.pid = self.native_optimizer.add_partition(
                     slot.zero_count, group, self.compute_dtype_name, master, slot.name
                 )
             placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -659,12 +670,12 @@ class TierEngine(torch.nn.Module):
             self.client_lr_scheduler = None
             self.lr_scheduler = None
         else:
-            self.optimizer.finish_registration()
+            self.native_optimizer.finish_registration()
             # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
             # otherwise (host-resident state) in host memory beside it.
             self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
             if self._grads_in_engine:
-                self._grads = _EngineGrads(self, self.optimizer.partition_count)
+                self._grads = _EngineGrads(self, self.native_optimizer.partition_count)
                 for slot in self._slots:
                     if slot.pid is not None:
                         self._grads.register(self.native, slot.pid, slot.name, slot.zero_count, "nvme")
@@ -695,10 +706,10 @@ class TierEngine(torch.nn.Module):
                 if self._grads_in_engine:
                     self._spare_grads = self._register_spare_grads()
             self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
-            self._tensor_of_partition = [-1] * self.optimizer.partition_count
+            self._tensor_of_partition = [-1] * self.native_optimizer.partition_count
             # Where each partition's updated params go in its tensor: a rank's shard of a whole
             # parameter (stages 1 and 2) sits at its offset; a stage-3 shard is its own tensor.
-            self._partition_offsets = [0] * self.optimizer.partition_count
+            self._partition_offsets = [0] * self.native_optimizer.partition_count
             for slot in self._slots:
                 if slot.pid is not None:
                     self._tensor_of_partition[slot.pid] = slot.tid
@@ -723,7 +734,7 @@ class TierEngine(torch.nn.Module):
             base_lr = float(resolved.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
             self.scheduler = _schedulers.from_config(
                 cfg.get("scheduler"),
-                [self.optimizer.lr(g) for g in range(self.optimizer.group_count)],
+                [self.native_optimizer.lr(g) for g in range(self.native_optimizer.group_count)],
                 base_lr,
                 total_num_steps=total_num_steps,
                 warmup_num_steps=warmup_num_steps,
@@ -737,6 +748,15 @@ class TierEngine(torch.nn.Module):
         self._install_state_dict_hooks(model)
         self._setup_activations(model, resolved)
         _LIVE_ENGINES.add(self)
+
+    @property
+    def optimizer(self):
+        """The optimizer ``initialize`` returned, as DeepSpeed's ``engine.optimizer``: torch's surface
+        (``param_groups``, ``step``, ``zero_grad``, ``state_dict``) plus the offloaded optimizer's own
+        methods (``stats()``, ``kind()``, ...). None when the engine has no optimizer."""
+        if self.__dict__.get("native_optimizer") is None:
+            return None
+        return self.__dict__.get("torch_optimizer")
 
     def _setup_activations(self, model, resolved):
         """tier.activations (and activation_checkpointing.cpu_checkpointing): the model's gradient
@@ -842,9 +862,9 @@ class TierEngine(torch.nn.Module):
                 gid = 0
                 self._group_hparams[0] = self._group_kwargs(base, g)
                 if any(k in g for k in ("lr", "weight_decay", "betas", "eps")):
-                    self.optimizer.set_group(0, **self._group_kwargs(base, g))
+                    self.native_optimizer.set_group(0, **self._group_kwargs(base, g))
             else:
-                gid = self.optimizer.add_group(**self._group_kwargs(base, g), decoupled=decoupled)
+                gid = self.native_optimizer.add_group(**self._group_kwargs(base, g), decoupled=decoupled)
                 self._group_hparams.append(self._group_kwargs(base, g))
             for p in params:
                 owner[id(p)] = gid
@@ -859,7 +879,7 @@ class TierEngine(torch.nn.Module):
                 for gid, g in enumerate(listed):
                     for p in g["params"]:
                         owner[id(p)] = gid
-        groups = [dict(params=[]) for _ in range(self.optimizer.group_count)]
+        groups = [dict(params=[]) for _ in range(self.native_optimizer.group_count)]
         for slot in self._slots:
             if slot.trainable:
                 groups[owner.get(id(slot.param), 0)]["params"].append(slot.param)
@@ -867,7 +887,7 @@ class TierEngine(torch.nn.Module):
             g.update(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
         groups = [g for g in groups if g["params"]] or [dict(groups[0], params=[torch.zeros(0, requires_grad=True)])]
         shared = None
-        if client_optimizer is not None and len(client_optimizer.param_groups) == self.optimizer.group_count:
+        if client_optimizer is not None and len(client_optimizer.param_groups) == self.native_optimizer.group_count:
             shared = client_optimizer.param_groups
         return _OptimizerView(self, groups, shared)
 
@@ -1203,10 +1223,10 @@ class TierEngine(torch.nn.Module):
         committed ones, its declarations are forgotten (the gradients stay in their engine tensors,
         and step() declares them again) and the step will run serially. Anything that reads the
         params or changes the gradients between the boundary backward and step() calls this."""
-        if self.optimizer is None or not self.optimizer.overlap_running:
+        if self.native_optimizer is None or not self.native_optimizer.overlap_running:
             return
-        self.optimizer.cancel_overlap()
-        self.optimizer.clear_grads()
+        self.native_optimizer.cancel_overlap()
+        self.native_optimizer.clear_grads()
         self._grads.declared.clear()
 
     def forward(self, *args, **kwargs):
@@ -1234,17 +1254,17 @@ class TierEngine(torch.nn.Module):
         scaled = loss
         if scale_wrt_gas and self._gas > 1:
             scaled = scaled / self._gas
-        if self.optimizer.loss_scale != 1.0:
-            scaled = scaled * self.optimizer.loss_scale
+        if self.native_optimizer.loss_scale != 1.0:
+            scaled = scaled * self.native_optimizer.loss_scale
         self._withdraw_failed_step()
-        if self.optimizer.overlap_running:
+        if self.native_optimizer.overlap_running:
             # A second backward on the boundary adds to gradients the pass may have used already.
             self._cancel_overlap()
         elif self._overlap and self.is_gradient_accumulation_boundary():
             # The step's update starts now and takes each chunk of the state as backward finishes
             # its gradients; step() validates it (and redoes it when clipping or an overflow says so).
             self._apply_lr()
-            self.optimizer.start_overlap_into(
+            self.native_optimizer.start_overlap_into(
                 self.native,
                 self._tensor_of_partition,
                 self._grads.tensors,
@@ -1257,7 +1277,7 @@ class TierEngine(torch.nn.Module):
             try:
                 scaled.backward(retain_graph=retain_graph)
             except BaseException:
-                self.optimizer.cancel_overlap()
+                self.native_optimizer.cancel_overlap()
                 raise
             finally:
                 self._in_backward = False
@@ -1362,15 +1382,15 @@ class TierEngine(torch.nn.Module):
         A step that was applied but whose updated params could not all be delivered is counted;
         the params are rewritten from the fp32 masters before the next forward or step.
         """
-        applied_before = self.optimizer.stats()["steps_applied"]
+        applied_before = self.native_optimizer.stats()["steps_applied"]
         try:
-            self._grads.flush(self.optimizer)
-            if self.optimizer.overlap_running:
-                report = self.optimizer.finish_overlap()
+            self._grads.flush(self.native_optimizer)
+            if self.native_optimizer.overlap_running:
+                report = self.native_optimizer.finish_overlap()
             else:
                 self._apply_lr()
                 grad_tensors = self._grads.tensors if self._grads_in_engine else []
-                report = self.optimizer.step_into(
+                report = self.native_optimizer.step_into(
                     self.native,
                     self._tensor_of_partition,
                     grad_tensors,
@@ -1379,7 +1399,7 @@ class TierEngine(torch.nn.Module):
                 )
         except BaseException:
             self._grads.after_step(False)
-            if self.optimizer.stats()["steps_applied"] == applied_before:
+            if self.native_optimizer.stats()["steps_applied"] == applied_before:
                 self._failed_step = "pending"
                 raise
             # Applied (the state moved on, the gradients were consumed), its outputs not all
@@ -1388,7 +1408,7 @@ class TierEngine(torch.nn.Module):
             self._grads.clear()
             self._params_behind = True
             self.micro_steps += 1
-            applied = {"applied": True, "step": self.optimizer.stats()["step"], "grad_norm": float("nan"), "overflow": False}
+            applied = {"applied": True, "step": self.native_optimizer.stats()["step"], "grad_norm": float("nan"), "overflow": False}
             self._after_report(applied, lr_kwargs)
             raise
         self._grads.after_step(True)
@@ -1411,17 +1431,17 @@ class TierEngine(torch.nn.Module):
                 "the last step failed and its gradients are inside the optimizer, which cannot add another "
                 "backward to them: call step() to retry it, or zero_grad() to drop them and start the step again"
             )
-        self.optimizer.cancel_overlap()
-        self.optimizer.clear_grads()
+        self.native_optimizer.cancel_overlap()
+        self.native_optimizer.clear_grads()
         self._grads.withdraw()
         self._failed_step = "withdrawn"
 
     def _repair_params(self):
         """Params that an applied step could not deliver (or a failed one could not put back) are
         rewritten from the fp32 masters before the next forward reads them."""
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             return
-        behind = self.__dict__.get("_params_behind", False) or self.optimizer.outputs_stale
+        behind = self.__dict__.get("_params_behind", False) or self.native_optimizer.outputs_stale
         if not behind:
             return
         if self._zero is not None:
@@ -1431,7 +1451,7 @@ class TierEngine(torch.nn.Module):
             )
         self._params_from_masters()
         self._params_behind = False
-        self.optimizer.outputs_rewritten()
+        self.native_optimizer.outputs_rewritten()
 
     def _start_delayed(self, lr_kwargs):
         """overlap "delayed": waits for the previous step's update (and puts its params in place),
@@ -1439,11 +1459,11 @@ class TierEngine(torch.nn.Module):
         next micro-steps gather theirs in the other set. Returns the previous step's report (None
         at the first)."""
         report = self._join_delayed()
-        self._grads.flush(self.optimizer)
+        self._grads.flush(self.native_optimizer)
         grad_tensors = self._grads.tensors if self._grads_in_engine else []
         self._apply_lr()
-        self._optimizer_stats = self.optimizer.stats()
-        self.optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
+        self._optimizer_stats = self.native_optimizer.stats()
+        self.native_optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
         self._delayed_pending = (self._grads, lr_kwargs)
         if self._grads_in_engine:
             spare = self._spare_grads
@@ -1462,14 +1482,14 @@ class TierEngine(torch.nn.Module):
         need = sum(4 * slot.zero_count for slot in self._slots if slot.pid is not None)
         nvme = json.loads(self.native.stats_json())["tiers"]["nvme"]
         # The NVMe figures include the optimizer's own files, which have no part in the budget.
-        held = nvme["resident_bytes"] - self.optimizer.stats()["nvme_bytes"]
+        held = nvme["resident_bytes"] - self.native_optimizer.stats()["nvme_bytes"]
         if held + need > nvme["budget_bytes"]:
             raise ValueError(
                 f'tier.optimizer.overlap: "delayed" keeps a second set of fp32 gradients on NVMe ({need} bytes) '
                 f"beside the {held} bytes of tensors there; tier.budgets.nvme is {nvme['budget_bytes']}: "
                 f"raise it to at least {held + need} (plus room to stage transfers)"
             )
-        spare = _EngineGrads(self, self.optimizer.partition_count)
+        spare = _EngineGrads(self, self.native_optimizer.partition_count)
         for slot in self._slots:
             if slot.pid is not None:
                 spare.tensors[slot.pid] = self.native.register(
@@ -1492,10 +1512,10 @@ class TierEngine(torch.nn.Module):
         if self.__dict__.get("_delayed_retry"):
             self._apply_lr()  # the scheduler has not moved since the update first started
             grad_tensors = grads.tensors if self._grads_in_engine else []
-            self.optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
+            self.native_optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
             self._delayed_retry = False
         try:
-            report = self.optimizer.finish_step_async()
+            report = self.native_optimizer.finish_step_async()
         except BaseException:
             grads.after_step(False)
             self._delayed_retry = True
@@ -1525,7 +1545,7 @@ class TierEngine(torch.nn.Module):
             if slot.pid is None:
                 continue
             low = torch.empty(slot.shape, dtype=self.compute_dtype)
-            self.optimizer.read_params(slot.pid, self.compute_dtype_name, low)
+            self.native_optimizer.read_params(slot.pid, self.compute_dtype_name, low)
             self.native.write(slot.tid, low)
 
     def _settle(self):
@@ -1533,7 +1553,7 @@ class TierEngine(torch.nn.Module):
         delayed update (if any) done. Anything that reads them from outside the training loop
         calls this."""
         self._cancel_overlap()
-        if self.optimizer is not None:
+        if self.native_optimizer is not None:
             self._join_delayed()
 
     def _after_report(self, report, lr_kwargs):
@@ -1573,11 +1593,11 @@ class TierEngine(torch.nn.Module):
             self._failed_step = None
         if self._reducer is not None:
             self._reducer.clear()
-        if self.optimizer is not None:
-            self.optimizer.cancel_overlap()
+        if self.native_optimizer is not None:
+            self.native_optimizer.cancel_overlap()
             # (A delayed update, running or failed and pending a retry, reads its own gradients.)
-            if not self.optimizer.step_async_running and not self.__dict__.get("_delayed_retry"):
-                self.optimizer.clear_grads()
+            if not self.native_optimizer.step_async_running and not self.__dict__.get("_delayed_retry"):
+                self.native_optimizer.clear_grads()
         for slot in self._slots:
             slot.param.grad = None
 
@@ -1587,10 +1607,10 @@ class TierEngine(torch.nn.Module):
         the budget: the optimizer's pinned buffers, then one chunk's gradients (fp32) and updated
         parameters (compute dtype) as the optimizer reads and delivers them, or the largest
         parameter's fp32 master and its update, whichever is more."""
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             return
         budget = json.loads(self.native.stats_json())["tiers"]["host"]["budget_bytes"]
-        st = self.optimizer.stats()
+        st = self.native_optimizer.stats()
         esize = torch.empty(0, dtype=self.compute_dtype).element_size()
         elements = sum(s.zero_count for s in self._slots if s.trainable)  # (partitions come later)
         chunk = min(st["chunk_elements"], elements) * (4 + esize)
@@ -1607,56 +1627,56 @@ class TierEngine(torch.nn.Module):
             )
 
     def _require_optimizer(self, what):
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             if self.native is None:
                 raise RuntimeError(f"engine.{what}(): the engine has been destroyed")
             raise ValueError(f"engine.{what}(): {_NO_OPTIMIZER}")
 
     def _apply_lr(self):
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             return
         view = self.__dict__.get("torch_optimizer")
         if self.scheduler is None:
             if view is None:
                 return
             # The groups' lr (a client scheduler's, or the caller's own) is the next step's.
-            for g, group in enumerate(view.param_groups[: self.optimizer.group_count]):
-                self.optimizer.set_lr(g, float(group["lr"]))
+            for g, group in enumerate(view.param_groups[: self.native_optimizer.group_count]):
+                self.native_optimizer.set_lr(g, float(group["lr"]))
             return
         lrs = self.scheduler.lrs(self.global_steps)
         betas = self.scheduler.betas(self.global_steps)
-        for g in range(self.optimizer.group_count):
+        for g in range(self.native_optimizer.group_count):
             lr = lrs[min(g, len(lrs) - 1)]
             if betas is None:
-                self.optimizer.set_lr(g, lr)
+                self.native_optimizer.set_lr(g, lr)
             else:
                 h = self._group_hparams[g]
                 beta1, beta2 = betas[min(g, len(betas) - 1)]
-                self.optimizer.set_group(g, lr, beta1, beta2, h["eps"], h["weight_decay"])
+                self.native_optimizer.set_group(g, lr, beta1, beta2, h["eps"], h["weight_decay"])
             if view is not None and g < len(view.param_groups):
                 view.param_groups[g]["lr"] = lr
                 if betas is not None:
                     view.param_groups[g]["betas"] = tuple(betas[min(g, len(betas) - 1)])
 
     def get_lr(self):
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             return []
-        return [self.optimizer.lr(g) for g in range(self.optimizer.group_count)]
+        return [self.native_optimizer.lr(g) for g in range(self.native_optimizer.group_count)]
 
     @property
     def loss_scale(self):
-        return 1.0 if self.optimizer is None else self.optimizer.loss_scale
+        return 1.0 if self.native_optimizer is None else self.native_optimizer.loss_scale
 
     # ------------------------------------------------------------------ state
     def stats(self):
         """The engine's snapshot (tiers, links, metrics) with the optimizer's figures."""
         s = json.loads(self.native.stats_json())
-        if self.optimizer is not None:
-            if self.optimizer.step_async_running:
+        if self.native_optimizer is not None:
+            if self.native_optimizer.step_async_running:
                 # A delayed update is running: the figures as it found them (it owns the optimizer).
                 s["optimizer"] = dict(self.__dict__.get("_optimizer_stats") or {}, update_running=True)
             else:
-                s["optimizer"] = self._optimizer_stats = self.optimizer.stats()
+                s["optimizer"] = self._optimizer_stats = self.native_optimizer.stats()
         z = self.__dict__.get("_zero")
         if z is not None:
             pf = self.__dict__.get("_prefetcher")
@@ -1699,7 +1719,7 @@ class TierEngine(torch.nn.Module):
         def master(s):
             m = torch.zeros(s.zero_shard, dtype=torch.float32)
             if s.pid is not None:
-                self.optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
+                self.native_optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
             return m.to(self._zero.device)
 
         return _zero.gather_full(self._zero, [slot], master)[id(slot)].view(slot.shape).to("cpu", copy=True)
@@ -1713,7 +1733,7 @@ class TierEngine(torch.nn.Module):
             def master(s):
                 m = torch.zeros(s.zero_shard, dtype=torch.float32)
                 if s.pid is not None:
-                    self.optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
+                    self.native_optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
                 return m.to(self._zero.device)
 
             trainable = [s for s in self._slots if s.trainable]
@@ -1730,7 +1750,7 @@ class TierEngine(torch.nn.Module):
                 out[slot.name] = self.parameter(slot.name).float()
                 continue
             t = torch.empty(slot.shape, dtype=torch.float32)
-            self.optimizer.read_params(slot.pid, "fp32", t)
+            self.native_optimizer.read_params(slot.pid, "fp32", t)
             out[slot.name] = t
         return out
 
@@ -1741,7 +1761,7 @@ class TierEngine(torch.nn.Module):
         path. ``exclude_frozen_parameters=True`` is refused: a tier checkpoint is always complete."""
         from .checkpoint import save
 
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             raise ValueError(
                 "engine.save_checkpoint(): the engine runs inference only (no optimizer) and a tier checkpoint holds "
                 "training state; write the weights with engine.save_pretrained(dir)"
@@ -1778,7 +1798,7 @@ class TierEngine(torch.nn.Module):
         partial load is refused with the reason."""
         from .checkpoint import load
 
-        if self.optimizer is None:
+        if self.native_optimizer is None:
             raise ValueError(
                 "engine.load_checkpoint(): the engine runs inference only (no optimizer) and a tier checkpoint holds "
                 "training state; load weights with tier.torch.from_pretrained(dir, config)"
@@ -1970,7 +1990,7 @@ class TierEngine(torch.nn.Module):
         if self.__dict__.get("native") is None:
             return
         self._drain_grads()
-        if self.optimizer is not None:
+        if self.native_optimizer is not None:
             try:
                 self._join_delayed()
             except Exception as e:  # noqa: BLE001 (the engine goes anyway; say what was lost)
@@ -1989,9 +2009,9 @@ class TierEngine(torch.nn.Module):
         for slot in self._slots:
             slot.param.grad = None
             slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        if self.optimizer is not None:
-            self.optimizer.close()
-        self.optimizer = None
+        if self.native_optimizer is not None:
+            self.native_optimizer.close()
+        self.native_optimizer = None
         self.native = None
         self.config = None  # a native object too: nothing of tier's may outlive the interpreter
         _LIVE_ENGINES.discard(self)

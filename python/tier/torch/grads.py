@@ -105,7 +105,7 @@ class MicroStepGrads:
         # step; a backward of the caller's own may be one of several before the step.
         direct = engine._gas == 1 and engine._boundary is None and not engine._delayed and engine._engine_backward
         if acc is None and direct:
-            engine.optimizer.add_grad(pid, grad)
+            engine.native_optimizer.add_grad(pid, grad)
         elif acc is None:
             self.held[pid] = grad.detach().reshape(-1).to(torch.float32, copy=True)
         else:
@@ -184,9 +184,9 @@ class EngineGrads:
         else:
             self.sumsq.pop(pid, None)  # (one kept from a failed step is stale now)
         del flat  # ends the lease
-        if pid in self.sumsq and engine.optimizer.overlap_running:
+        if pid in self.sumsq and engine.native_optimizer.overlap_running:
             # Final: the overlapped step's pass may take it now.
-            engine.optimizer.declare_grad(pid, self.sumsq[pid])
+            engine.native_optimizer.declare_grad(pid, self.sumsq[pid])
             self.declared.add(pid)
 
     def flush(self, optimizer):

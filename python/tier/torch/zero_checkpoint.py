@@ -158,9 +158,9 @@ def _write_rank(engine, vdir, rank, world):
             buf = torch.empty(s.zero_count, dtype=torch.float32)
             for kind in _KINDS:
                 if kind == "master":
-                    engine.optimizer.read_params(s.pid, "fp32", buf)
+                    engine.native_optimizer.read_params(s.pid, "fp32", buf)
                 else:
-                    engine.optimizer.read_state(s.pid, kind, buf)
+                    engine.native_optimizer.read_state(s.pid, kind, buf)
                 f.write(buf.numpy().tobytes())
             index.append({"name": s.name, "start": s.zero_start, "count": s.zero_count, "offset": offset})
             offset += 3 * 4 * s.zero_count
@@ -170,7 +170,7 @@ def _write_rank(engine, vdir, rank, world):
         "rank": rank,
         "world": world,
         "params": index,
-        "group_steps": [engine.optimizer.group_step(g) for g in range(engine.optimizer.group_count)],
+        "group_steps": [engine.native_optimizer.group_step(g) for g in range(engine.native_optimizer.group_count)],
         "rng_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
     _ck._write_new(os.path.join(vdir, f"rank{rank}.json"), json.dumps(part, indent=1).encode())
@@ -302,9 +302,9 @@ def load(engine, load_dir, tag):
             if s.trainable and covered.get(s.name, 0) != s.numel:
                 raise _tier.DataLoss(f"checkpoint {path}: the saved shards of {s.name} do not cover it")
         steps = parts[0]["group_steps"]
-        if len(steps) != engine.optimizer.group_count:
+        if len(steps) != engine.native_optimizer.group_count:
             raise ValueError(
-                f"checkpoint {path} has {len(steps)} parameter groups, this engine {engine.optimizer.group_count}"
+                f"checkpoint {path} has {len(steps)} parameter groups, this engine {engine.native_optimizer.group_count}"
             )
         if not all(_ck._count(x) for x in steps):
             raise ValueError(f"checkpoint {path}: the step counters {_ck._short(steps)} are not counts")
@@ -327,18 +327,18 @@ def load(engine, load_dir, tag):
             if s.pid is None:
                 continue
             for kind in _KINDS:
-                engine.optimizer.write_state(s.pid, kind, pieces.read(s.name, kind, s.zero_start, s.zero_count))
+                engine.native_optimizer.write_state(s.pid, kind, pieces.read(s.name, kind, s.zero_start, s.zero_count))
     finally:
         pieces.close()
     for g, step in enumerate(steps):
-        engine.optimizer.set_group_step(g, int(step))
+        engine.native_optimizer.set_group_step(g, int(step))
     # The low-precision params from the masters, as the optimizer writes them.
     stage3 = engine._zero is not None and engine._zero.stage == 3
     for s in engine._slots:
         if s.pid is None:
             continue
         low = torch.empty(s.zero_count, dtype=engine.compute_dtype)
-        engine.optimizer.read_params(s.pid, engine.compute_dtype_name, low)
+        engine.native_optimizer.read_params(s.pid, engine.compute_dtype_name, low)
         lease = engine.native.acquire(s.tid, "host", "read_write")
         flat = torch.from_dlpack(lease.as_tensor())
         at = 0 if stage3 else s.zero_start
