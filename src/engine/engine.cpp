@@ -159,8 +159,10 @@ Result<Lease> AcquireFuture::wait_for(std::chrono::milliseconds timeout) {
         }
         if (e.counters->tracing()) {
           const std::string what =
-              state_->lease ? str("stall on tensor ", state_->lease->tensor, " (", tier_name(state_->lease->tier), ")")
-                            : std::string("stall");
+              !state_->lease ? std::string("stall")
+              : state_->lease->name.empty()
+                  ? str("stall on tensor ", state_->lease->tensor, " (", tier_name(state_->lease->tier), ")")
+                  : str("stall on '", state_->lease->name, "' (", tier_name(state_->lease->tier), ")");
           e.counters->trace_span("stalls", what, t0, t1);
         }
       });
@@ -419,6 +421,7 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
   lease->data = c.buf.ptr;
   lease->bytes = t.desc.bytes();
   lease->generation = t.generation;
+  if (counters->tracing()) lease->name = t.desc.name;
   std::unique_lock<std::mutex> lock(st->mu);
   if (st->cancelled) {  // nobody will take it: end it unused, as an event of its own (see below)
     lock.unlock();

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -69,6 +70,7 @@ struct LeaseState {
   void* data = nullptr;
   std::uint64_t bytes = 0;
   std::uint64_t generation = 0;  // the tensor registration it belongs to
+  std::string name;              // the tensor's name, kept only while tracing (a stall span names it)
   std::atomic<bool> released{false};
   // Ends the lease once (from Lease::release, the Lease's destructor, or an abandoned future).
   // `abandon`: a write lease ends without publishing its copy (nothing was written).

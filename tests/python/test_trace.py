@@ -53,6 +53,10 @@ def test_trace_file_holds_every_transfer_and_the_training_spans(swap_dir, tmp_pa
     steps = [e for e in lanes["compute"] if e["name"] == "step"]
     for o in opt:
         assert any(s["ts"] <= o["ts"] and o["ts"] + o["dur"] <= s["ts"] + s["dur"] + 1 for s in steps)
+    # A stall names the parameter the loop waited for, not the engine's tensor number.
+    stalls = lanes.get("stalls", [])
+    assert stalls
+    assert all(e["name"].startswith("stall on '") for e in stalls), stalls[0]["name"]
 
 
 def test_start_and_save_trace_from_python(swap_dir, tmp_path):
