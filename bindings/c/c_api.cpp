@@ -1211,8 +1211,8 @@ tier_status_t tier_optimizer_step(tier_optimizer_t* optimizer, const tier_step_o
       args.outputs.resize(d.param_count(), nullptr);
       for (uint32_t i = 0; i < o.num_params_out; ++i) {
         if (o.params_out[i] == nullptr) continue;
-        TIER_ASSIGN_OR_RETURN(args.outputs[i],
-                              output_view(d, i, o.params_out[i], "options->params_out[i]", d.param(i).dtype));
+        const std::string arg = str("options->params_out[", i, "]");
+        TIER_ASSIGN_OR_RETURN(args.outputs[i], output_view(d, i, o.params_out[i], arg.c_str(), d.param(i).dtype));
       }
     } else if (o.num_params_out != 0) {
       return tier::invalid_argument("options->num_params_out is set but params_out is NULL");

@@ -143,9 +143,11 @@ class StepDriver {
   std::unordered_map<std::string, std::size_t> by_name_;
   std::vector<int> grads_in_;  // micro-steps of gradient taken per parameter this step
   bool registered_ = false;    // finish_registration done
-  // Gradient traffic over host memory, in fp32 elements: intake passes and update reads.
+  // Gradient traffic over host memory of the steps applied, in elements: gradients taken, and
+  // the passes over them (intakes and update reads); intakes of the step being gathered.
   std::uint64_t grad_elements_ = 0;
   std::uint64_t grad_passes_elements_ = 0;
+  std::uint64_t pending_intake_elements_ = 0;
 };
 
 }  // namespace tier::step

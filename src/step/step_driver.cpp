@@ -157,12 +157,13 @@ Status StepDriver::add_grad(std::size_t index, const HostTensor& grad) {
   TIER_RETURN_IF_ERROR(opt_->add_grad(static_cast<optim::PartitionId>(index),
                                       cpu::ConstTensorRef(grad.data, grad.dtype, p.numel), optim::GradMode::kCopy));
   ++grads_in_[index];
-  grad_passes_elements_ += p.numel;  // read the gradient, add into the accumulator (sum of squares fused)
+  pending_intake_elements_ += p.numel;  // read the gradient, add into the accumulator (sum of squares fused)
   return Status::Ok();
 }
 
 void StepDriver::clear_grads() noexcept {
   opt_->clear_grads();
+  pending_intake_elements_ = 0;
   std::fill(grads_in_.begin(), grads_in_.end(), 0);
 }
 
@@ -205,7 +206,8 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
   std::uint64_t elements = 0;
   for (const ParamInfo& p : params_) elements += p.numel;
   grad_elements_ += elements * static_cast<std::uint64_t>(accumulation_steps_);
-  grad_passes_elements_ += elements;  // the update reads each accumulator once
+  grad_passes_elements_ += pending_intake_elements_ + elements;  // the intakes; the update reads each accumulator once
+  pending_intake_elements_ = 0;
   // A norm computed at step() is one more pass over those accumulators; count it (as the whole
   // model: the report gives partitions, not elements) so that the figure never understates.
   if (report.late_norm_partitions != 0) grad_passes_elements_ += elements;
@@ -266,7 +268,8 @@ Status StepDriver::load(const std::string& path) {
     registered_ = true;
   }
   TIER_RETURN_IF_ERROR(opt_->load_checkpoint(path));
-  std::fill(grads_in_.begin(), grads_in_.end(), 0);  // a load drops the gradients taken so far
+  std::fill(grads_in_.begin(), grads_in_.end(), 0);
+  pending_intake_elements_ = 0;  // a load drops the gradients taken so far
   return Status::Ok();
 }
 

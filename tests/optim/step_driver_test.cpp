@@ -182,10 +182,17 @@ TEST(StepDriver, BadInputIsRefusedByNameAndNothingIsApplied) {
   EXPECT_EQ(d->add_param("late", m.tensor(1, g1.data())).status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(*d->group_step(0), 0);
 
+  // Gradients cleared are forgotten (and their intake is not a pass of any step).
+  d->clear_grads();
+  EXPECT_EQ(d->step().status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(d->add_grad(0, m.tensor(0, g0.data())).ok());
+  ASSERT_TRUE(d->add_grad(1, m.tensor(1, g1.data())).ok());
+  ASSERT_TRUE(d->add_grad(2, m.tensor(2, g2.data())).ok());
   StepArgs args;
   for (auto& p : m.params) args.outputs.push_back(p.data());
   auto r = d->step(args);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_DOUBLE_EQ(d->host_passes_per_grad_element(), 2.0);
   ref[0].step(g0);
   ref[1].step(g1);
   ref[2].step(g2);
