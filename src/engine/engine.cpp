@@ -466,6 +466,7 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
           Copy& c2 = t2.copies[static_cast<int>(tier)];
           c2.buf = std::move(b);
           c2.state = CopyState::kReserved;
+          note_cached(id, tier);
           done(Status::Ok());
         },
         std::move(owner));
@@ -519,7 +520,10 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
     TensorRec& t2 = tensors[id];
     Copy& d = t2.copies[static_cast<int>(to)];
     Copy& s2 = t2.copies[static_cast<int>(from)];
-    if (b) d.buf = std::move(b);
+    if (b) {
+      d.buf = std::move(b);
+      note_cached(id, to);
+    }
     d.prefetched = prefetch;
     if (counted == 1) prefetch_inflight_bytes += bytes;
     if (counted == 2) staging_inflight_bytes += bytes;
@@ -642,6 +646,14 @@ void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
     c.dropped_unused_at = trace.advances();
     ++m_prefetch_dropped_unused;
   }
+  if (c.cached_pos != kNotCached) {
+    auto& list = cached[static_cast<int>(tier)];
+    const TensorId moved = list.back();
+    list[c.cached_pos] = moved;
+    tensors[moved].copies[static_cast<int>(tier)].cached_pos = c.cached_pos;
+    list.pop_back();
+    c.cached_pos = kNotCached;
+  }
   if (c.buf) {
     const std::uint64_t bytes = c.buf.bytes;
     c.buf = Buffer{};
@@ -652,6 +664,15 @@ void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
   c.state = CopyState::kAbsent;
   c.prefetched = false;
   c.writing_back = false;
+}
+
+void Engine::Impl::note_cached(TensorId id, Tier tier) {
+  TensorRec& t = tensors[id];
+  Copy& c = t.copies[static_cast<int>(tier)];
+  if (tier == t.home || c.cached_pos != kNotCached) return;
+  auto& list = cached[static_cast<int>(tier)];
+  c.cached_pos = static_cast<std::uint32_t>(list.size());
+  list.push_back(id);
 }
 
 bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, Buffer* out,
@@ -680,10 +701,13 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
       // The store is fragmented or short although the budget allows: evict more below.
       fragmented = true;
     }
-    // Candidates: every live tensor's copy on this tier; the policy picks and orders the victims.
+    // Candidates: the copies this tier holds that are not home copies (`cached`, in id order as
+    // the policy's ties have always been broken); the policy picks and orders the victims.
+    std::vector<TensorId> ids(cached[ti].begin(), cached[ti].end());
+    std::sort(ids.begin(), ids.end());
     std::vector<prefetch::EvictionCandidate> cands;
-    cands.reserve(tensors.size());
-    for (TensorId i = 0; i < tensors.size(); ++i) {
+    cands.reserve(ids.size());
+    for (TensorId i : ids) {
       const TensorRec& t = tensors[i];
       if (!t.live) continue;
       const Copy& c = t.copies[ti];
@@ -960,6 +984,13 @@ Status Engine::Impl::check_invariants_locked() const {
     for (Tier x : kAllTiers) {
       const Copy& c = t.copies[static_cast<int>(x)];
       if (c.buf) sum[static_cast<int>(x)] += c.buf.bytes;
+      // The eviction index holds exactly the non-home copies with storage, each at its place.
+      const bool indexed = c.cached_pos != kNotCached;
+      if (indexed != (c.buf && x != t.home) || (indexed && (c.cached_pos >= cached[static_cast<int>(x)].size() ||
+                                                            cached[static_cast<int>(x)][c.cached_pos] != i))) {
+        return internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(x), " is ", indexed ? "" : "not ",
+                                  "in the eviction index, against its storage"));
+      }
       if (!t.live) continue;
       if ((c.state == CopyState::kValid || c.state == CopyState::kReserved || c.state == CopyState::kStale) && !c.buf) {
         return internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(x), " has a state but no storage"));

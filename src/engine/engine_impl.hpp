@@ -91,6 +91,7 @@ struct Engine::Impl {
   static constexpr std::chrono::milliseconds kWritebackRetry{200};
   enum class CopyState : std::uint8_t { kAbsent, kReserved, kLoading, kValid, kStale };
   static constexpr std::uint64_t kNoMark = ~std::uint64_t{0};
+  static constexpr std::uint32_t kNotCached = ~std::uint32_t{0};
 
   struct Copy {
     CopyState state = CopyState::kAbsent;
@@ -101,7 +102,9 @@ struct Engine::Impl {
     // trace.advances() when a prefetched copy was last dropped unused (kNoMark: never); while the
     // trace has not moved on since, the tensor is not prefetched to this tier again.
     std::uint64_t dropped_unused_at = kNoMark;
-    std::uint64_t last_use = 0;                 // LRU clock
+    std::uint64_t last_use = 0;  // LRU clock
+    // This copy's place in `cached` of its tier (kNotCached: not there).
+    std::uint32_t cached_pos = kNotCached;
     Clock::time_point retry_writeback_after{};  // after a failed write-back, wait before the next
     std::vector<detail::Done> on_ready;         // waiters for a load in flight
   };
@@ -173,6 +176,9 @@ struct Engine::Impl {
   // The scheduler's side of AcquireFuture::cancel.
   void give_up(const std::shared_ptr<detail::AcquireState>& st);
   void drop_copy(TensorRec& t, Tier tier);
+  // A copy on `tier` that is not the tensor's home copy got its buffer: it is an eviction
+  // candidate of that tier from now until drop_copy.
+  void note_cached(TensorId id, Tier tier);
   // Drops every copy of an idle tensor and frees its id and name (the access trace is forgotten
   // only if it holds the tensor: the id may name another tensor later).
   void forget_tensor(TensorId id);
@@ -209,6 +215,9 @@ struct Engine::Impl {
 
   // ---- state
   std::vector<TensorRec> tensors;
+  // Per tier, the tensors holding a copy there that is not their home copy: what try_place looks
+  // at for victims, so that placing costs what the tier holds, not what the engine has registered.
+  std::array<std::vector<TensorId>, kNumTiers> cached;
   std::unordered_map<std::string, TensorId> by_name;
   std::vector<TensorId> free_ids;
   std::array<std::list<RoomRequest>, kNumTiers> room_waiters;
