@@ -27,7 +27,9 @@ void IoOpState::on_complete(std::function<void(const Status&)> fn) {
   if (!fn) return;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!done_.load(std::memory_order_relaxed)) {
+    // Before completion, or while the completing thread still runs the callbacks added before this
+    // one: queue it, so that callbacks run one at a time in the order added.
+    if (!done_.load(std::memory_order_relaxed) || draining_) {
       callbacks_.push_back(std::move(fn));
       return;
     }
@@ -36,16 +38,27 @@ void IoOpState::on_complete(std::function<void(const Status&)> fn) {
 }
 
 void IoOpState::complete(Status status) {
-  std::vector<std::function<void(const Status&)>> callbacks;
+  std::vector<std::function<void(const Status&)>> batch;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_.load(std::memory_order_relaxed)) return;
     status_ = std::move(status);
-    callbacks.swap(callbacks_);
+    batch.swap(callbacks_);
+    draining_ = true;
     done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
-  for (auto& fn : callbacks) fn(status_);
+  // Callbacks added meanwhile (by other threads, or by a callback) are run here too, after these.
+  for (;;) {
+    for (auto& fn : batch) fn(status_);
+    batch.clear();
+    std::lock_guard<std::mutex> lk(mu_);
+    if (callbacks_.empty()) {
+      draining_ = false;
+      return;
+    }
+    batch.swap(callbacks_);
+  }
 }
 
 }  // namespace detail

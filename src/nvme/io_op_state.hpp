@@ -20,7 +20,9 @@ class IoOpState {
   bool wait_for(std::chrono::nanoseconds timeout);
   Status status() const;
   void on_complete(std::function<void(const Status&)> fn);
-  // Sets the final status and runs the callbacks, on the calling thread. Only the first call counts.
+  // Sets the final status and runs the callbacks, on the calling thread, in the order added: also
+  // those added (from any thread, or from a callback) before the last of them has returned.
+  // Only the first call counts.
   void complete(Status status);
 
   void request_cancel() noexcept { cancel_.store(true, std::memory_order_release); }
@@ -35,6 +37,7 @@ class IoOpState {
   std::atomic<bool> cancel_{false};
   Status status_;
   std::vector<std::function<void(const Status&)>> callbacks_;
+  bool draining_ = false;  // complete() is still running callbacks (guarded by mu_)
 };
 
 }  // namespace tier::nvme::detail

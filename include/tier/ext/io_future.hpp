@@ -8,11 +8,11 @@
 //
 // Thread safety: every member may be called from any thread, on copies of the same future too.
 // A callback runs exactly once: on the I/O thread that completed the transfer, or at once on the
-// caller's thread when the transfer is already complete. Keep callbacks short (they hold up the
-// I/O thread that runs them), never wait() inside one on a transfer of the same swap space, and
-// never destroy the swap space from one (its destructor joins the thread the callback runs on).
-// Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
-// the user API.
+// caller's thread when the transfer is already complete and its earlier callbacks have all run
+// (one added while they still run is run after them, by the thread running them). Keep callbacks short (they hold up
+// the I/O thread that runs them), never wait() inside one on a transfer of the same swap space, and never destroy the
+// swap space from one (its destructor joins the thread the callback runs on). Extension interface
+// (include/tier/ext/README.md): stable for backends, tests and tools; not the user API.
 #pragma once
 
 #include <chrono>
