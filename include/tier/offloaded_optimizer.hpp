@@ -53,7 +53,8 @@
 // StepOptions callbacks run on the thread that called step(). Between start_overlapped_step()
 // and finish_overlapped_step() the pass's own thread runs beside the caller's, which may call
 // add_grad() and declare_grad() (and cancel_overlapped_step(), clear_grads()) but nothing else;
-// the pass's StepOptions callbacks run on the pass's thread.
+// the pass's StepOptions callbacks run on the pass's thread. The hyper-parameter setters and
+// getters and stats() may also be called from another thread (a scheduler, a monitor) at any time.
 #pragma once
 
 #include <cstddef>

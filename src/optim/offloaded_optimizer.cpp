@@ -1906,9 +1906,9 @@ OptimizerStats OffloadedOptimizer::stats() const {
     std::lock_guard<std::mutex> lock(im.groups_mu);
     s.step = im.groups.empty() ? 0 : im.groups[0].step();
   }
-  s.steps_skipped = im.steps_skipped;
-  s.steps_failed = im.steps_failed;
-  s.steps_applied = im.steps_applied;
+  s.steps_skipped = im.steps_skipped.load(std::memory_order_relaxed);
+  s.steps_failed = im.steps_failed.load(std::memory_order_relaxed);
+  s.steps_applied = im.steps_applied.load(std::memory_order_relaxed);
   return s;
 }
 

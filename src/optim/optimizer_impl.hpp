@@ -184,9 +184,10 @@ struct OffloadedOptimizer::Impl {
 
   std::atomic<std::uint64_t> with_grads{0};
   std::atomic<std::uint64_t> accumulator_bytes{0};
-  std::uint64_t steps_skipped = 0;
-  std::uint64_t steps_failed = 0;
-  std::uint64_t steps_applied = 0;
+  // Atomic: stats() may read them while an overlapped pass's thread counts.
+  std::atomic<std::uint64_t> steps_skipped{0};
+  std::atomic<std::uint64_t> steps_failed{0};
+  std::atomic<std::uint64_t> steps_applied{0};
 
   bool nvme() const noexcept { return opt.home == StateHome::kNvme; }
   Status usable(const char* what, bool loading = false) const;

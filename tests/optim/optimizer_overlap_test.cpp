@@ -161,6 +161,10 @@ TEST_P(Overlap, SettingTheLrWhileAPassRunsIsSafe) {
       EXPECT_TRUE(opt.set_lr(0, (i % 2) ? 1e-3 : 2e-3).ok());
       EXPECT_TRUE(opt.hyper_params(0).ok());
       EXPECT_TRUE(opt.group_step(0).ok());
+      // A monitor reading the stats while the pass's thread commits (TSan checks the counters).
+      const OptimizerStats st = opt.stats();
+      EXPECT_LE(st.steps_applied, 3u);
+      EXPECT_EQ(st.steps_failed, 0u);
     }
   });
   for (int step = 1; step <= 3; ++step) {
