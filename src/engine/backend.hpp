@@ -42,6 +42,10 @@ class TierStore {
   // Storage for a copy of `bytes`, without waiting: kResourceExhausted when it does not fit now
   // (the engine then evicts and retries). The engine keeps its own byte budget on top.
   virtual Result<Buffer> allocate(std::uint64_t bytes) = 0;
+  // What an allocation of `bytes` really sets aside (the host arena and the swap space round to
+  // 4 KiB): what the engine counts against the tier's budget, so that many small tensors cannot
+  // hold more than the budget says.
+  virtual std::uint64_t footprint(std::uint64_t bytes) const { return bytes; }
   // Bytes this store can hold at most (the engine's budget cannot exceed it).
   virtual std::uint64_t capacity() const = 0;
   virtual std::string describe() const = 0;

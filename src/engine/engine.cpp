@@ -742,9 +742,11 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
   }
 }
 
-void Engine::Impl::make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
+void Engine::Impl::make_room(Tier tier, std::uint64_t tensor_bytes, TensorId for_tensor, std::size_t horizon,
                              std::function<void(Status, Buffer)> done, std::shared_ptr<detail::AcquireState> owner) {
   const int ti = static_cast<int>(tier);
+  // Counted as the store really allocates it (4 KiB blocks on host and NVMe).
+  const std::uint64_t bytes = be.stores[ti] ? be.stores[ti]->footprint(tensor_bytes) : tensor_bytes;
   if (bytes > budget[ti]) {
     return done(
         resource_exhausted(str(format_bytes(bytes), " on ", tier_name(tier), " is larger than the ", tier_name(tier),

@@ -72,6 +72,7 @@ class HostStore : public detail::TierStore {
     out.holder = holder;
     return out;
   }
+  std::uint64_t footprint(std::uint64_t bytes) const override { return detail::padded(bytes); }
   std::uint64_t capacity() const override { return capacity_; }
   std::string describe() const override { return str("pinned host arena, ", format_bytes(capacity_)); }
 
@@ -92,6 +93,7 @@ class NvmeStore : public detail::TierStore {
     out.holder = holder;
     return out;
   }
+  std::uint64_t footprint(std::uint64_t bytes) const override { return detail::padded(bytes); }
   std::uint64_t capacity() const override { return capacity_; }
   std::string describe() const override { return str("swap space, ", format_bytes(capacity_)); }
 

@@ -323,5 +323,34 @@ TEST(RealEngine, EngineWithoutNvmeServesDeviceAndHost) {
   EXPECT_FALSE((*e)->register_tensor({"x", DType::kI32, 10}, Tier::kNvme).ok());
 }
 
+// The host arena and the swap space hand out 4 KiB blocks: a budget counts those, so that many
+// small tensors cannot take more memory than the budget says.
+TEST(RealEngine, BudgetsCountTheBlocksTheStoresAllocate) {
+  EngineConfig c;
+  c.tier.device = DeviceKind::kEmulated;
+  c.tier.device_budget = 1u << 20;
+  c.tier.host_budget = 64u << 10;  // sixteen 4 KiB blocks
+  c.tier.acquire_timeout_ms = 100;
+  auto e = Engine::create(c);
+  ASSERT_TRUE(e.ok()) << e.status();
+  auto data = words(25, 3);  // 100 bytes each
+  int placed = 0;
+  Status refused;
+  for (int i = 0; i < 32 && refused.ok(); ++i) {
+    auto id = (*e)->register_tensor({str("small", i), DType::kI32, 25}, Tier::kHost, data.data());
+    if (id.ok()) {
+      ++placed;
+    } else {
+      refused = id.status();
+    }
+  }
+  EXPECT_EQ(placed, 16);
+  EXPECT_FALSE(refused.ok());
+  const auto host = (*e)->stats().tiers[static_cast<int>(Tier::kHost)];
+  EXPECT_EQ(host.resident_bytes, 16u * 4096u);
+  EXPECT_LE(host.resident_bytes, host.budget_bytes);
+  EXPECT_TRUE((*e)->check_invariants().ok());
+}
+
 }  // namespace
 }  // namespace tier
