@@ -726,6 +726,72 @@ NB_MODULE(_tier, m) {
       .def_prop_ro("device_name", [](Engine& e) { return e.device().info().name; })
       .def_prop_ro("device_kind", [](Engine& e) { return device_kind_name(e.device().info().kind); });
 
+  // An optimizer checkpoint read alone (tier.torch.zero_to_fp32): its partitions, then its masters
+  // into one float32 array per partition; both verify as load_checkpoint does (tier.DataLoss).
+  m.def(
+      "checkpoint_partitions",
+      [](const std::string& path) {
+        Result<optim::CheckpointInfo> r{Status(StatusCode::kInternal, "not read")};
+        {
+          nb::gil_scoped_release unlocked;
+          r = optim::read_checkpoint_info(path);
+        }
+        nb::list out;
+        for (const optim::CheckpointPartition& p : unwrap(std::move(r)).partitions) {
+          out.append(nb::make_tuple(p.name, p.numel, p.group));
+        }
+        return out;
+      },
+      "path"_a,
+      "The partitions of the optimizer checkpoint at path, in id order, as (name, numel, group), from its "
+      "header and metadata (checked; the records are not read).");
+  m.def(
+      "read_checkpoint_masters",
+      [](const std::string& path, const std::vector<nb::object>& out) {
+        Result<optim::CheckpointInfo> info{Status(StatusCode::kInternal, "not read")};
+        {
+          nb::gil_scoped_release unlocked;
+          info = optim::read_checkpoint_info(path);
+        }
+        const std::vector<optim::CheckpointPartition> parts = unwrap(std::move(info)).partitions;
+        if (out.size() != parts.size()) {
+          raise(invalid_argument(
+              str("read_checkpoint_masters: ", out.size(), " arrays for the ", parts.size(), " partitions of ", path)));
+        }
+        // The arrays stay referenced (held here) while the GIL is released.
+        std::vector<nb::ndarray<nb::c_contig, nb::device::cpu>> arrays(out.size());
+        std::vector<float*> dst(out.size(), nullptr);
+        for (std::size_t i = 0; i < out.size(); ++i) {
+          if (out[i].is_none()) continue;
+          if (!nb::try_cast(out[i], arrays[i]) || arrays[i].dtype() != nb::dtype<float>() ||
+              arrays[i].nbytes() != parts[i].numel * sizeof(float)) {
+            raise(invalid_argument(str("read_checkpoint_masters: out[", i, "] must be None or a writable C-contiguous ",
+                                       "CPU float32 array of ", parts[i].numel, " elements (partition '", parts[i].name,
+                                       "')")));
+          }
+          dst[i] = static_cast<float*>(arrays[i].data());
+        }
+        Status s;
+        {
+          nb::gil_scoped_release unlocked;
+          s = optim::read_checkpoint_masters(
+              path,
+              [&](const optim::CheckpointPartition& part, std::uint64_t offset, const float* values,
+                  std::uint64_t count) -> Status {
+                if (part.id >= parts.size() || part.numel != parts[part.id].numel) {
+                  return data_loss(str("checkpoint ", path, ": its partitions changed while it was read"));
+                }
+                if (dst[part.id] != nullptr) std::memcpy(dst[part.id] + offset, values, count * sizeof(float));
+                return {};
+              });
+        }
+        check(s);
+      },
+      "path"_a, "out"_a,
+      "Fills out[i] (None, or a float32 array of partition i's numel) with the fp32 master params of the "
+      "optimizer checkpoint at path, verifying every record and the trailer (tier.DataLoss when damaged). On an "
+      "error the arrays may hold part of the values: keep none of them.");
+
   nb::class_<PyOptimizer>(m, "Optimizer", "The offloaded Adam/AdamW optimizer (state on NVMe or in host memory).")
       .def_static(
           "create",

@@ -451,7 +451,8 @@ class OffloadedOptimizer {
   // are kDataLoss and leave the current state as it was (NVMe home: the data goes to the shadow
   // slots, switched over at the end; host home: verified in a first pass before anything is
   // overwritten). Restores hyper-parameters, step counters and the loss scale. Gradients taken
-  // so far are dropped.
+  // so far are dropped. (read_checkpoint_masters, below the class, reads the master params of
+  // such a file without an optimizer.)
   Status load_checkpoint(const std::string& path);
 
   // ------------------------------------------------------------------ diagnostics
@@ -484,5 +485,46 @@ class OffloadedOptimizer {
   explicit OffloadedOptimizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// ------------------------------------------------------------------ reading a checkpoint alone
+// What offline tools (tier.torch.zero_to_fp32) need from a file save_checkpoint wrote, without an
+// optimizer of the same partitions. Free functions: they only read the file, so they may run
+// from any thread, beside anything (a save renames its file into place whole).
+
+// A partition as a checkpoint file records it (its metadata's "partitions", in id order).
+struct CheckpointPartition {
+  PartitionId id = 0;
+  std::uint64_t numel = 0;
+  int group = 0;
+  std::string name;  // as registered; may be empty
+};
+
+struct CheckpointInfo {
+  std::uint32_t version = 0;  // of the file format
+  cpu::StateDType state_dtype = cpu::StateDType::kF32;
+  std::uint64_t elements = 0;  // the sum of the partitions' numel
+  std::vector<CheckpointPartition> partitions;
+};
+
+// The partitions and format of the checkpoint at `path`, from its header and metadata only: both
+// checksums and every value of the metadata are checked as load_checkpoint checks them (kDataLoss
+// when one fails), the records are not read (read_checkpoint_masters checks them).
+Result<CheckpointInfo> read_checkpoint_info(const std::string& path);
+
+// Called with consecutive pieces of each partition's fp32 master params, partition by partition
+// in id order, each from element `offset` of `part`; `values` (count of them) is valid during the
+// call only. A non-OK return stops the read and is returned.
+using CheckpointMasterVisitor = std::function<Status(const CheckpointPartition& part, std::uint64_t offset,
+                                                     const float* values, std::uint64_t count)>;
+
+// Streams the master params of the checkpoint at `path` to `visit`, verifying what
+// load_checkpoint verifies: the header's and the metadata's checksums, every value of the
+// metadata, each record's place (the next piece of the next partition), size and section
+// checksums, and the trailer's counts and chained checksum; every partition must be covered
+// exactly. Truncation, corruption and out-of-range values are kDataLoss. Values are handed over
+// before their record's checksums (and the trailer) are checked: only an OK return vouches for
+// what `visit` was given, so a caller keeps nothing of a failed read. Memory: one bounded buffer
+// (a few MiB) and the record's int8 scales, whatever the file's size.
+Status read_checkpoint_masters(const std::string& path, const CheckpointMasterVisitor& visit);
 
 }  // namespace tier::optim

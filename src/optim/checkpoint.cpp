@@ -19,6 +19,8 @@
 // fsync'd: a crash leaves the old file or the new one, never half of one under the real name.
 // Loading checks every value of the metadata against the range a running optimizer accepts: the
 // checksums find damage, not a file crafted with valid ones.
+// read_checkpoint_info and read_checkpoint_masters read a file without an optimizer through the
+// same code (open_checkpoint, check_meta, RecordStream), so they check what loading checks.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -29,6 +31,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 
 #include <nlohmann/json.hpp>
@@ -194,12 +197,16 @@ std::string shown(const json& v) {
 // What load_checkpoint takes from the meta section once it is checked.
 struct Restored {
   cpu::StateDType state_dtype = cpu::StateDType::kF32;
+  std::vector<CheckpointPartition> parts;
   std::vector<cpu::AdamHyperParams> hp;
   std::vector<std::int64_t> steps;
   LossScaleState scale;
 };
 
-Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, const std::string& path) {
+// The meta section, checked. With `im`, its partitions and groups must be the optimizer's (else
+// kInvalidArgument: another model); without (reading a file alone), they are taken from the file
+// and checked for what an optimizer accepts.
+Result<Restored> check_meta(const OffloadedOptimizer::Impl* im, const json& m, const std::string& path) {
   auto bad = [&](const std::string& what) { return data_loss(str("checkpoint ", path, ": ", what)); };
   // Every field is type-checked before it is read: a damaged file must be an error, not an exception.
   if (!m.is_object() || !m.contains("format") || !m["format"].is_string() ||
@@ -214,31 +221,44 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
   const json& groups = m.contains("groups") ? m["groups"] : json();
   const json& ls = m.contains("loss_scale") ? m["loss_scale"] : json();
   if (!parts.is_array() || !groups.is_array() || !ls.is_object()) return bad("the metadata lacks its sections");
-  if (parts.size() != im.parts.size()) {
+  if (im != nullptr && parts.size() != im->parts.size()) {
     return invalid_argument(str("checkpoint ", path, " holds ", parts.size(), " partitions but this optimizer has ",
-                                im.parts.size(), "; it belongs to another model"));
+                                im->parts.size(), "; it belongs to another model"));
   }
-  if (groups.size() != im.groups.size()) {
+  if (im != nullptr && groups.size() != im->groups.size()) {
     return invalid_argument(str("checkpoint ", path, " holds ", groups.size(),
-                                " parameter groups but this optimizer has ", im.groups.size()));
+                                " parameter groups but this optimizer has ", im->groups.size()));
   }
+  Restored r;
   for (std::size_t i = 0; i < parts.size(); ++i) {
     const json& p = parts[i];
     if (!p.is_array() || p.size() != 3 || !p[0].is_number_unsigned() || !p[1].is_number_integer() ||
         !p[2].is_string()) {
       return bad(str("partition entry ", i, " is malformed"));
     }
-    const Partition& mine = im.parts[i];
     const auto numel = p[0].get<std::uint64_t>();
-    const auto group = p[1].get<int>();
     const auto name = p[2].get<std::string>();
-    if (numel != mine.numel || group != mine.group || (!name.empty() && !mine.name.empty() && name != mine.name)) {
-      return invalid_argument(str("checkpoint ", path, ": partition ", i, " is '", name, "' with ", numel,
-                                  " elements in group ", group, " but this optimizer's is '", mine.name, "' with ",
-                                  mine.numel, " elements in group ", mine.group, "; it belongs to another model"));
+    if (im != nullptr) {
+      const Partition& mine = im->parts[i];
+      const auto group = p[1].get<int>();
+      if (numel != mine.numel || group != mine.group || (!name.empty() && !mine.name.empty() && name != mine.name)) {
+        return invalid_argument(str("checkpoint ", path, ": partition ", i, " is '", name, "' with ", numel,
+                                    " elements in group ", group, " but this optimizer's is '", mine.name, "' with ",
+                                    mine.numel, " elements in group ", mine.group, "; it belongs to another model"));
+      }
+      continue;  // the optimizer's own partitions: nothing to take from the file
     }
+    // What add_partition accepts: 1 to 2^53 - 1 elements (with the header's total checked by
+    // the caller), in one of the file's groups; ids fit a PartitionId.
+    std::int64_t group = 0;
+    if (i > std::numeric_limits<PartitionId>::max() || numel == 0 || numel > static_cast<std::uint64_t>(kMaxCount) ||
+        groups.empty() || !int_within(p[1], 0, static_cast<std::int64_t>(groups.size()) - 1, &group)) {
+      return bad(str("partition ", i, " ('", tier::detail::printable(name.substr(0, 64)), "') has ", numel,
+                     " elements in group ", shown(p[1]), "; a partition has 1 to 2^53 - 1 elements in one of the ",
+                     groups.size(), " groups"));
+    }
+    r.parts.push_back({static_cast<PartitionId>(i), numel, static_cast<int>(group), name});
   }
-  Restored r;
   if (m["version"].get<std::uint32_t>() >= 3) {
     if (!m.contains("state_dtype") || !m["state_dtype"].is_string()) return bad("the state dtype is missing");
     auto d = cpu::parse_state_dtype(m["state_dtype"].get<std::string>());
@@ -321,37 +341,26 @@ Result<Restored> check_meta(const OffloadedOptimizer::Impl& im, const json& m, c
   return r;
 }
 
-// Reads the records back in partition order into chunk layouts, checking every record's
-// checksums once its last element is read. A file whose state dtype is the optimizer's is copied
-// as it is; another is decoded to fp32 and encoded into the optimizer's format, one partition
-// piece at a time.
-class RecordReader {
+// Walks a checkpoint's records in partition order, checking that each is the next piece of the
+// state and, once all its sections are read (section()), its checksums; then the trailer
+// (finish()). The shared part of load_checkpoint's reader and read_checkpoint_masters: both check
+// the same things the same way. `numels` are the partitions' sizes, in id order.
+class RecordStream {
  public:
-  RecordReader(const OffloadedOptimizer::Impl& im, File& file, std::string path, const std::uint8_t* header,
-               std::uint64_t data_start, std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype)
-      : im_(im),
-        in_(file),
+  RecordStream(File& file, std::string path, const std::uint8_t* header, std::uint64_t data_start,
+               std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype,
+               std::vector<std::uint64_t> numels)
+      : in_(file),
         path_(std::move(path)),
         pos_(data_start),
         size_(file_size),
         header_bytes_(version >= 3 ? kRecordBytes : kRecordBytesV2),
         file_(file_dtype),
-        convert_(file_dtype != im.state_dtype()),
         version_(version),
-        chain_(chain_seed(header, version)) {}
+        chain_(chain_seed(header, version)),
+        numels_(std::move(numels)) {}
 
-  // Fills chunk c's partition pieces into `base` (laid out with c's layout).
-  Status fill(const Chunk& c, void* base) {
-    for (PartitionId pid = c.first; pid <= c.last; ++pid) {
-      const Partition& p = im_.parts[pid];
-      const std::uint64_t a = std::max(p.start, c.start);
-      const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
-      if (a < e) TIER_RETURN_IF_ERROR(piece(c, base, a - c.start, e - a));
-    }
-    return {};
-  }
-
-  // After the last chunk: the trailer must follow and end the file.
+  // After the last record: the trailer must follow and end the file.
   Status finish() {
     if (have_) return data_loss(str("checkpoint ", path_, ": a record runs past the last element"));
     if (pos_ + kTrailerBytes > size_) {
@@ -378,9 +387,145 @@ class RecordReader {
     return {};
   }
 
- private:
+  // Whether every partition is covered (the trailer comes next).
+  bool done() const { return exp_pid_ == numels_.size(); }
+
+ protected:
   static constexpr std::uint64_t B = cpu::kStateBlock;
 
+  // Byte offset in the payload of section 1 (exp_avg) or 2 (exp_avg_sq).
+  std::uint64_t moment_offset(int mo) const {
+    return count_ * 4 + (mo == 1 ? count_ * dtype_size(cpu::exp_avg_dtype(file_)) : 0);
+  }
+
+  // Reads `bytes` of section s at `off` bytes past the section's start (`sec_at` past the
+  // payload's) into dst and extends that section's running checksum.
+  Status section(int s, std::uint64_t sec_at, std::uint64_t off, std::uint64_t bytes, void* dst) {
+    TIER_RETURN_IF_ERROR(read_exact(in_, dst, bytes, payload_ + sec_at + off, path_));
+    run_[s] = crc32c_extend(run_[s], dst, bytes);
+    return {};
+  }
+
+  Status end_record() {
+    have_ = false;
+    const int n = header_bytes_ == kRecordBytes ? kSections : 3;
+    for (int s = 0; s < n; ++s) {
+      if (run_[s] != crc_[s]) {
+        static const char* const names[kSections] = {"master", "exp_avg", "exp_avg_sq", "exp_avg scales",
+                                                     "exp_avg_sq scales"};
+        return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_, ", elements [",
+                             offset_, ", ", offset_ + count_, ")) fails its ", names[s],
+                             " checksum; the file is corrupt"));
+      }
+    }
+    exp_off_ += count_;
+    covered_ += count_;
+    if (exp_off_ == numels_[exp_pid_]) {
+      ++exp_pid_;
+      exp_off_ = 0;
+    }
+    return {};
+  }
+
+  Status next_record() {
+    if (pos_ + header_bytes_ + kTrailerBytes > size_) {
+      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", exp_off_,
+                           " of partition ", exp_pid_, "; it is truncated"));
+    }
+    std::uint8_t h[kRecordBytes];
+    TIER_RETURN_IF_ERROR(read_exact(in_, h, header_bytes_, pos_, path_));
+    const std::size_t crc_at = header_bytes_ - 4;
+    if (std::memcmp(h, kRecordMagic, 4) != 0 || get<std::uint32_t>(h, crc_at) != crc32c(h, crc_at)) {
+      return data_loss(str("checkpoint ", path_, ": record ", records_, " at byte ", pos_,
+                           " has a damaged header; the file is corrupt"));
+    }
+    pid_ = get<std::uint32_t>(h, 4);
+    offset_ = get<std::uint64_t>(h, 8);
+    count_ = get<std::uint64_t>(h, 16);
+    const int nsec = header_bytes_ == kRecordBytes ? kSections : 3;
+    for (int s = 0; s < nsec; ++s) crc_[s] = get<std::uint32_t>(h, 24 + 4 * s);
+    if (pid_ >= numels_.size() || pid_ != exp_pid_ || offset_ != exp_off_ || count_ == 0 ||
+        count_ > numels_[pid_] - offset_) {
+      return data_loss(str("checkpoint ", path_, ": record ", records_, " (partition ", pid_, ", elements [", offset_,
+                           ", ", offset_ + count_, ")) is not the next piece of the state (partition ", exp_pid_,
+                           " from element ", exp_off_, ")"));
+    }
+    const std::uint64_t nscales = cpu::state_scale_count(file_, count_);
+    payload_ = pos_ + header_bytes_;
+    pos_ = payload_ + count_ * 4 + cpu::state_bytes(file_, count_);
+    if (pos_ + kTrailerBytes > size_) {
+      return data_loss(
+          str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
+    }
+    chain_ = chain_record(chain_, h, header_bytes_, version_);
+    ++records_;
+    consumed_ = 0;
+    for (auto& r : run_) r = 0;
+    have_ = true;
+    if (nscales) {
+      // The scales are read whole (1/64 of the codes), so a piece may start anywhere in a record.
+      const std::uint64_t at = payload_ + count_ * 4 + count_ * 2;
+      for (int mo = 0; mo < 2; ++mo) {
+        scales_[mo].resize(nscales);
+        TIER_RETURN_IF_ERROR(read_exact(in_, scales_[mo].data(), nscales * 4, at + mo * nscales * 4, path_));
+        run_[3 + mo] = crc32c(scales_[mo].data(), nscales * 4);
+      }
+    }
+    return {};
+  }
+
+  File& in_;
+  std::string path_;
+  std::uint64_t pos_;
+  std::uint64_t size_;
+  std::size_t header_bytes_;
+  cpu::StateDType file_;
+  bool have_ = false;
+  std::uint32_t pid_ = 0;
+  std::uint64_t offset_ = 0, count_ = 0, consumed_ = 0, payload_ = 0;
+  std::uint32_t crc_[kSections] = {}, run_[kSections] = {};
+  PartitionId exp_pid_ = 0;
+  std::uint64_t exp_off_ = 0, covered_ = 0, records_ = 0;
+  std::uint32_t version_;
+  std::uint32_t chain_;
+  std::vector<std::uint64_t> numels_;
+  std::vector<float> scales_[2];
+  std::vector<std::byte> bytes_;
+};
+
+// The partitions' sizes in id order (RecordStream's numels), of an optimizer's or a file's.
+template <class P>
+std::vector<std::uint64_t> numels_of(const std::vector<P>& parts) {
+  std::vector<std::uint64_t> n;
+  n.reserve(parts.size());
+  for (const P& p : parts) n.push_back(p.numel);
+  return n;
+}
+
+// Reads the records back in partition order into chunk layouts, checking every record's
+// checksums once its last element is read. A file whose state dtype is the optimizer's is copied
+// as it is; another is decoded to fp32 and encoded into the optimizer's format, one partition
+// piece at a time.
+class RecordReader : public RecordStream {
+ public:
+  RecordReader(const OffloadedOptimizer::Impl& im, File& file, std::string path, const std::uint8_t* header,
+               std::uint64_t data_start, std::uint64_t file_size, std::uint32_t version, cpu::StateDType file_dtype)
+      : RecordStream(file, std::move(path), header, data_start, file_size, version, file_dtype, numels_of(im.parts)),
+        im_(im),
+        convert_(file_dtype != im.state_dtype()) {}
+
+  // Fills chunk c's partition pieces into `base` (laid out with c's layout).
+  Status fill(const Chunk& c, void* base) {
+    for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+      const Partition& p = im_.parts[pid];
+      const std::uint64_t a = std::max(p.start, c.start);
+      const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
+      if (a < e) TIER_RETURN_IF_ERROR(piece(c, base, a - c.start, e - a));
+    }
+    return {};
+  }
+
+ private:
   // n elements of the next partition piece into chunk elements [ca, ca + n).
   Status piece(const Chunk& c, void* base, std::uint64_t ca, std::uint64_t n) {
     const cpu::StateDType mine = im_.state_dtype();
@@ -440,19 +585,6 @@ class RecordReader {
     return {};
   }
 
-  // Byte offset in the payload of section 1 (exp_avg) or 2 (exp_avg_sq).
-  std::uint64_t moment_offset(int mo) const {
-    return count_ * 4 + (mo == 1 ? count_ * dtype_size(cpu::exp_avg_dtype(file_)) : 0);
-  }
-
-  // Reads `bytes` of section s at `off` bytes past the section's start (`sec_at` past the
-  // payload's) into dst and extends that section's running checksum.
-  Status section(int s, std::uint64_t sec_at, std::uint64_t off, std::uint64_t bytes, void* dst) {
-    TIER_RETURN_IF_ERROR(read_exact(in_, dst, bytes, payload_ + sec_at + off, path_));
-    run_[s] = crc32c_extend(run_[s], dst, bytes);
-    return {};
-  }
-
   // t elements of a moment of the file from the record's element consumed_, as fp32 into dst.
   Status moment_fp32(int mo, DType fd, std::uint64_t t, float* dst) {
     const std::size_t es = dtype_size(fd);
@@ -475,93 +607,133 @@ class RecordReader {
     return {};
   }
 
-  Status end_record() {
-    have_ = false;
-    const int n = header_bytes_ == kRecordBytes ? kSections : 3;
-    for (int s = 0; s < n; ++s) {
-      if (run_[s] != crc_[s]) {
-        static const char* const names[kSections] = {"master", "exp_avg", "exp_avg_sq", "exp_avg scales",
-                                                     "exp_avg_sq scales"};
-        return data_loss(str("checkpoint ", path_, ": record ", records_ - 1, " (partition ", pid_, ", elements [",
-                             offset_, ", ", offset_ + count_, ")) fails its ", names[s],
-                             " checksum; the file is corrupt"));
-      }
-    }
-    exp_off_ += count_;
-    covered_ += count_;
-    if (exp_off_ == im_.parts[exp_pid_].numel) {
-      ++exp_pid_;
-      exp_off_ = 0;
-    }
-    return {};
-  }
-
-  Status next_record() {
-    if (pos_ + header_bytes_ + kTrailerBytes > size_) {
-      return data_loss(str("checkpoint ", path_, ": the file ends at byte ", size_, " before element ", exp_off_,
-                           " of partition ", exp_pid_, "; it is truncated"));
-    }
-    std::uint8_t h[kRecordBytes];
-    TIER_RETURN_IF_ERROR(read_exact(in_, h, header_bytes_, pos_, path_));
-    const std::size_t crc_at = header_bytes_ - 4;
-    if (std::memcmp(h, kRecordMagic, 4) != 0 || get<std::uint32_t>(h, crc_at) != crc32c(h, crc_at)) {
-      return data_loss(str("checkpoint ", path_, ": record ", records_, " at byte ", pos_,
-                           " has a damaged header; the file is corrupt"));
-    }
-    pid_ = get<std::uint32_t>(h, 4);
-    offset_ = get<std::uint64_t>(h, 8);
-    count_ = get<std::uint64_t>(h, 16);
-    const int nsec = header_bytes_ == kRecordBytes ? kSections : 3;
-    for (int s = 0; s < nsec; ++s) crc_[s] = get<std::uint32_t>(h, 24 + 4 * s);
-    if (pid_ >= im_.parts.size() || pid_ != exp_pid_ || offset_ != exp_off_ || count_ == 0 ||
-        count_ > im_.parts[pid_].numel - offset_) {
-      return data_loss(str("checkpoint ", path_, ": record ", records_, " (partition ", pid_, ", elements [", offset_,
-                           ", ", offset_ + count_, ")) is not the next piece of the state (partition ", exp_pid_,
-                           " from element ", exp_off_, ")"));
-    }
-    const std::uint64_t nscales = cpu::state_scale_count(file_, count_);
-    payload_ = pos_ + header_bytes_;
-    pos_ = payload_ + count_ * 4 + cpu::state_bytes(file_, count_);
-    if (pos_ + kTrailerBytes > size_) {
-      return data_loss(
-          str("checkpoint ", path_, ": record ", records_, " runs past the end of the file; it is truncated"));
-    }
-    chain_ = chain_record(chain_, h, header_bytes_, version_);
-    ++records_;
-    consumed_ = 0;
-    for (auto& r : run_) r = 0;
-    have_ = true;
-    if (nscales) {
-      // The scales are read whole (1/64 of the codes), so a piece may start anywhere in a record.
-      const std::uint64_t at = payload_ + count_ * 4 + count_ * 2;
-      for (int mo = 0; mo < 2; ++mo) {
-        scales_[mo].resize(nscales);
-        TIER_RETURN_IF_ERROR(read_exact(in_, scales_[mo].data(), nscales * 4, at + mo * nscales * 4, path_));
-        run_[3 + mo] = crc32c(scales_[mo].data(), nscales * 4);
-      }
-    }
-    return {};
-  }
-
   const OffloadedOptimizer::Impl& im_;
-  File& in_;
-  std::string path_;
-  std::uint64_t pos_;
-  std::uint64_t size_;
-  std::size_t header_bytes_;
-  cpu::StateDType file_;
   bool convert_;
-  bool have_ = false;
-  std::uint32_t pid_ = 0;
-  std::uint64_t offset_ = 0, count_ = 0, consumed_ = 0, payload_ = 0;
-  std::uint32_t crc_[kSections] = {}, run_[kSections] = {};
-  PartitionId exp_pid_ = 0;
-  std::uint64_t exp_off_ = 0, covered_ = 0, records_ = 0;
-  std::uint32_t version_;
-  std::uint32_t chain_;
-  std::vector<float> scales_[2];
   std::vector<float> scratch_;
-  std::vector<std::byte> bytes_;
+};
+
+// A checkpoint file opened for reading: its header checked (magic, checksum, version, the
+// metadata's size) and its metadata read, checked against its checksum and parsed; the values in
+// it are check_meta's to check.
+struct OpenedCheckpoint {
+  std::unique_ptr<File> file;
+  std::uint64_t size = 0;
+  std::uint8_t header[kHeaderBytes] = {};
+  std::uint32_t version = 0;
+  std::uint64_t data_start = 0;  // the first record's byte
+  json meta;
+};
+
+Result<OpenedCheckpoint> open_checkpoint(const std::string& path) {
+  if (tier::detail::has_nul(path)) {
+    return invalid_argument(str("checkpoint path '", tier::detail::printable(path.substr(0, 200)),
+                                "' holds a NUL byte, which would cut it short; give a path without one"));
+  }
+  auto opened = FileSystem::current()->open(path, O_RDONLY | O_CLOEXEC);
+  if (!opened.ok()) return opened.status().with_context(str("checkpoint ", path, ": cannot open it"));
+  OpenedCheckpoint c;
+  c.file = std::move(opened).value();
+  File& f = *c.file;
+  TIER_ASSIGN_OR_RETURN(const struct stat st, f.stat());
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size < kHeaderBytes + kTrailerBytes) {
+    return data_loss(str("checkpoint ", path, ": ", size, " bytes is too short to be a checkpoint; it is truncated"));
+  }
+  std::uint8_t* header = c.header;
+  TIER_RETURN_IF_ERROR(read_exact(f, header, kHeaderBytes, 0, path));
+  if (std::memcmp(header, kFileMagic, 8) != 0) {
+    return data_loss(str("checkpoint ", path, ": not a tier optimizer checkpoint (bad magic)"));
+  }
+  if (get<std::uint32_t>(header, 60) != crc32c(header, 60)) {
+    return data_loss(str("checkpoint ", path, ": the header fails its checksum; the file is corrupt"));
+  }
+  if (get<std::uint32_t>(header, 8) < kOldestVersion || get<std::uint32_t>(header, 8) > kVersion ||
+      get<std::uint32_t>(header, 12) != kHeaderBytes) {
+    return data_loss(str("checkpoint ", path, ": format version ", get<std::uint32_t>(header, 8),
+                         " is not one this build reads (", kOldestVersion, " to ", kVersion, ")"));
+  }
+  const auto meta_bytes = get<std::uint64_t>(header, 16);
+  if (meta_bytes > kMaxMetaBytes || kHeaderBytes + meta_bytes + kTrailerBytes > size) {
+    return data_loss(str("checkpoint ", path, ": the metadata (", meta_bytes,
+                         " bytes) does not fit in the file; it is "
+                         "truncated or corrupt"));
+  }
+  std::string meta(meta_bytes, '\0');
+  TIER_RETURN_IF_ERROR(read_exact(f, meta.data(), meta_bytes, kHeaderBytes, path));
+  if (get<std::uint32_t>(header, 40) != crc32c(meta.data(), meta.size())) {
+    return data_loss(str("checkpoint ", path, ": the metadata fails its checksum; the file is corrupt"));
+  }
+  c.meta = json::parse(meta, nullptr, /*allow_exceptions=*/false);
+  if (c.meta.is_discarded()) return data_loss(str("checkpoint ", path, ": the metadata is not valid JSON"));
+  c.size = size;
+  c.version = get<std::uint32_t>(header, 8);
+  c.data_start = kHeaderBytes + meta_bytes;
+  return c;
+}
+
+// A file's partitions, from its checked metadata; the header's counts must agree with them.
+Result<CheckpointInfo> info_of(const OpenedCheckpoint& in, const std::string& path) {
+  TIER_ASSIGN_OR_RETURN(Restored r, check_meta(nullptr, in.meta, path));
+  std::uint64_t total = 0;
+  for (const CheckpointPartition& p : r.parts) {
+    total += p.numel;  // each below 2^53: no overflow before the check
+    if (total > static_cast<std::uint64_t>(kMaxCount)) {
+      return data_loss(str("checkpoint ", path, ": the partitions hold more than 2^53 elements; the file is corrupt"));
+    }
+  }
+  const auto elements = get<std::uint64_t>(in.header, 24);
+  const auto partitions = get<std::uint64_t>(in.header, 32);
+  if (elements != total || partitions != r.parts.size()) {
+    return data_loss(str("checkpoint ", path, ": the header counts ", elements, " elements in ", partitions,
+                         " partitions but the metadata lists ", total, " in ", r.parts.size(),
+                         "; the file is corrupt"));
+  }
+  CheckpointInfo info;
+  info.version = in.version;
+  info.state_dtype = r.state_dtype;
+  info.elements = total;
+  info.partitions = std::move(r.parts);
+  return info;
+}
+
+// read_checkpoint_masters' walk: each record's master section in bounded pieces to the visitor,
+// its moments (and, in next_record, their int8 scales) read only for their checksums.
+class MasterReader : public RecordStream {
+ public:
+  MasterReader(const OpenedCheckpoint& in, std::string path, const CheckpointInfo& info)
+      : RecordStream(*in.file, std::move(path), in.header, in.data_start, in.size, in.version, info.state_dtype,
+                     numels_of(info.partitions)),
+        parts_(info.partitions) {}
+
+  Status run(const CheckpointMasterVisitor& visit) {
+    std::vector<float> buf(kPiece);
+    while (!done()) {
+      TIER_RETURN_IF_ERROR(next_record());
+      const CheckpointPartition& part = parts_[pid_];
+      while (consumed_ < count_) {
+        const std::uint64_t t = std::min(count_ - consumed_, kPiece);
+        TIER_RETURN_IF_ERROR(section(0, 0, consumed_ * 4, t * 4, buf.data()));
+        TIER_RETURN_IF_ERROR(visit(part, offset_ + consumed_, buf.data(), t));
+        consumed_ += t;
+      }
+      for (int mo = 0; mo < 2; ++mo) {
+        const DType fd = mo == 0 ? cpu::exp_avg_dtype(file_) : cpu::exp_avg_sq_dtype(file_);
+        const std::uint64_t bytes = count_ * dtype_size(fd);
+        for (std::uint64_t at = 0; at < bytes;) {
+          const std::uint64_t b = std::min(bytes - at, kPiece * sizeof(float));
+          TIER_RETURN_IF_ERROR(section(1 + mo, moment_offset(mo), at, b, buf.data()));
+          at += b;
+        }
+      }
+      TIER_RETURN_IF_ERROR(end_record());
+    }
+    return finish();
+  }
+
+ private:
+  static constexpr std::uint64_t kPiece = 1 << 20;  // elements: a 4 MiB buffer
+
+  const std::vector<CheckpointPartition>& parts_;
 };
 
 }  // namespace
@@ -649,51 +821,17 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("load_checkpoint", /*loading=*/true));
   TIER_RETURN_IF_ERROR(im.idle("load_checkpoint"));
-  if (tier::detail::has_nul(path)) {
-    return invalid_argument(str("checkpoint path '", tier::detail::printable(path.substr(0, 200)),
-                                "' holds a NUL byte, which would cut it short; give a path without one"));
-  }
-  auto opened = FileSystem::current()->open(path, O_RDONLY | O_CLOEXEC);
-  if (!opened.ok()) return opened.status().with_context(str("checkpoint ", path, ": cannot open it"));
-  File& f = **opened;
-  TIER_ASSIGN_OR_RETURN(const struct stat st, f.stat());
-  const auto size = static_cast<std::uint64_t>(st.st_size);
-  if (size < kHeaderBytes + kTrailerBytes) {
-    return data_loss(str("checkpoint ", path, ": ", size, " bytes is too short to be a checkpoint; it is truncated"));
-  }
-  std::uint8_t header[kHeaderBytes];
-  TIER_RETURN_IF_ERROR(read_exact(f, header, kHeaderBytes, 0, path));
-  if (std::memcmp(header, kFileMagic, 8) != 0) {
-    return data_loss(str("checkpoint ", path, ": not a tier optimizer checkpoint (bad magic)"));
-  }
-  if (get<std::uint32_t>(header, 60) != crc32c(header, 60)) {
-    return data_loss(str("checkpoint ", path, ": the header fails its checksum; the file is corrupt"));
-  }
-  if (get<std::uint32_t>(header, 8) < kOldestVersion || get<std::uint32_t>(header, 8) > kVersion ||
-      get<std::uint32_t>(header, 12) != kHeaderBytes) {
-    return data_loss(str("checkpoint ", path, ": format version ", get<std::uint32_t>(header, 8),
-                         " is not one this build reads (", kOldestVersion, " to ", kVersion, ")"));
-  }
-  const auto meta_bytes = get<std::uint64_t>(header, 16);
-  if (meta_bytes > kMaxMetaBytes || kHeaderBytes + meta_bytes + kTrailerBytes > size) {
-    return data_loss(str("checkpoint ", path, ": the metadata (", meta_bytes,
-                         " bytes) does not fit in the file; it is "
-                         "truncated or corrupt"));
-  }
-  std::string meta(meta_bytes, '\0');
-  TIER_RETURN_IF_ERROR(read_exact(f, meta.data(), meta_bytes, kHeaderBytes, path));
-  if (get<std::uint32_t>(header, 40) != crc32c(meta.data(), meta.size())) {
-    return data_loss(str("checkpoint ", path, ": the metadata fails its checksum; the file is corrupt"));
-  }
-  const json m = json::parse(meta, nullptr, /*allow_exceptions=*/false);
-  if (m.is_discarded()) return data_loss(str("checkpoint ", path, ": the metadata is not valid JSON"));
+  TIER_ASSIGN_OR_RETURN(OpenedCheckpoint in, open_checkpoint(path));
+  File& f = *in.file;
+  const std::uint8_t* header = in.header;
+  const std::uint64_t size = in.size;
   if (get<std::uint64_t>(header, 24) != im.numel_total) {
     return invalid_argument(str("checkpoint ", path, " holds ", get<std::uint64_t>(header, 24),
                                 " elements but this optimizer has ", im.numel_total, "; it belongs to another model"));
   }
-  TIER_ASSIGN_OR_RETURN(Restored restored, check_meta(im, m, path));
-  const std::uint64_t data_start = kHeaderBytes + meta_bytes;
-  const std::uint32_t version = get<std::uint32_t>(header, 8);
+  TIER_ASSIGN_OR_RETURN(Restored restored, check_meta(&im, in.meta, path));
+  const std::uint64_t data_start = in.data_start;
+  const std::uint32_t version = in.version;
 
   if (im.nvme()) {
     // Into the shadow slots; switched over only when every record and the trailer checked out.
@@ -735,6 +873,18 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   TIER_RETURN_IF_ERROR(im.scaler->restore(restored.scale));
   clear_grads();
   return {};
+}
+
+Result<CheckpointInfo> read_checkpoint_info(const std::string& path) {
+  TIER_ASSIGN_OR_RETURN(OpenedCheckpoint in, open_checkpoint(path));
+  return info_of(in, path);
+}
+
+Status read_checkpoint_masters(const std::string& path, const CheckpointMasterVisitor& visit) {
+  if (!visit) return invalid_argument("read_checkpoint_masters: no visitor");
+  TIER_ASSIGN_OR_RETURN(OpenedCheckpoint in, open_checkpoint(path));
+  TIER_ASSIGN_OR_RETURN(CheckpointInfo info, info_of(in, path));
+  return MasterReader(in, path, info).run(visit);
 }
 
 }  // namespace tier::optim

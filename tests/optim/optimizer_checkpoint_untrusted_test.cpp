@@ -265,5 +265,81 @@ TEST(OptimizerCheckpointChain, VersionThreeFilesStillLoadWithTheSameChecks) {
   EXPECT_TRUE(test::state_matches(a.opt(), saved));
 }
 
+// Read alone (read_checkpoint_masters, which tier.torch.zero_to_fp32 uses), a file gets the same
+// checks with nothing to compare its partitions with: crafted metadata, partitions that disagree
+// with the header or name no group, and records spliced or rewritten with valid checksums are
+// kDataLoss; a version-3 file reads alone too.
+TEST(OptimizerCheckpointReadAlone, CraftedFilesAreRefused) {
+  Rig a(kHostHome, opts());
+  ASSERT_TRUE(a.status().ok());
+  Reference ref(test::mixed_model(), test::three_groups(), 97);
+  ASSERT_TRUE(a.register_model(ref, 97).ok());
+  test::ScratchDir dir(nvme::test::shm_base(), "ckpt");
+  step(a.opt(), ref, 1);
+  ASSERT_TRUE(a.opt().save_checkpoint(dir.sub("good.ckpt")).ok());
+  const Parts parts = Parts::of(slurp(dir.sub("good.ckpt")));
+  auto read = [&](const std::string& file) {
+    return read_checkpoint_masters(file, [](auto&&...) { return Status(); });
+  };
+
+  const std::vector<std::pair<std::string, std::function<void(json&)>>> edits = {
+      {"lr 1e300", [](json& m) { m["groups"][0]["lr"] = 1e300; }},
+      {"step 2^62", [](json& m) { m["groups"][2]["step"] = std::int64_t{1} << 62; }},
+      {"hysteresis 1e300", [](json& m) { m["loss_scale"]["hysteresis_left"] = 1e300; }},
+      {"group 3 of 3", [](json& m) { m["partitions"][1][1] = 3; }},
+      {"group -1", [](json& m) { m["partitions"][1][1] = -1; }},
+      {"group 2^40", [](json& m) { m["partitions"][1][1] = std::int64_t{1} << 40; }},
+      {"0 elements", [](json& m) { m["partitions"][4][0] = 0; }},
+      {"one element more than the header counts", [](json& m) { m["partitions"][4][0] = 6; }},
+      {"a partition fewer than the header counts", [](json& m) { m["partitions"].erase(9); }},
+      {"malformed partition", [](json& m) { m["partitions"][2] = "p2"; }},
+  };
+  const std::string bad = dir.sub("crafted.ckpt");
+  for (const auto& [what, edit] : edits) {
+    Parts p = parts;
+    edit(p.meta);
+    dump(bad, p.bytes());
+    EXPECT_EQ(read_checkpoint_info(bad).status().code(), StatusCode::kDataLoss) << what;
+    const Status s = read(bad);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << what << ": " << s;
+  }
+  // A record's masters rewritten with valid section and header checksums: the chain refuses it.
+  Parts p = parts;
+  ASSERT_GE(p.records.size(), 2u);
+  std::vector<std::uint8_t>& r = p.records[1];
+  const auto count = get<std::uint64_t>(r, 16);
+  for (std::uint64_t i = 0; i < count; ++i) put<float>(r, kRecord + 4 * i, 1e6f);
+  put<std::uint32_t>(r, 24, detail::crc32c(r.data() + kRecord, 4 * count));
+  put<std::uint32_t>(r, 44, detail::crc32c(r.data(), 44));
+  std::vector<std::uint8_t> crafted = p.bytes();
+  const std::vector<std::uint8_t> good = slurp(dir.sub("good.ckpt"));
+  std::copy(good.end() - kTrailer, good.end(), crafted.end() - kTrailer);
+  dump(bad, crafted);
+  EXPECT_EQ(read(bad).code(), StatusCode::kDataLoss);
+  // Records out of order (both intact, the chain redone): each must be the next piece.
+  p = parts;
+  std::swap(p.records[0], p.records[1]);
+  dump(bad, p.bytes());
+  EXPECT_EQ(read(bad).code(), StatusCode::kDataLoss);
+
+  // The untouched file put back together, and as version 3, read alone to the same masters.
+  for (std::uint32_t version : {4u, 3u}) {
+    dump(bad, parts.bytes(version));
+    std::vector<float> got;
+    const Status s =
+        read_checkpoint_masters(bad, [&](const CheckpointPartition&, std::uint64_t, const float* v, std::uint64_t n) {
+          got.insert(got.end(), v, v + n);
+          return Status();
+        });
+    ASSERT_TRUE(s.ok()) << "version " << version << ": " << s;
+    std::vector<float> want;
+    for (std::size_t i = 0; i < ref.model().size(); ++i) {
+      want.insert(want.end(), ref.master(i).begin(), ref.master(i).end());
+    }
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_TRUE(test::same_bits(got.data(), want.data(), want.size(), str("version ", version)));
+  }
+}
+
 }  // namespace
 }  // namespace tier::optim

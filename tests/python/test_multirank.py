@@ -208,6 +208,95 @@ def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
     assert done.returncode == 2 and "rank1.bin does not match the manifest" in done.stderr
 
 
+def _resign(path):
+    """Rewrites path's manifest for its files as they are now: damage only a file's own reader sees."""
+    from tier.torch import checkpoint as ck
+
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name != ck.MANIFEST:
+            n, digest = ck._sha256_file(os.path.join(path, name))
+            files[name] = {"bytes": n, "sha256": digest}
+    body = {"format": ck.FORMAT, "files": files}
+    with open(os.path.join(path, ck.MANIFEST), "w") as f:
+        json.dump(dict(body, sha256=ck._manifest_body_digest(body)), f)
+
+
+@pytest.mark.parametrize("compute,state", [("fp32", "fp32"), ("bf16", "int8")])
+def test_zero_to_fp32_consolidates_a_checkpoint_saved_by_one_process(tmp_path, swap_dir, compute, state):
+    """A one-process checkpoint (tier-checkpoint-2) keeps the trainable masters only in
+    optimizer.bin, the optimizer's own file: zero_to_fp32 reads them with the native reader
+    (issue #32). Every tensor is the engine's fp32 master, or the frozen parameter widened,
+    exactly; a damaged optimizer.bin is exit status 2 with the reason, whether the manifest or,
+    once the manifest is rewritten to match, the reader's own checksums find it."""
+    import tier.torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ckpt_kill_child as kc
+
+    cfg = kc.config(swap_dir)
+    del cfg["scheduler"]  # a constant lr: the first steps move every trainable parameter
+    if compute == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    cfg["tier"]["optimizer"] = {"state_dtype": state}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[compute]
+    engine = tier.torch.initialize(kc.make_model(), cfg)[0]
+    try:
+        torch.manual_seed(3)
+        for _ in range(2 * kc.GAS):
+            x = torch.randn(8, 16)
+            loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), torch.sin(x[:, :4] * 2.0))
+            engine.backward(loss)
+            engine.step()
+        ckpt = tmp_path / "ckpt"
+        saved = os.path.realpath(engine.save_checkpoint(str(ckpt)))
+        expected = engine.state_dict_fp32()
+        assert engine.stats()["optimizer"]["state_dtype"] == state
+    finally:
+        engine.close()
+    assert "frozen.bin" in os.listdir(saved)
+    # The frozen weight is the initial one in the compute dtype, widened; the trainable ones moved.
+    initial = kc.make_model()
+    assert torch.equal(expected["2.weight"], initial[2].weight.detach().to(dtype).float())
+    assert not torch.equal(expected["0.weight"], initial[0].weight.detach().to(dtype).float())
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+    def consolidate(out):
+        return subprocess.run(
+            [sys.executable, "-m", "tier.torch.zero_to_fp32", str(ckpt), str(out)],
+            env=env, capture_output=True, text=True, timeout=TIMEOUT,
+        )
+
+    from safetensors.torch import load_file
+
+    for out in (tmp_path / "one.safetensors", tmp_path / "one.pt"):
+        done = consolidate(out)
+        assert done.returncode == 0, done.stderr
+        got = load_file(str(out)) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        assert list(got) == list(expected) if out.suffix == ".pt" else sorted(got) == sorted(expected)
+        for name, want in expected.items():
+            assert got[name].dtype == torch.float32 and got[name].shape == want.shape, name
+            assert torch.equal(got[name], want), name
+
+    # One flipped bit in optimizer.bin: the manifest finds it; rewritten to match, the reader does.
+    opt = os.path.join(saved, "optimizer.bin")
+    size = os.path.getsize(opt)
+    with open(opt, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = tmp_path / "damaged.pt"
+    done = consolidate(out)
+    assert done.returncode == 2 and "optimizer.bin does not match the manifest" in done.stderr, done.stderr
+    _resign(saved)
+    done = consolidate(out)
+    assert done.returncode == 2, done.stderr
+    assert "optimizer.bin" in done.stderr and "the file is corrupt" in done.stderr, done.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_an_inf_on_one_rank_makes_every_rank_skip_the_step(tmp_path, stage):
     reports, _, _ = run_ranks(tmp_path, 2, "--stage", stage, "--steps", 4, "--inf-at-step", 2)

@@ -63,6 +63,11 @@ Old checkpoints (format ``tier-checkpoint-1``: a plain ``<dir>/<tag>/`` with ``r
 load: they have no checksums, but their metadata is validated before anything is applied and
 ``rng.pt`` is read with ``torch.load(weights_only=True)``, so it cannot run code. Saving over
 such a tag moves the old directory aside as a version of the tag.
+
+Offline, :func:`consolidate` (``python -m tier.torch.zero_to_fp32``) reads a checkpoint without an
+engine into one fp32 state dict: the trainable masters from ``optimizer.bin`` through the
+optimizer's native reader (``tier._tier.read_checkpoint_masters``), the frozen parameters from
+``frozen.bin``.
 """
 
 import base64
@@ -684,3 +689,113 @@ def load(engine, load_dir, tag):
     if plan["rng_cuda"]:
         torch.cuda.set_rng_state_all(plan["rng_cuda"])
     return path, plan["client_state"]
+
+
+# ---------------------------------------------------------------------------- offline consolidation
+_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _param_entries(meta, path):
+    """meta.json's parameters as (name, shape, numel, partition or None), checked."""
+    params = meta.get("params")
+    if not isinstance(params, list):
+        raise ValueError(f"checkpoint {path}: meta.json has no valid parameter list")
+    out, names = [], set()
+    for i, p in enumerate(params):
+        try:
+            name, shape, trainable, pid = p["name"], p["shape"], p["trainable"], p.get("partition")
+        except (TypeError, KeyError):
+            raise ValueError(f"checkpoint {path}: meta.json parameter {i} is malformed") from None
+        if (
+            not isinstance(name, str)
+            or name in names
+            or not isinstance(shape, list)
+            or not all(_count(d) for d in shape)
+            or not isinstance(trainable, bool)
+            or (trainable and not _count(pid))
+            or (not trainable and pid is not None)
+        ):
+            raise ValueError(
+                f"checkpoint {path}: meta.json parameter {i} ({_short(name)}) is malformed (a unique name, a shape of "
+                "counts, trainable with its optimizer partition or frozen without one)"
+            )
+        names.add(name)
+        numel = math.prod(shape)
+        if numel > MAX_COUNT:
+            raise ValueError(f"checkpoint {path}: meta.json parameter {_short(name)} has {numel} elements")
+        out.append((name, shape, numel, pid if trainable else None))
+    return out
+
+
+def consolidate(path):
+    """Every parameter of the one-process checkpoint (format ``tier-checkpoint-2``) in ``path`` as
+    one state dict of fp32 CPU tensors, in the model's order: each trainable parameter's fp32
+    master from optimizer.bin (meta.json's ``partition`` names its partition there), each frozen
+    one from frozen.bin, widened from the compute dtype. Every file is checked against the
+    manifest first, and optimizer.bin's reader checks each record and the trailer again
+    (``tier.DataLoss`` when anything is damaged; ValueError when the files disagree)."""
+    meta_bytes, listed = _verified_files(path)
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: meta.json is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: meta.json is not of format {FORMAT}")
+    dtype = _COMPUTE_DTYPES.get(meta.get("compute_dtype"))
+    if dtype is None:
+        raise ValueError(
+            f"checkpoint {path}: meta.json has an unknown compute dtype {_short(meta.get('compute_dtype'))}"
+        )
+    entries = _param_entries(meta, path)
+
+    # The trainable ones: one fp32 tensor per partition, filled by the native reader (GIL released).
+    opt_path = os.path.join(path, "optimizer.bin")
+    parts = _tier.checkpoint_partitions(opt_path)
+    masters = [None] * len(parts)
+    for name, _, numel, pid in entries:
+        if pid is None:
+            continue
+        if pid >= len(parts) or masters[pid] is not None:
+            raise ValueError(
+                f"checkpoint {path}: parameter {_short(name)} names partition {pid}, which optimizer.bin "
+                f"{'does not have' if pid >= len(parts) else 'gives to another parameter too'}"
+            )
+        pname, pnumel, _ = parts[pid]
+        if pnumel != numel or (pname and pname != name):
+            raise ValueError(
+                f"checkpoint {path}: parameter {_short(name)} ({numel} elements) and partition {pid} of "
+                f"optimizer.bin ({_short(pname)}, {pnumel} elements) disagree"
+            )
+        masters[pid] = torch.empty(numel, dtype=torch.float32)
+    if any(m is None for m in masters):
+        raise ValueError(f"checkpoint {path}: optimizer.bin has partitions that no parameter of meta.json names")
+    _tier.read_checkpoint_masters(opt_path, masters)
+
+    # The frozen ones, in the model's order, from frozen.bin.
+    esize = torch.empty(0, dtype=dtype).element_size()
+    frozen = [(name, numel) for name, _, numel, pid in entries if pid is None]
+    want = sum(numel for _, numel in frozen) * esize
+    fpath = os.path.join(path, "frozen.bin")
+    values = {}
+    if want:
+        if "frozen.bin" not in listed:
+            raise _tier.DataLoss(
+                f"checkpoint {path}: meta.json lists frozen parameters but {MANIFEST} lists no frozen.bin"
+            )
+        have = os.path.getsize(fpath)
+        if have != want:
+            raise ValueError(f"checkpoint {path}: frozen.bin has {have} bytes, meta.json's frozen parameters {want}")
+        with open(fpath, "rb") as f:
+            for name, numel in frozen:
+                raw = f.read(numel * esize)
+                if len(raw) != numel * esize:  # only if the file changed after it was verified
+                    raise _tier.DataLoss(f"checkpoint {fpath}: shrank while it was read ({name})")
+                if numel:
+                    values[name] = torch.frombuffer(bytearray(raw), dtype=dtype).float()
+    out = {}
+    for name, shape, numel, pid in entries:
+        if pid is not None:
+            out[name] = masters[pid].view(shape)
+        else:
+            out[name] = values[name].view(shape) if numel else torch.empty(shape, dtype=torch.float32)
+    return out
