@@ -11,6 +11,12 @@ except ImportError:
     sys.path.insert(0, os.path.join(here, "..", "..", "build", "python"))
 
 
+def pytest_configure(config):
+    # The quick tier for a developer's inner loop: `pytest -m "not slow"` leaves out the multi-process
+    # runs and the crash campaigns (about 5 of the suite's 9 minutes on 2 cores). CI runs everything.
+    config.addinivalue_line("markers", "slow: spawns processes or runs a crash campaign; left out by -m 'not slow'")
+
+
 @pytest.fixture
 def swap_dir(tmp_path):
     d = tmp_path / "swap"

@@ -158,6 +158,7 @@ def test_a_save_over_an_old_format_directory_dying_anywhere_leaves_a_loadable_ch
     verifier.close()
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_of_saves_and_steps_always_leaves_an_exact_checkpoint(tmp_path):
     """A trainer process is killed (SIGKILL) KILLS times, at random points of a save or of a
     training step, and resumed each time from the newest checkpoint; after every kill the

@@ -21,6 +21,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import tier  # noqa: E402,F401 (the in-tree build, as conftest arranges)
 
+pytestmark = pytest.mark.slow  # ranks are processes: the quick tier leaves them out
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multirank_worker.py")
 TIMEOUT = 240  # seconds for a whole run of ranks (a hang fails the test instead of CI)
 

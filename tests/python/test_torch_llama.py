@@ -163,6 +163,7 @@ print(json.dumps(t.tier_losses(engine, steps, start=start)))
 """
 
 
+@pytest.mark.slow
 def test_save_kill_load_continue_gives_identical_losses(swap_dir, tmp_path):
     steps, split = 12, 6
     cfg = tier_config(swap_dir)
