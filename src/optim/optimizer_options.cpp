@@ -16,6 +16,12 @@ Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const E
   o.max_elements = max_elements;
   o.buffer_count = static_cast<unsigned>(std::max(1, oo.buffer_count));
   o.buffer_bytes = config.tier.optimizer.buffer_bytes;
+  // Not given, with an explicit host budget: the buffers take at most an eighth of it (they are
+  // reserved inside it when the optimizer serves an engine), so that a small budget still leaves
+  // the parameters room; an auto budget keeps the default (256 MiB at most).
+  if (o.buffer_bytes == 0 && config.tier.host_budget != 0) {
+    o.buffer_bytes = std::min<std::uint64_t>(256ull << 20, config.tier.host_budget / 8);
+  }
   o.chunk_elements = config.tier.optimizer.chunk_elements;
   switch (config.tier.optimizer.state_dtype) {
     case OptimizerStateDType::kFp32: o.state_dtype = cpu::StateDType::kF32; break;

@@ -654,6 +654,33 @@ TEST(OptimizerOptions, FromConfigReadsDeepSpeedKeys) {
   EXPECT_FALSE(h->loss_scale.enabled);
 }
 
+// Without tier.optimizer.buffer_bytes the pipeline's buffers take at most an eighth of an explicit
+// host budget (they are reserved inside it), so a small budget is not filled by them.
+TEST(OptimizerOptions, BuffersAreSizedFromAnExplicitHostBudget) {
+  auto small = EngineConfig::from_json(R"({"tier": {"budgets": {"host": "16M"}},
+      "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}})",
+                                       {false, false});
+  ASSERT_TRUE(small.ok()) << small.status();
+  auto o = OffloadedOptimizerOptions::from_config(*small, 3000000);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->buffer_bytes, 2ull << 20);
+  o->home = StateHome::kHost;  // sized without swap files: the pinned buffers are what is checked
+  auto opt = OffloadedOptimizer::create(*o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  EXPECT_LE((*opt)->stats().pinned_bytes, 2ull << 20);
+  // A large budget keeps the default cap; a given buffer_bytes is kept as given.
+  auto large = EngineConfig::from_json(R"({"tier": {"budgets": {"host": "64G"}}})", {false, false});
+  ASSERT_TRUE(large.ok());
+  EXPECT_EQ(OffloadedOptimizerOptions::from_config(*large)->buffer_bytes, 256ull << 20);
+  auto given = EngineConfig::from_json(R"({"tier": {"budgets": {"host": "16M"}, "optimizer": {"buffer_bytes": "8M"}}})",
+                                       {false, false});
+  ASSERT_TRUE(given.ok());
+  EXPECT_EQ(OffloadedOptimizerOptions::from_config(*given)->buffer_bytes, 8ull << 20);
+  auto automatic = EngineConfig::from_json("{}", {false, false});
+  ASSERT_TRUE(automatic.ok());
+  EXPECT_EQ(OffloadedOptimizerOptions::from_config(*automatic)->buffer_bytes, 0u);
+}
+
 TEST(OptimizerOptions, BadOptionsAreRefused) {
   OffloadedOptimizerOptions o;
   o.home = StateHome::kHost;

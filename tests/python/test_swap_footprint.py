@@ -105,3 +105,22 @@ def test_preallocate_reserves_the_budget_up_front(swap_dir):
         assert metrics["nvme.swap.allocated_bytes"] == metrics["nvme.swap.capacity_bytes"] == 96 << 20
     finally:
         engine.destroy()
+
+
+def test_a_small_host_budget_sizes_the_optimizer_buffers(swap_dir):
+    """With tier.budgets.host "16M" and no tier.optimizer.buffer_bytes, the optimizer's pipeline
+    buffers take an eighth of the budget (the default chunk's 4 x 4 MiB would fill it, and
+    initialize refused the budget), and the model trains."""
+    cfg = _deepspeed_config(swap_dir)
+    cfg["tier"] = {"budgets": {"host": "16M"}}
+    engine, *_ = tier.torch.initialize(_llama_3m(), cfg)
+    assert engine.native_optimizer.stats()["pinned_bytes"] <= 2 << 20
+    x = torch.randint(0, 1024, (1, 16))
+    losses = []
+    for _ in range(2):
+        out = engine(input_ids=x, labels=x)
+        losses.append(out.loss.item())
+        engine.backward(out.loss)
+        engine.step()
+    assert engine.global_steps == 2 and losses[1] < losses[0]
+    engine.destroy()
