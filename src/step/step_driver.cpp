@@ -96,7 +96,7 @@ Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTen
   if (initial.dtype != DType::kF32) {
     widened.resize(numel);
     TIER_RETURN_IF_ERROR(cpu::convert(cpu::ConstTensorRef(initial.data, initial.dtype, numel),
-                                      cpu::TensorRef(widened.data(), DType::kF32, numel)));
+                                      cpu::TensorRef{widened.data(), DType::kF32, numel}));
     values = widened.data();
   }
   optim::PartitionSpec spec;

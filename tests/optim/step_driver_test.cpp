@@ -206,22 +206,22 @@ TEST(StepDriver, Bf16ParamsKeepFp32Masters) {
   auto init = values(64, 1.0f, 0.3f);
   std::vector<std::uint16_t> bf(64);
   ASSERT_TRUE(
-      cpu::convert(cpu::ConstTensorRef(init.data(), DType::kF32, 64), cpu::TensorRef(bf.data(), DType::kBF16, 64))
+      cpu::convert(cpu::ConstTensorRef(init.data(), DType::kF32, 64), cpu::TensorRef{bf.data(), DType::kBF16, 64})
           .ok());
   ASSERT_TRUE(d->add_param("w", {bf.data(), DType::kBF16, {shape.data(), 1}}).ok());
   std::vector<float> widened(64);
   ASSERT_TRUE(
-      cpu::convert(cpu::ConstTensorRef(bf.data(), DType::kBF16, 64), cpu::TensorRef(widened.data(), DType::kF32, 64))
+      cpu::convert(cpu::ConstTensorRef(bf.data(), DType::kBF16, 64), cpu::TensorRef{widened.data(), DType::kF32, 64})
           .ok());
   RefAdamW ref(widened);
   for (int step = 0; step < 5; ++step) {
     const auto g = values(64, 1e-3f, float(step));
     std::vector<std::uint16_t> gb(64);
     ASSERT_TRUE(
-        cpu::convert(cpu::ConstTensorRef(g.data(), DType::kF32, 64), cpu::TensorRef(gb.data(), DType::kBF16, 64)).ok());
+        cpu::convert(cpu::ConstTensorRef(g.data(), DType::kF32, 64), cpu::TensorRef{gb.data(), DType::kBF16, 64}).ok());
     std::vector<float> gw(64);
     ASSERT_TRUE(
-        cpu::convert(cpu::ConstTensorRef(gb.data(), DType::kBF16, 64), cpu::TensorRef(gw.data(), DType::kF32, 64))
+        cpu::convert(cpu::ConstTensorRef(gb.data(), DType::kBF16, 64), cpu::TensorRef{gw.data(), DType::kF32, 64})
             .ok());
     ASSERT_TRUE(d->add_grad(0, {gb.data(), DType::kBF16, {shape.data(), 1}}).ok());
     ref.step(gw);
@@ -235,7 +235,7 @@ TEST(StepDriver, Bf16ParamsKeepFp32Masters) {
   ASSERT_TRUE(d->read_state(0, optim::StateKind::kMaster, master.data()).ok());
   EXPECT_TRUE(near(master, ref.p, 1e-5));
   ASSERT_TRUE(
-      cpu::convert(cpu::ConstTensorRef(bf.data(), DType::kBF16, 64), cpu::TensorRef(rounded.data(), DType::kF32, 64))
+      cpu::convert(cpu::ConstTensorRef(bf.data(), DType::kBF16, 64), cpu::TensorRef{rounded.data(), DType::kF32, 64})
           .ok());
   int differ = 0;
   for (int i = 0; i < 64; ++i) {
