@@ -16,6 +16,7 @@
 #include <optional>
 #include <utility>
 
+#include "binding_util.hpp"
 #include "tier/ext/fault_injecting_file_system.hpp"
 #include "tier/ext/file_system.hpp"
 
@@ -23,8 +24,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace tier::python {
-
-[[noreturn]] void raise_status(const Status& s);  // module.cpp
 
 namespace {
 
@@ -36,21 +35,14 @@ namespace {
   throw nb::python_error();
 }
 
-void check(const Status& s) {
+void check_os(const Status& s) {
   if (!s.ok()) raise_os(s);
 }
 
 template <class T>
-T unwrap(Result<T> r) {
+T unwrap_os(Result<T> r) {
   if (!r.ok()) raise_os(r.status());
   return std::move(r).value();
-}
-
-// Runs `f` without the GIL.
-template <class F>
-auto unlocked(F&& f) {
-  nb::gil_scoped_release release;
-  return f();
 }
 
 // A contiguous byte view of any buffer (bytes, bytearray, memoryview, numpy), for as long as it lives.
@@ -131,7 +123,7 @@ void bind_file_layer(nb::module_& m) {
           [](PyFile& f, nb::handle data) {
             File& file = f.get();
             Bytes b(data);
-            check(unlocked([&] { return file.write_all(b.data(), b.size()); }));
+            check_os(unlocked([&] { return file.write_all(b.data(), b.size()); }));
             return b.size();
           },
           "data"_a, "Writes all of a bytes-like object at the file's offset; returns its length.")
@@ -140,57 +132,57 @@ void bind_file_layer(nb::module_& m) {
           [](PyFile& f, nb::handle data, std::uint64_t offset) {
             File& file = f.get();
             Bytes b(data);
-            check(unlocked([&] { return file.pwrite_all(b.data(), b.size(), offset); }));
+            check_os(unlocked([&] { return file.pwrite_all(b.data(), b.size(), offset); }));
             return b.size();
           },
           "data"_a, "offset"_a)
       .def("sync",
            [](PyFile& f) {
              File& file = f.get();
-             check(unlocked([&] { return file.sync(); }));
+             check_os(unlocked([&] { return file.sync(); }));
            })
       .def("datasync",
            [](PyFile& f) {
              File& file = f.get();
-             check(unlocked([&] { return file.data_sync(); }));
+             check_os(unlocked([&] { return file.data_sync(); }));
            })
       .def(
           "truncate",
           [](PyFile& f, std::uint64_t bytes) {
             File& file = f.get();
-            check(unlocked([&] { return file.truncate(bytes); }));
+            check_os(unlocked([&] { return file.truncate(bytes); }));
           },
           "bytes"_a)
       .def(
           "allocate",
           [](PyFile& f, std::uint64_t offset, std::uint64_t bytes) {
             File& file = f.get();
-            check(unlocked([&] { return file.allocate(offset, bytes); }));
+            check_os(unlocked([&] { return file.allocate(offset, bytes); }));
           },
           "offset"_a, "bytes"_a)
       .def(
           "lock",
           [](PyFile& f, bool exclusive, bool wait) {
             File& file = f.get();
-            check(unlocked([&] { return file.lock(exclusive ? LockMode::kExclusive : LockMode::kShared, wait); }));
+            check_os(unlocked([&] { return file.lock(exclusive ? LockMode::kExclusive : LockMode::kShared, wait); }));
           },
           "exclusive"_a = true, "wait"_a = false, "flock; without wait, BlockingIOError when another holder has it.")
       .def("unlock",
            [](PyFile& f) {
              File& file = f.get();
-             check(unlocked([&] { return file.lock(LockMode::kUnlock, false); }));
+             check_os(unlocked([&] { return file.lock(LockMode::kUnlock, false); }));
            })
       .def("close", [](PyFile& f) {
         if (!f.file) return;
         std::unique_ptr<File> file = std::move(f.file);
-        check(unlocked([&] { return file->close(); }));
+        check_os(unlocked([&] { return file->close(); }));
       });
 
   m.def(
       "fs_open",
       [](const std::string& path, int flags, int mode) {
         auto fs = FileSystem::current();
-        auto file = unwrap(unlocked([&] { return fs->open(path, flags, static_cast<mode_t>(mode)); }));
+        auto file = unwrap_os(unlocked([&] { return fs->open(path, flags, static_cast<mode_t>(mode)); }));
         return PyFile{std::move(file), path};
       },
       "path"_a, "flags"_a, "mode"_a = 0666, "open(2) through the file layer; O_CLOEXEC is added.");
@@ -198,56 +190,56 @@ void bind_file_layer(nb::module_& m) {
       "fs_rename",
       [](const std::string& from, const std::string& to) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->rename(from, to); }));
+        check_os(unlocked([&] { return fs->rename(from, to); }));
       },
       "src"_a, "dst"_a);
   m.def(
       "fs_unlink",
       [](const std::string& path) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->unlink(path); }));
+        check_os(unlocked([&] { return fs->unlink(path); }));
       },
       "path"_a);
   m.def(
       "fs_mkdir",
       [](const std::string& path, int mode) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->mkdir(path, static_cast<mode_t>(mode)); }));
+        check_os(unlocked([&] { return fs->mkdir(path, static_cast<mode_t>(mode)); }));
       },
       "path"_a, "mode"_a = 0777);
   m.def(
       "fs_rmdir",
       [](const std::string& path) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->rmdir(path); }));
+        check_os(unlocked([&] { return fs->rmdir(path); }));
       },
       "path"_a);
   m.def(
       "fs_symlink",
       [](const std::string& target, const std::string& link) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->symlink(target, link); }));
+        check_os(unlocked([&] { return fs->symlink(target, link); }));
       },
       "target"_a, "link"_a);
   m.def(
       "fs_readlink",
       [](const std::string& path) {
         auto fs = FileSystem::current();
-        return unwrap(unlocked([&] { return fs->readlink(path); }));
+        return unwrap_os(unlocked([&] { return fs->readlink(path); }));
       },
       "path"_a);
   m.def(
       "fs_chmod",
       [](const std::string& path, int mode) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->chmod(path, static_cast<mode_t>(mode)); }));
+        check_os(unlocked([&] { return fs->chmod(path, static_cast<mode_t>(mode)); }));
       },
       "path"_a, "mode"_a);
   m.def(
       "fs_sync_dir",
       [](const std::string& path) {
         auto fs = FileSystem::current();
-        check(unlocked([&] { return fs->sync_dir(path); }));
+        check_os(unlocked([&] { return fs->sync_dir(path); }));
       },
       "path"_a, "Opens directory `path` and fsyncs it.");
 
@@ -265,7 +257,7 @@ void bind_file_layer(nb::module_& m) {
           "restore_power", [](PyFaultFs& f) { f.fs->restore_power(); },
           "Power on again keeping everything written (a killed process: the page cache survives).")
       .def(
-          "simulate_power_loss", [](PyFaultFs& f) { check(unlocked([&] { return f.fs->simulate_power_loss(); })); },
+          "simulate_power_loss", [](PyFaultFs& f) { check_os(unlocked([&] { return f.fs->simulate_power_loss(); })); },
           "Reverts the disk to what was synced, then powers on with nothing pending.")
       .def(
           "drop_syncs", [](PyFaultFs& f, bool files, bool dirs) { f.fs->drop_syncs(files, dirs); }, "files"_a, "dirs"_a,

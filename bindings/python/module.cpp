@@ -14,6 +14,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "binding_util.hpp"
 #include "tier/config.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/ext/device.hpp"
@@ -55,16 +56,6 @@ int errno_of(const Status& s) {
   }
   PyErr_SetObject(cls.ptr(), exc.ptr());
   throw nb::python_error();
-}
-
-void check(const Status& s) {
-  if (!s.ok()) raise(s);
-}
-
-template <class T>
-T unwrap(Result<T> r) {
-  if (!r.ok()) raise(r.status());
-  return std::move(r).value();
 }
 
 template <class E, class F>

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "binding_util.hpp"
 #include "tier/step_driver.hpp"
 
 namespace nb = nanobind;
@@ -23,21 +24,9 @@ using namespace nb::literals;
 
 namespace tier::python {
 
-[[noreturn]] void raise_status(const Status& s);  // module.cpp
-
 namespace {
 
 using step::StepDriver;
-
-void check_ok(const Status& s) {
-  if (!s.ok()) raise_status(s);
-}
-
-template <class T>
-T take(Result<T> r) {
-  if (!r.ok()) raise_status(r.status());
-  return std::move(r).value();
-}
 
 // The dtype of an array: float32, float16, bfloat16; uint16 as `bits_of` (a bf16/fp16 param's
 // raw bits) when given; anything else is reported as the code and bits it has.
@@ -85,7 +74,7 @@ void* out_array(StepDriver& d, std::size_t index, nb::handle obj, std::optional<
   }
   const std::optional<DType> bits =
       (want ? *want : p.dtype) == DType::kF32 ? std::nullopt : std::optional<DType>(want ? *want : p.dtype);
-  const DType dt = take(dtype_from(a.dtype(), bits, str(what, " of '", p.name, "'")));
+  const DType dt = unwrap(dtype_from(a.dtype(), bits, str(what, " of '", p.name, "'")));
   if (want && dt != *want) {
     raise_status(
         invalid_argument(str(what, " of '", p.name, "' is ", dtype_name(dt), "; it must be ", dtype_name(*want))));
@@ -131,12 +120,8 @@ void bind_step_driver(nb::module_& m) {
       .def(
           "__init__",
           [](PyStepDriver* self, const EngineConfig& cfg, std::uint64_t max_elements, std::uint64_t max_params) {
-            Result<std::unique_ptr<StepDriver>> r{Status(StatusCode::kInternal, "not created")};
-            {
-              nb::gil_scoped_release unlocked;
-              r = StepDriver::create(cfg, max_elements, max_params);
-            }
-            new (self) PyStepDriver{take(std::move(r))};
+            new (self)
+                PyStepDriver{unwrap(unlocked([&] { return StepDriver::create(cfg, max_elements, max_params); }))};
           },
           "config"_a, "max_elements"_a, "max_params"_a = 0,
           "The optimizer of `config` (its optimizer section, offload_optimizer, clipping, accumulation); "
@@ -148,13 +133,8 @@ void bind_step_driver(nb::module_& m) {
           [](PyStepDriver& o, const std::string& name, nb::handle initial, int group) {
             StepDriver& d = o.get();
             const InArray in = in_array(initial, str("add_param '", name, "'"));
-            const DType dt = take(dtype_from(in.a.dtype(), std::nullopt, str("add_param '", name, "'")));
-            Result<std::size_t> r{Status(StatusCode::kInternal, "not added")};
-            {
-              nb::gil_scoped_release unlocked;
-              r = d.add_param(name, in.view(dt), group);
-            }
-            return take(std::move(r));
+            const DType dt = unwrap(dtype_from(in.a.dtype(), std::nullopt, str("add_param '", name, "'")));
+            return unwrap(unlocked([&] { return d.add_param(name, in.view(dt), group); }));
           },
           "name"_a, "initial"_a, "group"_a = 0,
           "Adds a parameter with the shape, dtype (float32, bfloat16, float16) and values of `initial` (copied); "
@@ -162,7 +142,7 @@ void bind_step_driver(nb::module_& m) {
       .def(
           "add_group",
           [](PyStepDriver& o, double lr, double beta1, double beta2, double eps, double weight_decay) {
-            return take(o.get().add_group(lr, beta1, beta2, eps, weight_decay));
+            return unwrap(o.get().add_group(lr, beta1, beta2, eps, weight_decay));
           },
           "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8, "weight_decay"_a = 0.0)
       .def(
@@ -172,13 +152,8 @@ void bind_step_driver(nb::module_& m) {
             checked(d, index);
             const std::string what = str("add_grad '", d.param(index).name, "'");
             const InArray in = in_array(grad, what);
-            const DType dt = take(dtype_from(in.a.dtype(), std::nullopt, what));
-            Status s;
-            {
-              nb::gil_scoped_release unlocked;
-              s = d.add_grad(index, in.view(dt));
-            }
-            check_ok(s);
+            const DType dt = unwrap(dtype_from(in.a.dtype(), std::nullopt, what));
+            check(unlocked([&] { return d.add_grad(index, in.view(dt)); }));
           },
           "index"_a, "grad"_a, "One micro-step's gradient of a parameter (its shape; added into the accumulator).")
       .def("clear_grads", [](PyStepDriver& o) { o.get().clear_grads(); })
@@ -199,12 +174,7 @@ void bind_step_driver(nb::module_& m) {
                 args.outputs[i] = out_array(d, i, (*outputs)[i], d.param(i).dtype, "step output");
               }
             }
-            Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
-            {
-              nb::gil_scoped_release unlocked;
-              r = d.step(args);
-            }
-            const optim::StepReport rep = take(std::move(r));
+            const optim::StepReport rep = unwrap(unlocked([&] { return d.step(args); }));
             nb::dict out;
             out["step"] = rep.step;
             out["applied"] = rep.applied;
@@ -225,12 +195,7 @@ void bind_step_driver(nb::module_& m) {
             checked(d, index);
             DType dt = DType::kF32;
             void* p = out_array(d, index, out, std::nullopt, "read_param", &dt);
-            Status s;
-            {
-              nb::gil_scoped_release unlocked;
-              s = d.read_param(index, dt, p);
-            }
-            check_ok(s);
+            check(unlocked([&] { return d.read_param(index, dt, p); }));
           },
           "index"_a, "out"_a,
           "The parameter's values from its fp32 master into `out` (its shape; float32, float16, bfloat16, or "
@@ -247,12 +212,7 @@ void bind_step_driver(nb::module_& m) {
                                                 "array of ", d.param(index).numel, " elements")));
             }
             float* p = a.data();
-            Status s;
-            {
-              nb::gil_scoped_release unlocked;
-              s = d.read_state(index, k, p);
-            }
-            check_ok(s);
+            check(unlocked([&] { return d.read_state(index, k, p); }));
           },
           "index"_a, "kind"_a, "out"_a, "A state array (master, exp_avg, exp_avg_sq) into a float32 array.")
       .def(
@@ -267,47 +227,31 @@ void bind_step_driver(nb::module_& m) {
                                                 d.param(index).numel, " elements")));
             }
             const float* p = a.data();
-            Status s;
-            {
-              nb::gil_scoped_release unlocked;
-              s = d.write_state(index, k, p);
-            }
-            check_ok(s);
+            check(unlocked([&] { return d.write_state(index, k, p); }));
           },
           "index"_a, "kind"_a, "src"_a)
       .def(
-          "group_step", [](PyStepDriver& o, int group) { return take(o.get().group_step(group)); }, "group"_a = 0)
+          "group_step", [](PyStepDriver& o, int group) { return unwrap(o.get().group_step(group)); }, "group"_a = 0)
       .def(
-          "set_group_step",
-          [](PyStepDriver& o, int group, std::int64_t v) { check_ok(o.get().set_group_step(group, v)); }, "group"_a,
-          "step"_a)
+          "set_group_step", [](PyStepDriver& o, int group, std::int64_t v) { check(o.get().set_group_step(group, v)); },
+          "group"_a, "step"_a)
       .def(
           "save",
           [](PyStepDriver& o, const std::string& path) {
             StepDriver& d = o.get();
-            Status s;
-            {
-              nb::gil_scoped_release unlocked;
-              s = d.save(path);
-            }
-            check_ok(s);
+            check(unlocked([&] { return d.save(path); }));
           },
           "path"_a, "The streamed, checksummed optimizer checkpoint (written beside `path` and renamed).")
       .def(
           "load",
           [](PyStepDriver& o, const std::string& path) {
             StepDriver& d = o.get();
-            Status s;
-            {
-              nb::gil_scoped_release unlocked;
-              s = d.load(path);
-            }
-            check_ok(s);
+            check(unlocked([&] { return d.load(path); }));
           },
           "path"_a)
       .def_prop_ro("param_count", [](PyStepDriver& o) { return o.get().param_count(); })
       .def(
-          "find", [](PyStepDriver& o, const std::string& name) { return take(o.get().find(name)); }, "name"_a)
+          "find", [](PyStepDriver& o, const std::string& name) { return unwrap(o.get().find(name)); }, "name"_a)
       .def("param_name", [](PyStepDriver& o, std::size_t i) { return o.get().param(checked(o.get(), i)).name; })
       .def("param_shape",
            [](PyStepDriver& o, std::size_t i) {

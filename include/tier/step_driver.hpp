@@ -134,6 +134,9 @@ class StepDriver {
 
  private:
   explicit StepDriver(std::unique_ptr<optim::OffloadedOptimizer> opt);
+  // The optimizer's finish_registration, once: parameters are all in at the first gradient, step,
+  // state access or checkpoint.
+  Status ensure_registered();
   Status check_index(std::size_t index, const char* what) const;
   Status check_grads_complete() const;
 

@@ -61,6 +61,13 @@ Result<std::unique_ptr<StepDriver>> StepDriver::create(const EngineConfig& confi
   return std::unique_ptr<StepDriver>(new StepDriver(std::move(opt)));
 }
 
+Status StepDriver::ensure_registered() {
+  if (registered_) return Status::Ok();
+  TIER_RETURN_IF_ERROR(opt_->finish_registration());
+  registered_ = true;
+  return Status::Ok();
+}
+
 Status StepDriver::check_index(std::size_t index, const char* what) const {
   if (index >= params_.size()) {
     return invalid_argument(
@@ -150,10 +157,7 @@ Status StepDriver::add_grad(std::size_t index, const HostTensor& grad) {
                                    " gradient(s) this step, gradient_accumulation_steps is ", accumulation_steps_,
                                    "; step() or clear_grads() first"));
   }
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   TIER_RETURN_IF_ERROR(opt_->add_grad(static_cast<optim::PartitionId>(index),
                                       cpu::ConstTensorRef(grad.data, grad.dtype, p.numel), optim::GradMode::kCopy));
   ++grads_in_[index];
@@ -188,10 +192,7 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
                                 " parameters (give one per parameter, null to skip one, or none)"));
   }
   TIER_RETURN_IF_ERROR(check_grads_complete());
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   if (args.lr) {
     for (std::size_t g = 0; g < opt_->group_count(); ++g) {
       TIER_RETURN_IF_ERROR(opt_->set_lr(static_cast<int>(g), *args.lr));
@@ -201,7 +202,6 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
   if (!args.outputs.empty()) {
     so.destination = [&args](optim::PartitionId id) -> void* { return args.outputs[id]; };
   }
-  so.on_output = [](const optim::OutputChunk&) { return Status::Ok(); };  // partitions without a destination
   TIER_ASSIGN_OR_RETURN(optim::StepReport report, opt_->step(so));
   std::uint64_t elements = 0;
   for (const ParamInfo& p : params_) elements += p.numel;
@@ -221,28 +221,19 @@ Status StepDriver::read_param(std::size_t index, DType dtype, void* dst) {
     return invalid_argument(
         str("read_param '", params_[index].name, "': dtype ", dtype_name(dtype), "; use float32, bfloat16 or float16"));
   }
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->read_params(static_cast<optim::PartitionId>(index), dtype, dst);
 }
 
 Status StepDriver::read_state(std::size_t index, optim::StateKind kind, float* dst) {
   TIER_RETURN_IF_ERROR(check_index(index, "read_state"));
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->read_state(static_cast<optim::PartitionId>(index), kind, dst, 0, params_[index].numel);
 }
 
 Status StepDriver::write_state(std::size_t index, optim::StateKind kind, const float* src) {
   TIER_RETURN_IF_ERROR(check_index(index, "write_state"));
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->write_state(static_cast<optim::PartitionId>(index), kind, src, 0, params_[index].numel);
 }
 
@@ -255,18 +246,12 @@ Status StepDriver::set_group_step(int group, std::int64_t step) {
 }
 
 Status StepDriver::save(const std::string& path) {
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->save_checkpoint(path);
 }
 
 Status StepDriver::load(const std::string& path) {
-  if (!registered_) {
-    TIER_RETURN_IF_ERROR(opt_->finish_registration());
-    registered_ = true;
-  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
   TIER_RETURN_IF_ERROR(opt_->load_checkpoint(path));
   std::fill(grads_in_.begin(), grads_in_.end(), 0);
   pending_intake_elements_ = 0;  // a load drops the gradients taken so far

@@ -19,18 +19,8 @@ import jax
 import numpy as np
 
 from .. import _tier
+from .._config_input import read_config as _read_config
 from . import _arrays
-
-
-def _read_config(config):
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            return json.load(f)
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))  # a private copy
-    raise TypeError(f"config must be a dict, a path to a JSON file or None, not {type(config).__name__}")
 
 
 def _checked_lr(lr, context, consequence=""):

@@ -455,6 +455,18 @@ def _verified_files(path):
     return kept["meta.json"], set(body["files"])
 
 
+def _verified_meta(path):
+    """``_verified_files`` plus meta.json parsed and of this format: (meta, the names listed)."""
+    meta_bytes, listed = _verified_files(path)
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: meta.json is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: meta.json is not of format {FORMAT}")
+    return meta, listed
+
+
 def _count(v):
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
 
@@ -653,13 +665,7 @@ def load(engine, load_dir, tag):
     path = _resolve(load_dir, tag)
 
     if os.path.isfile(os.path.join(path, MANIFEST)):
-        meta_bytes, listed = _verified_files(path)
-        try:
-            meta = json.loads(meta_bytes)
-        except ValueError as e:
-            raise ValueError(f"checkpoint {path}: meta.json is not JSON ({e})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {path}: meta.json is not of format {FORMAT}")
+        meta, listed = _verified_meta(path)
         old_rng = None
     else:
         meta, old_rng = _read_old_format(path)
@@ -734,13 +740,7 @@ def consolidate(path):
     one from frozen.bin, widened from the compute dtype. Every file is checked against the
     manifest first, and optimizer.bin's reader checks each record and the trailer again
     (``tier.DataLoss`` when anything is damaged; ValueError when the files disagree)."""
-    meta_bytes, listed = _verified_files(path)
-    try:
-        meta = json.loads(meta_bytes)
-    except ValueError as e:
-        raise ValueError(f"checkpoint {path}: meta.json is not JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path}: meta.json is not of format {FORMAT}")
+    meta, listed = _verified_meta(path)
     dtype = _COMPUTE_DTYPES.get(meta.get("compute_dtype"))
     if dtype is None:
         raise ValueError(

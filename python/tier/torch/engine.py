@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from .. import _tier
+from .._config_input import read_config as _load_config
 from . import footprint as _footprint
 from .grads import EngineGrads as _EngineGrads
 from .grads import MicroStepGrads as _MicroStepGrads
@@ -79,17 +80,6 @@ class _Slot:
         self.zero_shard = self.numel
         self.zero_start = 0
         self.zero_count = self.numel
-
-
-def _load_config(config):
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))  # a deep copy, and a check that it is JSON
-    raise TypeError(f"config must be a dict or the path of a JSON file, not {type(config).__name__}")
 
 
 def _resolve_auto(cfg, key_path, value):

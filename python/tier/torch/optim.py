@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from .. import _tier
+from .._config_input import read_config as _read_config
 from . import footprint as _footprint
 
 _OUTPUT_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -27,17 +28,6 @@ _OUTPUT_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 def _flat_fp32(t):
     """A tensor's values as a flat, contiguous fp32 CPU tensor: what the native optimizer reads."""
     return t.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-
-
-def _read_config(config):
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            return json.load(f)
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))  # a private copy
-    raise TypeError(f"config must be a dict, a path to a JSON file or None, not {type(config).__name__}")
 
 
 class OffloadedAdamW(torch.optim.Optimizer):

@@ -1,0 +1,33 @@
+// What tier._tier's source files share: a failed Status raised as the Python exception its code
+// maps to (module.cpp's raise_status: tier.TierError and its subclasses, OSError's errno set where
+// the status has one), and running native work without the GIL.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <utility>
+
+#include "tier/status.hpp"
+
+namespace tier::python {
+
+[[noreturn]] void raise_status(const Status& s);  // module.cpp
+
+inline void check(const Status& s) {
+  if (!s.ok()) raise_status(s);
+}
+
+template <class T>
+T unwrap(Result<T> r) {
+  if (!r.ok()) raise_status(r.status());
+  return std::move(r).value();
+}
+
+// Runs `f` without the GIL and returns what it returns.
+template <class F>
+auto unlocked(F&& f) {
+  nanobind::gil_scoped_release release;
+  return f();
+}
+
+}  // namespace tier::python
