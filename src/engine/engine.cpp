@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "engine/engine_impl.hpp"
@@ -822,16 +823,23 @@ void Engine::Impl::expire_waiters() {
   std::vector<Answer> answers;
   for (Tier tier : kAllTiers) {
     auto& list = room_waiters[static_cast<int>(tier)];
+    // What the tier's pinned bytes are, for the message: one scan of the tensors, made only when
+    // a waiter of this tier expires and shared by every one that does (nothing here changes it).
+    std::optional<std::uint64_t> pinned_bytes;
     for (auto it = list.begin(); it != list.end();) {
       if (it->deadline > now) {
         ++it;
         continue;
       }
-      std::uint64_t pinned = 0;
-      for (const auto& t : tensors) {
-        const Copy& c = t.copies[static_cast<int>(tier)];
-        if (t.live && c.buf && (c.pins > 0 || c.state != CopyState::kValid || t.home == tier)) pinned += c.buf.bytes;
+      if (!pinned_bytes) {
+        std::uint64_t sum = 0;
+        for (const auto& t : tensors) {
+          const Copy& c = t.copies[static_cast<int>(tier)];
+          if (t.live && c.buf && (c.pins > 0 || c.state != CopyState::kValid || t.home == tier)) sum += c.buf.bytes;
+        }
+        pinned_bytes = sum;
       }
+      const std::uint64_t pinned = *pinned_bytes;
       auto done = std::move(it->done);
       const std::uint64_t bytes = it->bytes;
       it = list.erase(it);

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "engine/memory_backends.hpp"
+#include "tier/units.hpp"
 
 namespace tier {
 namespace {
@@ -356,6 +357,33 @@ TEST(Engine, PinnedTierTimesOutWithAnExplanation) {
   ASSERT_FALSE(lb.ok());
   EXPECT_EQ(lb.status().code(), StatusCode::kTimedOut);
   EXPECT_NE(lb.status().message().find("pinned"), std::string::npos) << lb.status();
+  EXPECT_TRUE(m.engine->check_invariants().ok());
+}
+
+// Waiters of one tier that expire together each name the bytes pinned there (the engine counts
+// them once per tier, not once per waiter).
+TEST(Engine, WaitersExpiringTogetherEachReportThePinnedBytes) {
+  const std::uint64_t n = 16 * kKiB;
+  EngineConfig cfg = config();
+  cfg.tier.acquire_timeout_ms = 100;
+  auto m = make(n * 4, 4 * n * 4, 4 * n * 4, cfg);
+  auto a = m.engine->register_tensor(desc("a", n), Tier::kNvme);
+  auto b = m.engine->register_tensor(desc("b", n), Tier::kNvme);
+  auto c = m.engine->register_tensor(desc("c", n), Tier::kNvme);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  auto la = m.engine->acquire_now(*a, Tier::kDevice, Access::kRead);
+  ASSERT_TRUE(la.ok());
+  auto fb = m.engine->acquire(*b, Tier::kDevice, Access::kRead);
+  auto fc = m.engine->acquire(*c, Tier::kDevice, Access::kRead);
+  const std::string expect = str(format_bytes(n * 4), " of the ", format_bytes(n * 4), " budget is pinned");
+  for (auto* f : {&fb, &fc}) {
+    auto l = f->wait();
+    ASSERT_FALSE(l.ok());
+    EXPECT_EQ(l.status().code(), StatusCode::kTimedOut);
+    EXPECT_NE(l.status().message().find(expect), std::string::npos) << l.status();
+    EXPECT_NE(l.status().message().find("no room for " + format_bytes(n * 4) + " on device"), std::string::npos)
+        << l.status();
+  }
   EXPECT_TRUE(m.engine->check_invariants().ok());
 }
 
