@@ -10,8 +10,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <iterator>
+#include <exception>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 
@@ -110,6 +111,10 @@ void HostBlock::reset() noexcept {
 
 Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& options) {
   if (options.bytes == 0) return invalid_argument("host arena: size is 0; give the arena at least 2 MiB");
+  if (options.lazy && (options.extent_bytes % kHugePage != 0 || options.extent_bytes > (1ull << 30))) {
+    return invalid_argument(str("host arena: extent size ", options.extent_bytes,
+                                " must be a multiple of 2 MiB up to 1 GiB (or 0 for the default)"));
+  }
   std::unique_ptr<HostArena> a(new HostArena());
   a->capacity_ = round_up(options.bytes, kHugePage);
 
@@ -156,28 +161,107 @@ Result<std::unique_ptr<HostArena>> HostArena::create(const HostArenaOptions& opt
     }
   }
 
-  if (options.lock) {
-    if (sys_mlock(a->base_, a->capacity_) == 0) {
-      a->locked_ = true;
+  a->lock_ = options.lock;
+  a->prefault_ = options.prefault;
+  a->locked_.store(options.lock, std::memory_order_relaxed);
+  a->lazy_ = options.lazy;
+  if (options.lazy) {
+    // 64 MiB: pinning and registering one costs milliseconds, and a handful cover a small run.
+    std::uint64_t extent = options.extent_bytes;
+    if (extent == 0) extent = std::max<std::uint64_t>(64ull << 20, round_up(a->capacity_ / 4096, kHugePage));
+    a->extent_bytes_ = std::min(extent, a->capacity_);
+  } else {
+    a->extent_bytes_ = a->capacity_;
+  }
+  a->extents_ = static_cast<std::size_t>((a->capacity_ + a->extent_bytes_ - 1) / a->extent_bytes_);
+  a->extent_state_ = std::make_unique<std::atomic<std::uint8_t>[]>(a->extents_);
+  for (std::size_t e = 0; e < a->extents_; ++e) a->extent_state_[e].store(kUncommitted, std::memory_order_relaxed);
+  if (!a->lazy_) {
+    a->extent_state_[0].store(kCommitting, std::memory_order_relaxed);
+    a->commit_extent(0);
+  }
+  a->free_[0] = a->capacity_;
+  return a;
+}
+
+void HostArena::commit_extent(std::size_t e) {
+  std::byte* begin = base_ + e * extent_bytes_;
+  const std::uint64_t len = std::min(extent_bytes_, capacity_ - e * extent_bytes_);
+  bool pinned = false;
+  if (lock_ && locked_.load(std::memory_order_relaxed)) {
+    if (sys_mlock(begin, len) == 0) {
+      pinned = true;
     } else {
+      // Once refused, the arena stops asking: the limit does not grow while the process runs.
       const int err = errno;
+      locked_.store(false, std::memory_order_relaxed);
       struct rlimit rl {};
       getrlimit(RLIMIT_MEMLOCK, &rl);
       log_once("arena.mlock", LogLevel::kWarn,
-               str("host arena: mlock of ", format_bytes(a->capacity_), " refused (", std::strerror(err),
-                   "; RLIMIT_MEMLOCK is ",
+               str("host arena: mlock of ", format_bytes(len), " refused (", std::strerror(err), "; RLIMIT_MEMLOCK is ",
                    rl.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : format_bytes(rl.rlim_cur),
                    "); continuing with unpinned memory. Raise the limit (ulimit -l, or memlock in "
                    "/etc/security/limits.conf) to pin it"));
     }
   }
   // Fault every page in now (mlock has when it succeeded, not when it was refused) so that the
-  // first transfers do not pay for it and THP gets its chance to back each 2 MiB run.
-  if (options.prefault) {
-    for (std::uint64_t off = 0; off < a->capacity_; off += 4096) a->base_[off] = std::byte{0};
+  // first transfers do not pay for it and THP gets its chance to back each 2 MiB run. Writing is
+  // safe: no block lies in an extent before it is committed.
+  if (prefault_ && !pinned) {
+    for (std::uint64_t off = 0; off < len; off += 4096) begin[off] = std::byte{0};
   }
-  a->free_[0] = a->capacity_;
-  return a;
+  {
+    std::lock_guard<std::mutex> lock(commit_mu_);
+    for (auto& [id, listener] : listeners_) {
+      try {
+        listener(begin, len);
+      } catch (const std::exception& ex) {
+        TIER_LOG(kWarn, "host arena: a commit listener failed: ", ex.what());
+      }
+    }
+    committed_bytes_.fetch_add(len, std::memory_order_relaxed);
+    if (pinned) pinned_bytes_.fetch_add(len, std::memory_order_relaxed);
+    extent_state_[e].store(kCommitted, std::memory_order_release);
+  }
+  committed_.notify_all();
+}
+
+void HostArena::ensure_committed(const std::byte* p, std::uint64_t bytes) {
+  const auto first = static_cast<std::size_t>(static_cast<std::uint64_t>(p - base_) / extent_bytes_);
+  const auto last = static_cast<std::size_t>(static_cast<std::uint64_t>(p + bytes - 1 - base_) / extent_bytes_);
+  for (std::size_t e = first; e <= last; ++e) {
+    if (extent_state_[e].load(std::memory_order_acquire) == kCommitted) continue;
+    std::unique_lock<std::mutex> lock(commit_mu_);
+    for (;;) {
+      const std::uint8_t s = extent_state_[e].load(std::memory_order_acquire);
+      if (s == kCommitted) break;
+      if (s == kUncommitted) {
+        extent_state_[e].store(kCommitting, std::memory_order_relaxed);
+        lock.unlock();
+        commit_extent(e);
+        break;
+      }
+      committed_.wait(lock);  // another allocation is committing it
+    }
+  }
+}
+
+std::uint64_t HostArena::add_commit_listener(CommitListener listener) {
+  std::lock_guard<std::mutex> lock(commit_mu_);
+  // An extent still being committed is not announced here: its committer calls this listener too,
+  // since it takes commit_mu_ only after this returns.
+  for (std::size_t e = 0; e < extents_; ++e) {
+    if (extent_state_[e].load(std::memory_order_acquire) != kCommitted) continue;
+    listener(base_ + e * extent_bytes_, std::min(extent_bytes_, capacity_ - e * extent_bytes_));
+  }
+  const std::uint64_t id = next_listener_++;
+  listeners_.emplace(id, std::move(listener));
+  return id;
+}
+
+void HostArena::remove_commit_listener(std::uint64_t id) noexcept {
+  std::lock_guard<std::mutex> lock(commit_mu_);
+  listeners_.erase(id);
 }
 
 HostArena::~HostArena() {
@@ -188,7 +272,14 @@ HostArena::~HostArena() {
                "); their memory is unmapped now");
     }
   }
-  if (locked_) sys_munlock(base_, capacity_);
+  {
+    std::lock_guard<std::mutex> lock(commit_mu_);
+    if (!listeners_.empty()) {
+      TIER_LOG(kError, "host arena destroyed with ", listeners_.size(),
+               " commit listeners left; whoever registered its memory must unregister first");
+    }
+  }
+  if (pinned_bytes_.load() != 0) sys_munlock(base_, capacity_);
   if (map_) munmap(map_, map_bytes_);
 }
 
@@ -263,7 +354,11 @@ Result<HostBlock> HostArena::allocate(std::uint64_t bytes, std::chrono::millisec
     if (timeout.count() > 0) return timed_out(str(msg, " after waiting ", timeout.count(), " ms"));
     return resource_exhausted(msg);
   }
-  return HostBlock(this, p, size);
+  lock.unlock();
+  // Outside mu_: a commit takes milliseconds, and allocations elsewhere in the arena go on.
+  HostBlock block(this, p, size);
+  if (lazy_) ensure_committed(p, size);
+  return block;
 }
 
 void HostArena::free_block(std::byte* p, std::uint64_t bytes) noexcept {
@@ -308,8 +403,12 @@ HostArenaStats HostArena::stats() const {
         free_total ? 1.0 - static_cast<double>(s.largest_free_bytes) / static_cast<double>(free_total) : 0;
     s.live_blocks = live_;
     s.waits = waits_;
-    s.locked = locked_;
+    s.locked = locked_.load(std::memory_order_relaxed);
     s.huge_pages = backing_;
+    s.lazy = lazy_;
+    s.extent_bytes = extent_bytes_;
+    s.committed_bytes = committed_bytes_.load(std::memory_order_relaxed);
+    s.pinned_bytes = pinned_bytes_.load(std::memory_order_relaxed);
   }
   s.huge_page_bytes = backing_ == HugePageMode::kHugetlbfs ? capacity_ : huge_bytes_in(base_, capacity_, false);
   return s;

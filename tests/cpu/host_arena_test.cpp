@@ -299,5 +299,254 @@ TEST(HostArena, HugetlbfsWithoutAPoolSaysHowToReserveOne) {
   EXPECT_NE(a.status().message().find("vm.nr_hugepages"), std::string::npos);
 }
 
+// ---- lazy commit: the arena of an auto budget pins and announces extent by extent
+
+bool may_pin(std::uint64_t bytes) {
+  struct rlimit rl {};
+  getrlimit(RLIMIT_MEMLOCK, &rl);
+  return geteuid() == 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= bytes;
+}
+
+// VmLck of this process, from /proc/self/status (bytes).
+std::uint64_t locked_bytes_of_process() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  std::uint64_t kb = 0;
+  while (f >> key) {
+    if (key == "VmLck:") {
+      f >> kb;
+      return kb * 1024;
+    }
+    f.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+std::unique_ptr<HostArena> make_lazy(std::uint64_t bytes, std::uint64_t extent = 0) {
+  HostArenaOptions o;
+  o.bytes = bytes;
+  o.lazy = true;
+  o.extent_bytes = extent;
+  auto a = HostArena::create(o);
+  EXPECT_TRUE(a.ok()) << a.status();
+  return a.ok() ? std::move(a).value() : nullptr;
+}
+
+// Records the extents announced to a commit listener.
+struct Announced {
+  std::mutex mu;
+  std::vector<std::pair<std::byte*, std::uint64_t>> ranges;
+  HostArena::CommitListener listener() {
+    return [this](std::byte* p, std::uint64_t n) {
+      std::lock_guard<std::mutex> lock(mu);
+      ranges.emplace_back(p, n);
+    };
+  }
+  std::size_t size() {
+    std::lock_guard<std::mutex> lock(mu);
+    return ranges.size();
+  }
+};
+
+TEST(HostArenaLazy, CreationCommitsAndPinsNothing) {
+  const std::uint64_t before = locked_bytes_of_process();
+  auto a = make_lazy(4ull << 30);  // a 4 GiB cap: touching it would show in VmLck and in time
+  ASSERT_TRUE(a);
+  EXPECT_TRUE(a->lazy());
+  EXPECT_EQ(a->extent_bytes(), 64u << 20) << "the default extent";
+  EXPECT_EQ(a->committed_bytes(), 0u);
+  EXPECT_EQ(a->pinned_bytes(), 0u);
+  EXPECT_LT(locked_bytes_of_process(), before + (64u << 20));
+  const auto s = a->stats();
+  EXPECT_TRUE(s.lazy);
+  EXPECT_EQ(s.committed_bytes, 0u);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+}
+
+TEST(HostArenaLazy, OnlyTheExtentsBlocksReachArePinnedAndAnnounced) {
+  auto a = make_lazy(64 << 20, 4 << 20);
+  ASSERT_TRUE(a);
+  Announced seen;
+  const std::uint64_t id = a->add_commit_listener(seen.listener());
+  EXPECT_EQ(seen.size(), 0u);
+  const bool pin = may_pin(64 << 20);
+
+  auto b1 = a->allocate(1 << 20);
+  ASSERT_TRUE(b1.ok());
+  EXPECT_EQ(a->committed_bytes(), 4u << 20);
+  EXPECT_EQ(a->pinned_bytes(), pin ? 4u << 20 : 0u);
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen.ranges[0].first, a->base());
+  EXPECT_EQ(seen.ranges[0].second, 4u << 20);
+
+  // A block beyond the first extent and across the next boundary commits the two it reaches.
+  auto b2 = a->allocate(6 << 20);
+  ASSERT_TRUE(b2.ok());
+  const std::uint64_t reach = (b2->offset() + b2->size() - 1) / (4 << 20) + 1;
+  EXPECT_EQ(a->committed_bytes(), reach * (4 << 20));
+  EXPECT_EQ(a->pinned_bytes(), pin ? reach * (4 << 20) : 0u);
+  EXPECT_EQ(seen.size(), reach);
+  std::memset(b2->data(), 0x3C, b2->size());
+
+  // Freeing and allocating again in committed extents commits nothing more.
+  b1->reset();
+  auto b3 = a->allocate(512 << 10);
+  ASSERT_TRUE(b3.ok());
+  EXPECT_EQ(seen.size(), reach);
+  EXPECT_EQ(a->committed_bytes(), reach * (4 << 20));
+  const auto s = a->stats();
+  EXPECT_EQ(s.committed_bytes, reach * (4 << 20));
+  EXPECT_EQ(s.extent_bytes, 4u << 20);
+  EXPECT_LT(s.committed_bytes, a->capacity());
+  a->remove_commit_listener(id);
+}
+
+TEST(HostArenaLazy, ALateListenerHearsOfEarlierExtentsAndARemovedOneOfNothing) {
+  auto a = make_lazy(32 << 20, 2 << 20);
+  ASSERT_TRUE(a);
+  auto b1 = a->allocate(1 << 20, 0ms, 8 << 20);  // the extent at 8 MiB (or wherever 8 MiB alignment falls)
+  ASSERT_TRUE(b1.ok());
+  Announced late;
+  const std::uint64_t id = a->add_commit_listener(late.listener());
+  ASSERT_EQ(late.size(), 1u);
+  EXPECT_EQ(late.ranges[0].first, b1->data());
+  EXPECT_EQ(late.ranges[0].second, 2u << 20);
+  a->remove_commit_listener(id);
+  auto b2 = a->allocate(1 << 20, 0ms, 16 << 20);
+  ASSERT_TRUE(b2.ok());
+  EXPECT_EQ(a->committed_bytes(), 4u << 20);
+  EXPECT_EQ(late.size(), 1u) << "removed listeners are not called";
+}
+
+TEST(HostArenaLazy, AnEagerArenaIsOneExtentCommittedAtCreation) {
+  auto a = make_arena(8 << 20);
+  ASSERT_TRUE(a);
+  EXPECT_FALSE(a->lazy());
+  EXPECT_EQ(a->extent_bytes(), a->capacity());
+  EXPECT_EQ(a->committed_bytes(), a->capacity());
+  if (may_pin(8 << 20)) {
+    EXPECT_EQ(a->pinned_bytes(), a->capacity());
+  }
+  Announced seen;
+  const std::uint64_t id = a->add_commit_listener(seen.listener());
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen.ranges[0].first, a->base());
+  EXPECT_EQ(seen.ranges[0].second, a->capacity());
+  a->remove_commit_listener(id);
+}
+
+TEST(HostArenaLazy, ExtentSizeMustBeWholeHugePagesUpToAGiB) {
+  HostArenaOptions o;
+  o.bytes = 64 << 20;
+  o.lazy = true;
+  for (std::uint64_t bad : {std::uint64_t{4096}, std::uint64_t{3} << 20, std::uint64_t{2} << 30}) {
+    o.extent_bytes = bad;
+    auto a = HostArena::create(o);
+    ASSERT_FALSE(a.ok()) << bad;
+    EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
+  }
+  o.extent_bytes = 128 << 20;  // larger than the arena: one extent of the arena's size
+  auto a = HostArena::create(o);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ((*a)->extent_bytes(), 64u << 20);
+}
+
+// Threads allocating at once into extents nobody has committed yet: each extent is committed
+// once, by one of them, and every thread gets its block only after the extent is announced.
+TEST(HostArenaLazy, ConcurrentAllocationsIntoUncommittedExtentsWaitForOneCommit) {
+  constexpr std::uint64_t kExtent = 4 << 20;
+  constexpr int kExtents = 16;
+  auto a = make_lazy(kExtent * kExtents, kExtent);
+  ASSERT_TRUE(a);
+  std::atomic<int> calls[kExtents] = {};
+  std::atomic<bool> announced[kExtents] = {};
+  const std::uint64_t id = a->add_commit_listener([&](std::byte* p, std::uint64_t n) {
+    const auto e = static_cast<std::size_t>((p - a->base()) / static_cast<std::ptrdiff_t>(kExtent));
+    EXPECT_EQ(n, kExtent);
+    calls[e].fetch_add(1);
+    std::this_thread::sleep_for(5ms);  // a slow registration: others land in the extent meanwhile
+    announced[e].store(true);
+  });
+  constexpr int kThreads = 8;
+  std::atomic<int> ready{0};
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 1);
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      std::vector<HostBlock> mine;
+      for (int i = 0; i < 12; ++i) {
+        auto b = a->allocate(4096 * (1 + rng() % 128), 10s);
+        if (!b.ok()) {
+          bad.fetch_add(1);
+          continue;
+        }
+        const std::uint64_t first = b->offset() / kExtent, last = (b->offset() + b->size() - 1) / kExtent;
+        for (std::uint64_t e = first; e <= last; ++e) {
+          if (!announced[e].load()) bad.fetch_add(1);
+        }
+        std::memset(b->data(), t + 1, b->size());
+        mine.push_back(std::move(b).value());
+        if (rng() % 3 == 0) mine.erase(mine.begin());
+      }
+      for (const HostBlock& b : mine) {
+        for (std::uint64_t off = 0; off < b.size(); off += 4096) {
+          if (b.data()[off] != static_cast<std::byte>(t + 1)) bad.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  a->remove_commit_listener(id);
+  EXPECT_EQ(bad.load(), 0) << "a block was handed out before its extent was announced, or was overwritten";
+  std::uint64_t committed = 0;
+  for (int e = 0; e < kExtents; ++e) {
+    EXPECT_LE(calls[e].load(), 1) << "extent " << e << " committed twice";
+    committed += calls[e].load() * kExtent;
+  }
+  EXPECT_GT(committed, 0u);
+  EXPECT_EQ(a->committed_bytes(), committed);
+  EXPECT_EQ(a->stats().live_blocks, 0u);
+}
+
+// Where mlock is refused, a lazy arena says so once and commits its extents unpinned.
+TEST(HostArenaLazy, RefusedMlockCommitsExtentsUnpinned) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    struct rlimit rl {
+      64 << 10, 64 << 10
+    };
+    if (setrlimit(RLIMIT_MEMLOCK, &rl) != 0) _exit(10);
+    if (!drop_ipc_lock_capability()) _exit(11);
+    int mlock_lines = 0;
+    set_log_sink([&](LogLevel, std::string_view m) {
+      if (m.find("mlock") != std::string_view::npos) ++mlock_lines;
+    });
+    HostArenaOptions o;
+    o.bytes = 16 << 20;
+    o.lazy = true;
+    o.extent_bytes = 2 << 20;
+    auto a = HostArena::create(o);
+    if (!a.ok()) _exit(12);
+    auto b1 = (*a)->allocate(1 << 20);
+    auto b2 = (*a)->allocate(3 << 20);
+    if (!b1.ok() || !b2.ok()) _exit(14);
+    std::memset(b2->data(), 0x5A, b2->size());
+    if (static_cast<unsigned char>(b2->data()[b2->size() - 1]) != 0x5A) _exit(15);
+    if ((*a)->locked() || (*a)->pinned_bytes() != 0) _exit(13);
+    if ((*a)->committed_bytes() < (4u << 20)) _exit(16);
+    if (mlock_lines > 1) _exit(19);
+    set_log_sink({});
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "child died with signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the _exit codes in the child";
+}
+
 }  // namespace
 }  // namespace tier
