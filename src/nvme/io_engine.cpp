@@ -41,6 +41,14 @@ Status IoEngine::register_buffers(void*, std::uint64_t) {
   return unsupported(str("I/O engine ", name(), " has no fixed buffers; requests use plain buffers"));
 }
 
+Status IoEngine::reserve_buffers(void*, std::uint64_t) {
+  return unsupported(str("I/O engine ", name(), " has no fixed buffers; requests use plain buffers"));
+}
+
+Status IoEngine::register_buffer_range(void*, std::uint64_t) {
+  return unsupported(str("I/O engine ", name(), " has no fixed buffers; requests use plain buffers"));
+}
+
 IoEngineStats IoEngine::stats() const noexcept {
   IoEngineStats s;
   s.requests = requests_.load(std::memory_order_relaxed);

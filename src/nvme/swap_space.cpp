@@ -20,6 +20,8 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "nvme/extent_allocator.hpp"
 #include "nvme/io_op_state.hpp"
@@ -107,6 +109,10 @@ struct SwapSpace::Impl {
     std::vector<unsigned> resubmit;
     unsigned busy = 0;
     bool waiting = false;  // blocked in reap with free slots; guarded by mu
+    // Of arena_ranges, how many this engine has been given (guarded by mu), and those taken but
+    // not registered yet (this thread only).
+    std::size_t ranges_taken = 0;
+    std::vector<std::pair<std::byte*, std::uint64_t>> ranges_to_register;
     std::thread thread;
   };
 
@@ -128,6 +134,10 @@ struct SwapSpace::Impl {
   std::string engine_name;
   std::uint32_t engine_caps = 0;
   bool fixed_registered = false;
+  // A lazy arena: its extents as they are committed (guarded by mu); each I/O thread registers
+  // them with its own engine before its next submission (an io_uring ring is single-issuer).
+  std::vector<std::pair<std::byte*, std::uint64_t>> arena_ranges;
+  std::uint64_t arena_listener = 0;  // the arena's commit listener id, 0: none
 
   std::mutex mu;
   std::condition_variable work_cv;
@@ -457,10 +467,23 @@ struct SwapSpace::Impl {
           }
           work_cv.wait(lk);
         }
+        // Taken with the requests: an extent committed before a transfer through it was enqueued
+        // is registered before that transfer is submitted.
+        for (; w.ranges_taken < arena_ranges.size(); ++w.ranges_taken) {
+          w.ranges_to_register.push_back(arena_ranges[w.ranges_taken]);
+        }
       }
       for (auto& op : finished) complete_op(*op);
       finished.clear();
       if (exit_now) return;
+      for (const auto& [p, n] : w.ranges_to_register) {
+        // A range left unregistered only costs speed: its requests use plain opcodes.
+        if (Status s = w.engine->register_buffer_range(p, n); !s.ok()) {
+          log_once("nvme.fixed_buffer_range", LogLevel::kWarn,
+                   str("swap space: host arena extent not registered as fixed buffers: ", s.message()));
+        }
+      }
+      w.ranges_to_register.clear();
 
       batch.clear();
       for (unsigned tag : w.resubmit) batch.push_back(request_for(w, tag));
@@ -595,6 +618,7 @@ SwapSpaceOptions SwapSpaceOptions::from_config(const EngineConfig& config, std::
 SwapSpace::SwapSpace(const SwapSpaceOptions& options) : options_(options), impl_(new Impl(options_)) {}
 
 SwapSpace::~SwapSpace() {
+  if (impl_->arena_listener != 0) options_.arena->remove_commit_listener(impl_->arena_listener);
   impl_->shutdown();
   impl_->workers.clear();  // engines go before the files they address
   impl_->files.clear();
@@ -693,6 +717,9 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
   eo.kind = kind;
   eo.queue_depth = o.queue_depth;
   eo.sqpoll = o.sqpoll;
+  // A lazy arena is registered extent by extent: one fixed buffer per extent.
+  const bool lazy_arena = o.arena && o.fixed_buffers && o.arena->lazy();
+  if (lazy_arena) eo.fixed_buffer_piece = o.arena->extent_bytes();
   for (unsigned i = 0; i < o.intra_op_parallelism; ++i) {
     auto w = std::make_unique<Impl::Worker>();
     TIER_ASSIGN_OR_RETURN(w->engine, make_io_engine(eo));
@@ -706,7 +733,8 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
       w->file_index.push_back(slot.ok() ? *slot : -1);
     }
     if (o.arena && o.fixed_buffers && (w->engine->kind() == IoEngineKind::kUring)) {
-      Status s = w->engine->register_buffers(o.arena->base(), o.arena->capacity());
+      Status s = lazy_arena ? w->engine->reserve_buffers(o.arena->base(), o.arena->capacity())
+                            : w->engine->register_buffers(o.arena->base(), o.arena->capacity());
       if (s.ok()) {
         im.fixed_registered = true;
       } else {
@@ -732,6 +760,13 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(const SwapSpaceOptions& opt
     o.counters->set_metric(o.metrics_prefix + ".capacity_bytes", static_cast<double>(capacity));
     std::lock_guard<std::mutex> lk(im.mu);
     im.publish_metrics_locked();
+  }
+  if (lazy_arena && im.fixed_registered) {
+    // Called for the extents committed already, then by the allocating thread for each later one.
+    im.arena_listener = o.arena->add_commit_listener([&im](std::byte* p, std::uint64_t n) {
+      std::lock_guard<std::mutex> lk(im.mu);
+      im.arena_ranges.emplace_back(p, n);
+    });
   }
   for (auto& w : im.workers) {
     Impl::Worker* wp = w.get();
@@ -898,10 +933,12 @@ SwapSpaceStats SwapSpace::stats() const {
   s.writes = im.writes.load();
   s.failed = im.failed.load();
   s.requests = im.requests.load();
+  s.fixed_buffer_bytes = im.fixed_registered ? ~std::uint64_t{0} : 0;
   for (const auto& w : im.workers) {
     const IoEngineStats es = w->engine->stats();
     s.fixed_buffer_requests += es.fixed_buffer_requests;
     s.submit_calls += es.submit_calls;
+    s.fixed_buffer_bytes = std::min(s.fixed_buffer_bytes, w->engine->registered_buffer_bytes());
   }
   s.retries = im.retries.load();
   s.short_transfers = im.shorts.load();

@@ -2,13 +2,17 @@
 //
 // One ring per engine, sized for the queue depth plus a few internal entries: a POLL_ADD on an
 // eventfd that wake() writes to, and cancellations. Requests whose buffer lies inside the
-// registered region use READ_FIXED/WRITE_FIXED with the index of the <= 1 GiB piece holding it;
+// registered region use READ_FIXED/WRITE_FIXED with the index of the <= 1 GiB piece holding it,
+// when that piece is registered (a region reserved with reserve_buffers() starts as a sparse table
+// whose pieces are registered one by one as a lazy host arena commits them);
 // files registered through register_file() live in a sparse kernel file table.
 #include <liburing.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -91,10 +95,7 @@ class UringEngine final : public IoEngine {
   Status register_buffers(void* base, std::uint64_t bytes) override {
     if (base == nullptr || bytes == 0) return invalid_argument("io_uring engine: register_buffers of an empty region");
     unregister_buffers();
-    std::vector<iovec> iovs;
-    for (std::uint64_t off = 0; off < bytes; off += piece_) {
-      iovs.push_back({static_cast<std::byte*>(base) + off, static_cast<std::size_t>(std::min(piece_, bytes - off))});
-    }
+    std::vector<iovec> iovs = pieces_of(base, bytes);
     const int ret = io_uring_register_buffers(&ring_, iovs.data(), static_cast<unsigned>(iovs.size()));
     if (ret < 0) {
       return errno_status(ret,
@@ -104,7 +105,59 @@ class UringEngine final : public IoEngine {
     }
     fixed_base_ = static_cast<std::byte*>(base);
     fixed_bytes_ = bytes;
+    piece_registered_.assign(iovs.size(), true);
+    registered_bytes_.store(bytes, std::memory_order_relaxed);
     return Status::Ok();
+  }
+
+  Status reserve_buffers(void* base, std::uint64_t bytes) override {
+    if (base == nullptr || bytes == 0) return invalid_argument("io_uring engine: reserve_buffers of an empty region");
+    unregister_buffers();
+    const auto pieces = static_cast<unsigned>((bytes + piece_ - 1) / piece_);
+    const int ret = io_uring_register_buffers_sparse(&ring_, pieces);
+    if (ret < 0) {
+      return errno_status(ret, str("io_uring engine: a sparse table of ", pieces,
+                                   " fixed buffers (needs Linux 5.19 or later); set tier.io.fixed_buffers=false"));
+    }
+    fixed_base_ = static_cast<std::byte*>(base);
+    fixed_bytes_ = bytes;
+    piece_registered_.assign(pieces, false);
+    registered_bytes_.store(0, std::memory_order_relaxed);
+    return Status::Ok();
+  }
+
+  Status register_buffer_range(void* p, std::uint64_t bytes) override {
+    if (!fixed_base_) return failed_precondition("io_uring engine: register_buffer_range before reserve_buffers");
+    const auto* b = static_cast<const std::byte*>(p);
+    if (b < fixed_base_ || bytes > fixed_bytes_ || b + bytes > fixed_base_ + fixed_bytes_) {
+      return invalid_argument(
+          str("io_uring engine: range ", p, " + ", format_bytes(bytes), " is outside the reserved buffer region"));
+    }
+    const std::uint64_t lo = static_cast<std::uint64_t>(b - fixed_base_);
+    const std::uint64_t hi = lo + bytes;
+    std::uint64_t added = 0;
+    for (std::uint64_t i = (lo + piece_ - 1) / piece_; i < piece_registered_.size(); ++i) {
+      const std::uint64_t begin = i * piece_;
+      const std::uint64_t len = std::min(piece_, fixed_bytes_ - begin);
+      if (begin + len > hi) break;
+      if (piece_registered_[i]) continue;
+      iovec iov{fixed_base_ + begin, static_cast<std::size_t>(len)};
+      const int ret = io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(i), &iov, nullptr, 1);
+      if (ret < 0) {
+        return errno_status(ret, str("io_uring engine: registering ", format_bytes(len), " at ",
+                                     static_cast<void*>(fixed_base_ + begin),
+                                     " as a fixed buffer; raise RLIMIT_MEMLOCK (ulimit -l) or set "
+                                     "tier.io.fixed_buffers=false"));
+      }
+      piece_registered_[i] = true;
+      added += len;
+    }
+    registered_bytes_.fetch_add(added, std::memory_order_relaxed);
+    return Status::Ok();
+  }
+
+  std::uint64_t registered_buffer_bytes() const noexcept override {
+    return registered_bytes_.load(std::memory_order_relaxed);
   }
 
   void unregister_buffers() noexcept override {
@@ -112,6 +165,8 @@ class UringEngine final : public IoEngine {
     io_uring_unregister_buffers(&ring_);
     fixed_base_ = nullptr;
     fixed_bytes_ = 0;
+    piece_registered_.clear();
+    registered_bytes_.store(0, std::memory_order_relaxed);
   }
 
   Result<std::size_t> submit(const IoRequest* reqs, std::size_t n) override {
@@ -297,6 +352,14 @@ class UringEngine final : public IoEngine {
     }
   }
 
+  std::vector<iovec> pieces_of(void* base, std::uint64_t bytes) const {
+    std::vector<iovec> iovs;
+    for (std::uint64_t off = 0; off < bytes; off += piece_) {
+      iovs.push_back({static_cast<std::byte*>(base) + off, static_cast<std::size_t>(std::min(piece_, bytes - off))});
+    }
+    return iovs;
+  }
+
   // Index of the registered piece that holds the whole request, or -1.
   int fixed_piece(const IoRequest& r) const noexcept {
     if (!fixed_base_) return -1;
@@ -304,7 +367,7 @@ class UringEngine final : public IoEngine {
     if (b < fixed_base_ || b + r.length > fixed_base_ + fixed_bytes_) return -1;
     const std::uint64_t first = static_cast<std::uint64_t>(b - fixed_base_) / piece_;
     const std::uint64_t last = static_cast<std::uint64_t>(b + r.length - 1 - fixed_base_) / piece_;
-    return first == last ? static_cast<int>(first) : -1;
+    return first == last && piece_registered_[first] ? static_cast<int>(first) : -1;
   }
 
   // Cancels whatever is in flight and reaps it, so that no buffer is touched after destruction.
@@ -333,6 +396,8 @@ class UringEngine final : public IoEngine {
   bool wake_armed_ = false;
   std::byte* fixed_base_ = nullptr;
   std::uint64_t fixed_bytes_ = 0;
+  std::vector<bool> piece_registered_;  // per piece of the region: registered with the kernel
+  std::atomic<std::uint64_t> registered_bytes_{0};
   std::uint64_t piece_ = kMaxFixedBufferPiece;
   std::deque<IoCompletion> ready_;  // requests refused before reaching the kernel
 };

@@ -164,6 +164,62 @@ TEST_P(SwapConformance, RoundTripsTensorsOfManySizes) {
   EXPECT_LT(st.submit_calls, st.requests) << "requests are submitted in batches";
 }
 
+// A lazy arena (the engine's auto host budget): io_uring gets each extent as a fixed buffer once a
+// block reaches into it, not the whole cap at start; transfers through blocks in one extent and
+// across two give the right bytes.
+TEST_P(SwapConformance, LazyArenaExtentsAreRegisteredAsBlocksReachThem) {
+  HostArenaOptions ao;
+  ao.bytes = 32 << 20;
+  ao.lazy = true;
+  ao.extent_bytes = 2 << 20;
+  auto lazy = HostArena::create(ao);
+  ASSERT_TRUE(lazy.ok()) << lazy.status();
+  auto o = options();
+  o.arena = lazy->get();
+  auto sp = make(o);
+  ASSERT_TRUE(sp);
+  const bool uring = GetParam().kind == IoEngineKind::kUring;
+  EXPECT_EQ(sp->stats().fixed_buffer_bytes, 0u);
+  EXPECT_EQ((*lazy)->committed_bytes(), 0u);
+
+  const std::uint64_t small = 1 << 20, large = 3 << 20;  // the large block spans two extents
+  auto a = (*lazy)->allocate(small);
+  auto b = (*lazy)->allocate(large);
+  auto c = (*lazy)->allocate(large);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_LE((*lazy)->committed_bytes(), 8u << 20) << "only the extents the blocks reach";
+  auto ea = sp->allocate(small);
+  auto eb = sp->allocate(large);
+  ASSERT_TRUE(ea.ok() && eb.ok());
+  test::fill_pattern(a->data(), small, 31);
+  test::fill_pattern(b->data(), large, 32);
+  IoFuture w[] = {sp->write(*ea, a->data(), small), sp->write(*eb, b->data(), large)};
+  ASSERT_TRUE(wait_all(w, 2).ok());
+  // Read each back into the other's memory, so both land in other extents than they left.
+  IoFuture r[] = {sp->read(*ea, c->data() + large - small, small), sp->read(*eb, c->data(), large - small)};
+  ASSERT_TRUE(wait_all(r, 2).ok());
+  EXPECT_EQ(test::check_pattern(c->data() + large - small, small, 31), -1);
+  EXPECT_EQ(test::check_pattern(c->data(), large - small, 32), -1);
+  auto st = sp->stats();
+  EXPECT_EQ(st.failed, 0u);
+  if (uring) {
+    EXPECT_TRUE(st.fixed_buffers);
+    EXPECT_EQ(st.fixed_buffer_bytes, (*lazy)->committed_bytes()) << "every committed extent, nothing more";
+    EXPECT_GT(st.fixed_buffer_requests, 0u);
+  } else {
+    EXPECT_EQ(st.fixed_buffer_bytes, 0u);
+  }
+  // A later extent is registered before the first transfer through it.
+  auto d = (*lazy)->allocate(small, std::chrono::milliseconds(0), 16 << 20);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(sp->read(*ea, d->data(), small).wait().ok());
+  EXPECT_EQ(test::check_pattern(d->data(), small, 31), -1);
+  if (uring) {
+    EXPECT_EQ(sp->stats().fixed_buffer_bytes, (*lazy)->committed_bytes());
+  }
+  sp.reset();  // before its arena
+}
+
 TEST_P(SwapConformance, StripesLargeExtentsOverThePaths) {
   auto o = options(3, 8 << 20);
   o.stripe_unit = 64 << 10;

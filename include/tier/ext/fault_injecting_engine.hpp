@@ -85,6 +85,11 @@ class FaultInjectingEngine final : public IoEngine {
   Status unregister_file(int index) override;
   Status register_buffers(void* base, std::uint64_t bytes) override;
   void unregister_buffers() noexcept override { inner_->unregister_buffers(); }
+  Status reserve_buffers(void* base, std::uint64_t bytes) override { return inner_->reserve_buffers(base, bytes); }
+  Status register_buffer_range(void* p, std::uint64_t bytes) override {
+    return inner_->register_buffer_range(p, bytes);
+  }
+  std::uint64_t registered_buffer_bytes() const noexcept override { return inner_->registered_buffer_bytes(); }
   Result<std::size_t> submit(const IoRequest* requests, std::size_t n) override;
   Result<std::size_t> reap(IoCompletion* out, std::size_t max, std::size_t min_complete,
                            std::chrono::nanoseconds timeout) override;

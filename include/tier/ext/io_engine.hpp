@@ -126,6 +126,15 @@ class IoEngine {
   // fixed buffers return kUnsupported and keep working with plain requests.
   virtual Status register_buffers(void* base, std::uint64_t bytes);
   virtual void unregister_buffers() noexcept {}
+  // (optional) Like register_buffers() but registers nothing yet: a sparse table of one slot per
+  // piece of [base, base + bytes), filled by register_buffer_range() as the memory is committed
+  // (a lazily pinned host arena). Requests in pieces not registered use plain opcodes. Engines
+  // without fixed buffers, or kernels without sparse buffer tables, return kUnsupported.
+  virtual Status reserve_buffers(void* base, std::uint64_t bytes);
+  // (optional) Registers the pieces of the reserved region that lie whole inside [p, p + bytes).
+  virtual Status register_buffer_range(void* p, std::uint64_t bytes);
+  // (optional) Bytes registered as fixed buffers now; safe from any thread. Defaults to 0.
+  virtual std::uint64_t registered_buffer_bytes() const noexcept { return 0; }
 
   // Submits up to n requests; returns how many were taken (fewer than n when the queue is full:
   // reap and submit the rest). An invalid request is taken and completes with -errno.

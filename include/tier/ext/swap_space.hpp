@@ -78,7 +78,7 @@ struct SwapSpaceOptions {
   bool bounce_unaligned = false;             // copy misaligned buffers/sizes through bounce buffers
   std::uint64_t stripe_unit = 0;             // bytes per stripe piece; 0: block_size
   std::uint64_t stripe_threshold = 0;        // extents at least this large are striped; 0: 2 stripe units
-  HostArena* arena = nullptr;                // registered as fixed buffers when given; must outlive this
+  HostArena* arena = nullptr;                // fixed buffers when given (lazy: per committed extent); outlives this
   Counters* counters = nullptr;              // nvme<->host link counters, info and metrics; may be null
   std::string metrics_prefix = "nvme.swap";  // <prefix>.used_bytes, .allocated_bytes, .capacity_bytes, ...
   // Wraps each I/O thread's engine (e.g. in a FaultInjectingEngine for tests); may be empty.
@@ -140,6 +140,10 @@ struct SwapSpaceStats {
   std::string engine;  // the backend the I/O threads use, e.g. "uring"
   std::uint32_t engine_capabilities = 0;
   bool fixed_buffers = false;  // the arena is registered with the engine
+  // Bytes of the arena registered as fixed buffers with every I/O thread's engine: the whole
+  // arena, or with a lazy one the extents committed so far (each thread registers them before its
+  // next submission).
+  std::uint64_t fixed_buffer_bytes = 0;
   std::uint64_t capacity_bytes = 0;
   std::uint64_t allocated_bytes = 0;  // reserved on disk by the files: the peak of what was needed
   std::uint64_t used_bytes = 0;
