@@ -9,9 +9,16 @@
 
 #include "tier/status.hpp"
 
+namespace tier::optim {
+struct StepReport;
+}
+
 namespace tier::python {
 
 [[noreturn]] void raise_status(const Status& s);  // module.cpp
+
+// An optimizer step's report (tier::optim::StepReport) as a dict (module.cpp).
+nanobind::dict report_dict(const optim::StepReport& r);
 
 inline void check(const Status& s) {
   if (!s.ok()) raise_status(s);

@@ -305,33 +305,6 @@ optim::StepOptions engine_step_options(OverlapContext& ctx) {
   return so;
 }
 
-nb::dict report_dict(const optim::StepReport& r) {
-  nb::dict d;
-  d["step"] = r.step;
-  d["applied"] = r.applied;
-  d["overflow"] = r.overflow;
-  d["grad_norm"] = r.grad_norm;
-  d["clip_coefficient"] = r.clip_coefficient;
-  d["loss_scale"] = r.loss_scale;
-  d["next_loss_scale"] = r.next_loss_scale;
-  d["seconds"] = r.seconds;
-  d["read_bytes"] = r.read.bytes;
-  d["write_bytes"] = r.write.bytes;
-  d["read_busy_seconds"] = r.read.busy_seconds;
-  d["write_busy_seconds"] = r.write.busy_seconds;
-  d["update_busy_seconds"] = r.update.busy_seconds;
-  d["io_busy_seconds"] = r.io_busy_seconds;
-  d["update_wait_seconds"] = r.update_wait_seconds;
-  d["output_seconds"] = r.output_seconds;
-  d["overlapped"] = r.overlapped;
-  d["speculated_chunks"] = r.speculated_chunks;
-  d["redone"] = r.redone;
-  d["redo_reason"] = r.redo_reason;
-  d["reused_chunks"] = r.reused_chunks;
-  d["chunks"] = r.chunks;
-  return d;
-}
-
 struct OverlapContext;
 
 // An overlapped step started with start_overlap_to: the destination pointers, and the arrays they
@@ -453,6 +426,34 @@ cpu::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, do
 }
 
 }  // namespace
+
+// An optimizer step's report as a dict (binding_util.hpp).
+nb::dict report_dict(const optim::StepReport& r) {
+  nb::dict d;
+  d["step"] = r.step;
+  d["applied"] = r.applied;
+  d["overflow"] = r.overflow;
+  d["grad_norm"] = r.grad_norm;
+  d["clip_coefficient"] = r.clip_coefficient;
+  d["loss_scale"] = r.loss_scale;
+  d["next_loss_scale"] = r.next_loss_scale;
+  d["seconds"] = r.seconds;
+  d["read_bytes"] = r.read.bytes;
+  d["write_bytes"] = r.write.bytes;
+  d["read_busy_seconds"] = r.read.busy_seconds;
+  d["write_busy_seconds"] = r.write.busy_seconds;
+  d["update_busy_seconds"] = r.update.busy_seconds;
+  d["io_busy_seconds"] = r.io_busy_seconds;
+  d["update_wait_seconds"] = r.update_wait_seconds;
+  d["output_seconds"] = r.output_seconds;
+  d["overlapped"] = r.overlapped;
+  d["speculated_chunks"] = r.speculated_chunks;
+  d["redone"] = r.redone;
+  d["redo_reason"] = r.redo_reason;
+  d["reused_chunks"] = r.reused_chunks;
+  d["chunks"] = r.chunks;
+  return d;
+}
 
 [[noreturn]] void raise_status(const Status& s) {
   raise(s);

@@ -104,14 +104,55 @@ nb::object parse_json(const std::string& text) {
 
 }  // namespace
 
-// The Python object: owns the driver (which is neither copyable nor movable).
+// The Python object: owns the driver (which is neither copyable nor movable), and the arrays a
+// step reads or writes in place until it is done with them: borrowed gradients, and the outputs
+// of an overlapped step.
 struct PyStepDriver {
+  std::vector<nb::object> held;  // (declared first: destroyed after the driver)
   std::unique_ptr<StepDriver> d;
   StepDriver& get() {
     if (!d) raise_status(failed_precondition("the step driver was closed"));
     return *d;
   }
+  void close() {
+    if (d) {
+      nb::gil_scoped_release released;
+      d->cancel_overlap();
+    }
+    d.reset();
+    held.clear();
+  }
 };
+
+// step()'s and start_overlap()'s arguments (pointers taken with the GIL held).
+step::StepArgs step_args(StepDriver& d, std::optional<double> lr, const std::optional<std::vector<nb::object>>& outputs,
+                         bool skip_missing) {
+  step::StepArgs args;
+  args.lr = lr;
+  args.skip_missing = skip_missing;
+  if (outputs) {
+    if (outputs->size() != d.param_count()) {
+      raise_status(invalid_argument(str("step: ", outputs->size(), " outputs for ", d.param_count(),
+                                        " parameters (one per parameter, None to skip one)")));
+    }
+    args.outputs.resize(d.param_count(), nullptr);
+    for (std::size_t i = 0; i < outputs->size(); ++i) {
+      if ((*outputs)[i].is_none()) continue;
+      args.outputs[i] = out_array(d, i, (*outputs)[i], d.param(i).dtype, "step output");
+    }
+  }
+  return args;
+}
+
+nb::dict hyper_dict(const cpu::AdamHyperParams& hp) {
+  nb::dict out;
+  out["lr"] = hp.lr;
+  out["beta1"] = hp.beta1;
+  out["beta2"] = hp.beta2;
+  out["eps"] = hp.eps;
+  out["weight_decay"] = hp.weight_decay;
+  return out;
+}
 
 void bind_step_driver(nb::module_& m) {
   nb::class_<PyStepDriver>(m, "StepDriver",
@@ -121,13 +162,13 @@ void bind_step_driver(nb::module_& m) {
           "__init__",
           [](PyStepDriver* self, const EngineConfig& cfg, std::uint64_t max_elements, std::uint64_t max_params) {
             new (self)
-                PyStepDriver{unwrap(unlocked([&] { return StepDriver::create(cfg, max_elements, max_params); }))};
+                PyStepDriver{{}, unwrap(unlocked([&] { return StepDriver::create(cfg, max_elements, max_params); }))};
           },
           "config"_a, "max_elements"_a, "max_params"_a = 0,
           "The optimizer of `config` (its optimizer section, offload_optimizer, clipping, accumulation); "
           "max_elements: the parameters' elements together (sizes the swap files' cap).")
       .def(
-          "close", [](PyStepDriver& o) { o.d.reset(); }, "Frees the driver's buffers and swap files now.")
+          "close", [](PyStepDriver& o) { o.close(); }, "Frees the driver's buffers and swap files now.")
       .def(
           "add_param",
           [](PyStepDriver& o, const std::string& name, nb::handle initial, int group) {
@@ -147,47 +188,82 @@ void bind_step_driver(nb::module_& m) {
           "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8, "weight_decay"_a = 0.0)
       .def(
           "add_grad",
-          [](PyStepDriver& o, std::size_t index, nb::handle grad) {
+          [](PyStepDriver& o, std::size_t index, nb::handle grad, bool borrow) {
             StepDriver& d = o.get();
             checked(d, index);
             const std::string what = str("add_grad '", d.param(index).name, "'");
             const InArray in = in_array(grad, what);
             const DType dt = unwrap(dtype_from(in.a.dtype(), std::nullopt, what));
-            check(unlocked([&] { return d.add_grad(index, in.view(dt)); }));
+            const step::GradIntake intake = borrow ? step::GradIntake::kBorrow : step::GradIntake::kCopy;
+            check(unlocked([&] { return d.add_grad(index, in.view(dt), intake); }));
+            if (borrow) o.held.push_back(nb::borrow(grad));
           },
-          "index"_a, "grad"_a, "One micro-step's gradient of a parameter (its shape; added into the accumulator).")
-      .def("clear_grads", [](PyStepDriver& o) { o.get().clear_grads(); })
+          "index"_a, "grad"_a, "borrow"_a = false,
+          "One micro-step's gradient of a parameter (its shape): added into the accumulator, or with borrow=True "
+          "read in place by the update (the array is held, and must not change, until the step is done).")
+      .def(
+          "clear_grads",
+          [](PyStepDriver& o) {
+            StepDriver& d = o.get();
+            unlocked([&] { d.clear_grads(); });
+            o.held.clear();
+          },
+          "Forgets the gradients taken since the last step (and drops an overlapped step in flight).")
       .def(
           "step",
-          [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs) {
+          [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs,
+             bool skip_missing) {
             StepDriver& d = o.get();
-            step::StepArgs args;
-            args.lr = lr;
-            if (outputs) {
-              if (outputs->size() != d.param_count()) {
-                raise_status(invalid_argument(str("step: ", outputs->size(), " outputs for ", d.param_count(),
-                                                  " parameters (one per parameter, None to skip one)")));
-              }
-              args.outputs.resize(d.param_count(), nullptr);
-              for (std::size_t i = 0; i < outputs->size(); ++i) {
-                if ((*outputs)[i].is_none()) continue;
-                args.outputs[i] = out_array(d, i, (*outputs)[i], d.param(i).dtype, "step output");
-              }
-            }
-            const optim::StepReport rep = unwrap(unlocked([&] { return d.step(args); }));
-            nb::dict out;
-            out["step"] = rep.step;
-            out["applied"] = rep.applied;
-            out["overflow"] = rep.overflow;
-            out["grad_norm"] = rep.grad_norm;
-            out["clip_coefficient"] = rep.clip_coefficient;
-            out["loss_scale"] = rep.loss_scale;
-            out["seconds"] = rep.seconds;
-            return out;
+            const step::StepArgs args = step_args(d, lr, outputs, skip_missing);
+            Result<optim::StepReport> r = unlocked([&] { return d.step(args); });
+            if (r.ok()) o.held.clear();  // (a refused or failed step keeps its gradients for a retry)
+            return report_dict(unwrap(std::move(r)));
           },
-          "lr"_a = nb::none(), "outputs"_a = nb::none(),
+          "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false,
           "One optimizer step; checks every gradient is in, the lr and the outputs first (nothing is applied "
-          "on an error). outputs: None or one array (or None) per parameter, written with the updated values.")
+          "on an error). outputs: None or one array (or None) per parameter, written with the updated values. "
+          "skip_missing: a parameter without a gradient is left as it is (as torch skips grad None).")
+      .def(
+          "start_overlap",
+          [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs,
+             bool skip_missing) {
+            StepDriver& d = o.get();
+            const step::StepArgs args = step_args(d, lr, outputs, skip_missing);
+            check(unlocked([&] { return d.start_overlap(args); }));
+            if (outputs) o.held.insert(o.held.end(), outputs->begin(), outputs->end());
+          },
+          "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false,
+          "Starts the step's update before its gradients are all in (step()'s arguments); add_grad hands them in "
+          "as they become final, finish_overlap() validates and commits (or redoes the step), bit for bit step().")
+      .def(
+          "finish_overlap",
+          [](PyStepDriver& o) {
+            StepDriver& d = o.get();
+            Result<optim::StepReport> r = unlocked([&] { return d.finish_overlap(); });
+            if (r.ok()) o.held.clear();
+            return report_dict(unwrap(std::move(r)));
+          },
+          "Every gradient is in: validates the overlapped step and returns its report (redone: it ran again "
+          "serially, e.g. clipped). A missing gradient is refused with the pass still running.")
+      .def(
+          "cancel_overlap",
+          [](PyStepDriver& o) {
+            StepDriver& d = o.get();
+            unlocked([&] { d.cancel_overlap(); });
+          },
+          "Drops an overlapped step in flight: nothing committed, the gradients kept.")
+      .def_prop_ro("overlap_running", [](PyStepDriver& o) { return o.d != nullptr && o.d->overlap_running(); })
+      .def(
+          "set_group",
+          [](PyStepDriver& o, int group, double lr, double beta1, double beta2, double eps, double weight_decay) {
+            check(o.get().set_hyper_params(group, lr, beta1, beta2, eps, weight_decay));
+          },
+          "group"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a,
+          "A group's hyper-parameters, from the next step on.")
+      .def(
+          "hyper_params", [](PyStepDriver& o, int group) { return hyper_dict(unwrap(o.get().hyper_params(group))); },
+          "group"_a = 0)
+      .def_prop_ro("group_count", [](PyStepDriver& o) { return o.get().group_count(); })
       .def(
           "read_param",
           [](PyStepDriver& o, std::size_t index, nb::handle out) {
@@ -247,6 +323,7 @@ void bind_step_driver(nb::module_& m) {
           [](PyStepDriver& o, const std::string& path) {
             StepDriver& d = o.get();
             check(unlocked([&] { return d.load(path); }));
+            o.held.clear();  // (the load dropped the gradients taken)
           },
           "path"_a)
       .def_prop_ro("param_count", [](PyStepDriver& o) { return o.get().param_count(); })

@@ -3,9 +3,10 @@
 // checks everything it was given before it touches the state, and the updated parameters written
 // straight into the caller's tensors.
 //
-// The C ABI's tier_optimizer_* functions (include/tier/tier.h) and tier.jax are this class; the
-// PyTorch adapter still drives tier::optim::OffloadedOptimizer itself (its engine tensors, hooks
-// and overlap policy), see docs/design.md "The step driver".
+// The C ABI's tier_optimizer_* functions (include/tier/tier.h), tier.jax and
+// tier.torch.OffloadedAdamW are this class; tier.torch's engine (initialize) still drives
+// tier::optim::OffloadedOptimizer itself (its engine tensors), see docs/design.md "The step
+// driver".
 //
 // What it adds to OffloadedOptimizer (which it owns, built from a DeepSpeed/tier config):
 //  - Parameters by name, each with a shape and a dtype (fp32, bf16 or fp16). The fp32 master is
@@ -59,9 +60,19 @@ struct ParamInfo {
   int group = 0;
 };
 
+// How add_grad takes a gradient: copied into the parameter's fp32 accumulator at once (the
+// caller's memory is free on return), or borrowed (no copy: the update reads the caller's memory,
+// which must stay valid and unchanged until the step, or clear_grads, returns; one micro-step
+// per step).
+enum class GradIntake : std::uint8_t { kCopy, kBorrow };
+
 struct StepArgs {
   // The learning rate of every group for this step and after (a scheduler's value); none: keep.
   std::optional<double> lr;
+  // A parameter that got no gradient this step is left as it is (values, moments; no weight
+  // decay), as torch's optimizers skip a parameter whose grad is None. Off: such a step is
+  // refused (kFailedPrecondition naming the parameter).
+  bool skip_missing = false;
   // Where each parameter's updated values go: empty, or one pointer per parameter (in the order
   // they were added; null skips that parameter), each to numel elements of the parameter's dtype
   // in host memory that stays valid until step() returns.
@@ -92,16 +103,36 @@ class StepDriver {
   Result<int> add_group(double lr, double beta1, double beta2, double eps, double weight_decay);
 
   // One micro-step's gradient of parameter `index`: the parameter's shape, fp32/bf16/fp16,
-  // host memory; copied (added to the accumulator) at once. Errors: kInvalidArgument naming the
-  // parameter (shape, dtype, an unknown index), kFailedPrecondition (more micro-steps than
+  // host memory; copied (added to the accumulator) at once, or borrowed (see GradIntake). Errors: kInvalidArgument
+  // naming the parameter (shape, dtype, an unknown index), kFailedPrecondition (more micro-steps than
   // gradient_accumulation_steps).
-  Status add_grad(std::size_t index, const HostTensor& grad);
-  // Forgets the gradients taken since the last step.
+  Status add_grad(std::size_t index, const HostTensor& grad, GradIntake intake = GradIntake::kCopy);
+  // Forgets the gradients taken since the last step (and drops an overlapped step in flight).
   void clear_grads() noexcept;
 
   // One optimizer step (see the header comment for what is checked first). The report says
   // whether it was applied (an overflow skips it), the norm and the clip coefficient.
   Result<optim::StepReport> step(const StepArgs& args = {});
+
+  // The step overlapped with the gradients' arrival ("exact" overlap): start_overlap checks
+  // `args` as step() does (except the gradients, which are still coming) and starts the update on
+  // a thread of the optimizer's, which updates each chunk of the state as soon as its gradients
+  // are in; add_grad (typically GradIntake::kBorrow, from a backward hook) hands them in in any
+  // order. finish_overlap checks that every gradient is in (as step(): nothing is applied on an
+  // error, the pass stays running), then computes the global norm and commits the pass when no
+  // clipping or overflow says otherwise, or redoes the step serially: the result is step()'s bit
+  // for bit. cancel_overlap drops the pass (nothing committed, the gradients kept). `args.outputs`
+  // are copied (the pointers must stay valid until finish or cancel); outputs written by a pass
+  // that is then dropped are not written again (they are the caller's staging).
+  Status start_overlap(const StepArgs& args);
+  Result<optim::StepReport> finish_overlap();
+  void cancel_overlap() noexcept;
+  bool overlap_running() const noexcept;
+
+  // A group's hyper-parameters (from this step on) and their current values.
+  Status set_hyper_params(int group, double lr, double beta1, double beta2, double eps, double weight_decay);
+  Result<cpu::AdamHyperParams> hyper_params(int group) const;
+  std::size_t group_count() const noexcept;
 
   // The current values of a parameter (from the fp32 master) as fp32, bf16 or fp16, numel
   // elements into `dst`.
@@ -138,7 +169,10 @@ class StepDriver {
   // state access or checkpoint.
   Status ensure_registered();
   Status check_index(std::size_t index, const char* what) const;
-  Status check_grads_complete() const;
+  Status check_grads_complete(bool skip_missing) const;
+  Status check_step_args(const StepArgs& args) const;
+  // Books the gradient traffic of an applied step and resets the per-step gradient counts.
+  void after_step(const optim::StepReport& report);
 
   std::unique_ptr<optim::OffloadedOptimizer> opt_;
   int accumulation_steps_ = 1;
@@ -146,11 +180,15 @@ class StepDriver {
   std::unordered_map<std::string, std::size_t> by_name_;
   std::vector<int> grads_in_;  // micro-steps of gradient taken per parameter this step
   bool registered_ = false;    // finish_registration done
+  // The running overlapped step's arguments (the outputs it writes).
+  StepArgs overlap_args_;
+  bool overlap_started_ = false;
   // Gradient traffic over host memory of the steps applied, in elements: gradients taken, and
   // the passes over them (intakes and update reads); intakes of the step being gathered.
   std::uint64_t grad_elements_ = 0;
   std::uint64_t grad_passes_elements_ = 0;
   std::uint64_t pending_intake_elements_ = 0;
+  std::uint64_t pending_grad_elements_ = 0;  // gradient elements taken (copied or borrowed) this step
 };
 
 }  // namespace tier::step

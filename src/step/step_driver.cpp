@@ -138,7 +138,7 @@ Result<std::size_t> StepDriver::find(const std::string& name) const {
   return it->second;
 }
 
-Status StepDriver::add_grad(std::size_t index, const HostTensor& grad) {
+Status StepDriver::add_grad(std::size_t index, const HostTensor& grad, GradIntake intake) {
   TIER_RETURN_IF_ERROR(check_index(index, "add_grad"));
   const ParamInfo& p = params_[index];
   if (!is_param_dtype(grad.dtype)) {
@@ -157,32 +157,44 @@ Status StepDriver::add_grad(std::size_t index, const HostTensor& grad) {
                                    " gradient(s) this step, gradient_accumulation_steps is ", accumulation_steps_,
                                    "; step() or clear_grads() first"));
   }
+  if (intake == GradIntake::kBorrow && accumulation_steps_ != 1) {
+    return invalid_argument(str("add_grad '", p.name,
+                                "': a borrowed gradient is the step's whole gradient; with "
+                                "gradient_accumulation_steps ",
+                                accumulation_steps_, " hand micro-steps in as copies"));
+  }
   TIER_RETURN_IF_ERROR(ensure_registered());
+  const optim::GradMode mode = intake == GradIntake::kBorrow ? optim::GradMode::kBorrow : optim::GradMode::kCopy;
   TIER_RETURN_IF_ERROR(opt_->add_grad(static_cast<optim::PartitionId>(index),
-                                      cpu::ConstTensorRef(grad.data, grad.dtype, p.numel), optim::GradMode::kCopy));
+                                      cpu::ConstTensorRef(grad.data, grad.dtype, p.numel), mode));
   ++grads_in_[index];
-  pending_intake_elements_ += p.numel;  // read the gradient, add into the accumulator (sum of squares fused)
+  pending_grad_elements_ += p.numel;
+  // A copy reads the gradient and adds it into the accumulator (sum of squares fused): one pass.
+  // A borrowed one is read by the update alone.
+  if (intake == GradIntake::kCopy) pending_intake_elements_ += p.numel;
   return Status::Ok();
 }
 
 void StepDriver::clear_grads() noexcept {
-  opt_->clear_grads();
+  opt_->clear_grads();  // (cancels an overlapped step)
+  overlap_started_ = false;
+  overlap_args_ = {};
   pending_intake_elements_ = 0;
+  pending_grad_elements_ = 0;
   std::fill(grads_in_.begin(), grads_in_.end(), 0);
 }
 
-Status StepDriver::check_grads_complete() const {
+Status StepDriver::check_grads_complete(bool skip_missing) const {
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (grads_in_[i] != accumulation_steps_) {
-      return failed_precondition(str("step: parameter '", params_[i].name, "' has ", grads_in_[i],
-                                     " gradient(s) of the ", accumulation_steps_,
-                                     " this step needs (gradient_accumulation_steps); nothing was applied"));
-    }
+    if (grads_in_[i] == accumulation_steps_ || (skip_missing && grads_in_[i] == 0)) continue;
+    return failed_precondition(str("step: parameter '", params_[i].name, "' has ", grads_in_[i], " gradient(s) of the ",
+                                   accumulation_steps_,
+                                   " this step needs (gradient_accumulation_steps); nothing was applied"));
   }
   return Status::Ok();
 }
 
-Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
+Status StepDriver::check_step_args(const StepArgs& args) const {
   if (params_.empty()) return failed_precondition("step: no parameters were added");
   if (args.lr && (!std::isfinite(*args.lr) || *args.lr < 0)) {
     return invalid_argument(str("step: lr ", *args.lr, " is not a finite number >= 0; nothing was applied"));
@@ -191,7 +203,15 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
     return invalid_argument(str("step: ", args.outputs.size(), " outputs for ", params_.size(),
                                 " parameters (give one per parameter, null to skip one, or none)"));
   }
-  TIER_RETURN_IF_ERROR(check_grads_complete());
+  return Status::Ok();
+}
+
+Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
+  if (overlap_started_ && opt_->overlapped_step_running()) {
+    return failed_precondition("step: an overlapped step is running; finish_overlap() or cancel_overlap() first");
+  }
+  TIER_RETURN_IF_ERROR(check_step_args(args));
+  TIER_RETURN_IF_ERROR(check_grads_complete(args.skip_missing));
   TIER_RETURN_IF_ERROR(ensure_registered());
   if (args.lr) {
     for (std::size_t g = 0; g < opt_->group_count(); ++g) {
@@ -199,20 +219,98 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
     }
   }
   optim::StepOptions so;
+  so.skip_missing_grads = args.skip_missing;
   if (!args.outputs.empty()) {
     so.destination = [&args](optim::PartitionId id) -> void* { return args.outputs[id]; };
   }
   TIER_ASSIGN_OR_RETURN(optim::StepReport report, opt_->step(so));
-  std::uint64_t elements = 0;
-  for (const ParamInfo& p : params_) elements += p.numel;
-  grad_elements_ += elements * static_cast<std::uint64_t>(accumulation_steps_);
-  grad_passes_elements_ += pending_intake_elements_ + elements;  // the intakes; the update reads each accumulator once
-  pending_intake_elements_ = 0;
-  // A norm computed at step() is one more pass over those accumulators; count it (as the whole
-  // model: the report gives partitions, not elements) so that the figure never understates.
-  if (report.late_norm_partitions != 0) grad_passes_elements_ += elements;
-  std::fill(grads_in_.begin(), grads_in_.end(), 0);
+  after_step(report);
   return report;
+}
+
+void StepDriver::after_step(const optim::StepReport& report) {
+  std::uint64_t stepped = 0;  // elements of the parameters that had gradients (the update read theirs)
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (grads_in_[i] > 0) stepped += params_[i].numel;
+  }
+  grad_elements_ += pending_grad_elements_;
+  grad_passes_elements_ += pending_intake_elements_ + stepped;  // the intakes; the update reads each once
+  // A norm computed at step() is one more pass over those accumulators; count it (as the whole
+  // step: the report gives partitions, not elements) so that the figure never understates.
+  if (report.late_norm_partitions != 0) grad_passes_elements_ += stepped;
+  pending_intake_elements_ = 0;
+  pending_grad_elements_ = 0;
+  std::fill(grads_in_.begin(), grads_in_.end(), 0);
+}
+
+Status StepDriver::start_overlap(const StepArgs& args) {
+  if (overlap_started_ && opt_->overlapped_step_running()) {
+    return failed_precondition("start_overlap: an overlapped step is already running");
+  }
+  TIER_RETURN_IF_ERROR(check_step_args(args));
+  TIER_RETURN_IF_ERROR(ensure_registered());
+  if (args.lr) {
+    for (std::size_t g = 0; g < opt_->group_count(); ++g) {
+      TIER_RETURN_IF_ERROR(opt_->set_lr(static_cast<int>(g), *args.lr));
+    }
+  }
+  overlap_args_ = args;
+  optim::StepOptions so;
+  so.skip_missing_grads = args.skip_missing;
+  so.redeliver_abandoned_outputs = false;  // the outputs of a dropped pass are the caller's staging
+  if (!overlap_args_.outputs.empty()) {
+    const std::vector<void*>* outputs = &overlap_args_.outputs;
+    so.destination = [outputs](optim::PartitionId id) -> void* { return (*outputs)[id]; };
+  }
+  if (Status s = opt_->start_overlapped_step(so); !s.ok()) {
+    overlap_args_ = {};
+    return s;
+  }
+  overlap_started_ = true;
+  return Status::Ok();
+}
+
+Result<optim::StepReport> StepDriver::finish_overlap() {
+  if (!overlap_started_ || !opt_->overlapped_step_running()) {
+    overlap_started_ = false;
+    return failed_precondition("finish_overlap: no overlapped step is running");
+  }
+  TIER_RETURN_IF_ERROR(check_grads_complete(overlap_args_.skip_missing));
+  Result<optim::StepReport> r = opt_->finish_overlapped_step();
+  overlap_started_ = false;
+  overlap_args_ = {};
+  if (r.ok()) after_step(*r);
+  return r;
+}
+
+void StepDriver::cancel_overlap() noexcept {
+  if (!overlap_started_) return;
+  opt_->cancel_overlapped_step();
+  overlap_started_ = false;
+  overlap_args_ = {};
+}
+
+bool StepDriver::overlap_running() const noexcept {
+  return overlap_started_ && opt_->overlapped_step_running();
+}
+
+Status StepDriver::set_hyper_params(int group, double lr, double beta1, double beta2, double eps, double weight_decay) {
+  TIER_ASSIGN_OR_RETURN(cpu::AdamHyperParams hp, opt_->hyper_params(group));
+  hp.lr = lr;
+  hp.beta1 = beta1;
+  hp.beta2 = beta2;
+  hp.eps = eps;
+  hp.weight_decay = weight_decay;
+  TIER_RETURN_IF_ERROR(hp.validate().with_context(str("optimizer group ", group)));
+  return opt_->set_hyper_params(group, hp);
+}
+
+Result<cpu::AdamHyperParams> StepDriver::hyper_params(int group) const {
+  return opt_->hyper_params(group);
+}
+
+std::size_t StepDriver::group_count() const noexcept {
+  return opt_->group_count();
 }
 
 Status StepDriver::read_param(std::size_t index, DType dtype, void* dst) {
@@ -253,8 +351,7 @@ Status StepDriver::save(const std::string& path) {
 Status StepDriver::load(const std::string& path) {
   TIER_RETURN_IF_ERROR(ensure_registered());
   TIER_RETURN_IF_ERROR(opt_->load_checkpoint(path));
-  std::fill(grads_in_.begin(), grads_in_.end(), 0);
-  pending_intake_elements_ = 0;  // a load drops the gradients taken so far
+  clear_grads();  // a load drops the gradients taken so far
   return Status::Ok();
 }
 
@@ -271,6 +368,7 @@ std::string StepDriver::stats_json() const {
   nlohmann::json j;
   j["home"] = optim::state_home_name(s.home);
   j["params"] = params_.size();
+  j["partitions"] = params_.size();
   j["elements"] = s.elements;
   j["state_dtype"] = cpu::state_dtype_name(s.state_dtype);
   j["record_bytes"] = s.record_bytes;

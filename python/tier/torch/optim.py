@@ -9,6 +9,13 @@ gradients are read from ``p.grad`` after the loop has accumulated, clipped or un
 (``torch.nn.utils.clip_grad_norm_``, ``GradScaler.unscale_``), a parameter whose ``grad`` is None
 is skipped as ``torch.optim.AdamW`` skips it, and ``state_dict()`` / ``load_state_dict()`` use
 ``torch.optim.AdamW``'s format, so Trainer checkpoints and plain AdamW state dicts go both ways.
+
+The step itself is tier's step driver (``_tier.StepDriver``, include/tier/step_driver.hpp), the one
+tier.jax and the C ABI train with: it checks each gradient against its parameter, takes them in
+place (borrowed, no copy), runs the update (serial, or overlapped with backward), and writes the
+updated parameters into the model's memory. What stays here is what is specific to torch: the
+hooks that hand gradients over as backward finishes them, the check that the loop did not change
+them after that, and torch's state-dict format.
 """
 
 import json
@@ -28,6 +35,12 @@ _OUTPUT_OF = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 def _flat_fp32(t):
     """A tensor's values as a flat, contiguous fp32 CPU tensor: what the native optimizer reads."""
     return t.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+
+
+def _host(t):
+    """A tensor (a parameter or its gradient) as a contiguous CPU tensor of its shape and dtype,
+    the tensor itself when it is one already: what the step driver reads in place."""
+    return t.detach().to("cpu").contiguous()
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -120,7 +133,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if total == 0:
             raise ValueError("OffloadedAdamW got no parameters with elements")
         native_config = _tier.Config.from_json(json.dumps(cfg))
-        self._native = _tier.Optimizer.create(native_config, total, max_partitions=len(self._params))
+        self._native = _tier.StepDriver(native_config, total, len(self._params))
         # Its swap files grow with the state: a disk that cannot hold it is refused now.
         _footprint.check_nvme_room(
             native_config.swap_paths, {"optimizer state": self._native.stats()["nvme_capacity_bytes"]}
@@ -133,11 +146,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._pid = {}
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
-                master = _flat_fp32(p)
-                self._pid[p] = self._native.add_partition(
-                    p.numel(), gi, _OUTPUT_OF[p.dtype], master, f"param{len(self._pid)}"
-                )
-        self._native.finish_registration()
+                # (The names are those of the checkpoints written before the step driver.)
+                self._pid[p] = self._native.add_param(f"param{len(self._pid)}", _host(p), gi)
         # Updated params land here (a serial step writes contiguous CPU params in place; the
         # exact overlap stages every parameter, since backward still reads them), and each
         # parameter's version after the write: a parameter changed since (model.load_state_dict,
@@ -242,7 +252,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _buffer(self, table, p, dtype):
         buf = table.get(p)
         if buf is None or buf.dtype != dtype:
-            buf = torch.empty(p.numel(), dtype=dtype, pin_memory=torch.cuda.is_available() and p.device.type == "cuda")
+            buf = torch.empty(p.shape, dtype=dtype, pin_memory=torch.cuda.is_available() and p.device.type == "cuda")
             table[p] = buf
         return buf
 
@@ -254,17 +264,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for p in self._params:
             if p.requires_grad:
                 dests[self._pid[p]] = self._buffer(self._staging, p, p.dtype)
-        self._native.start_overlap_to(dests, skip_missing_grads=True)
+        self._native.start_overlap(outputs=dests, skip_missing=True)
         self._spec = {}
         self._started = True
         self.overlap_stats["overlapped"] += 1
 
     def _take(self, p):
         g = p.grad
-        if g is None or g.is_sparse or g.dtype not in _OUTPUT_OF or g.numel() != p.numel():
+        if g is None or g.is_sparse or g.dtype not in _OUTPUT_OF or g.shape != p.shape:
             return  # step() takes it, or says what is wrong with it
         snap = self._buffer(self._snap, p, g.dtype)
-        snap.copy_(g.detach().reshape(-1))
+        snap.copy_(g.detach())
         self._native.add_grad(self._pid[p], snap, borrow=True)
         self._spec[p] = snap
 
@@ -292,7 +302,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             reason = "a hyper-parameter changed after backward"
         elif any(self._seen.get(p) != (p.data_ptr(), p._version) for p in self._params):
             reason = "a parameter changed after backward"
-        late = []
         for p in self._params:
             if reason is not None:
                 break
@@ -304,17 +313,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if g.is_sparse:
                     reason = "a sparse gradient"
                     break
-                gc = g.detach().to("cpu").contiguous().reshape(-1)  # a gradient backward did not announce
-                self._native.add_grad(self._pid[p], gc, borrow=True)
-                late.append(gc)
+                self._native.add_grad(self._pid[p], _host(g), borrow=True)  # one backward did not announce
             elif g is None or g.is_sparse or g.dtype != snap.dtype:
                 reason = "a gradient was dropped or replaced after backward"
             else:
-                now = g.detach().reshape(-1)
-                if now.device.type != "cpu":
-                    now = now.to("cpu")
                 ints = {2: torch.int16, 4: torch.int32}[snap.element_size()]
-                if not torch.equal(now.contiguous().view(ints), snap.view(ints)):
+                if not torch.equal(_host(g).view(ints), snap.view(ints)):
                     reason = "the gradients changed after backward (clipped, unscaled or edited)"
         if reason is not None:
             self._abandon(reason)
@@ -325,8 +329,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         except BaseException:
             self._native.clear_grads()
             raise
-        finally:
-            del late
         if report.get("redone"):
             self.overlap_stats["redone"] += 1
             self.overlap_stats["last_redo_reason"] = report.get("redo_reason", "")
@@ -340,7 +342,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _destination(self, p):
         if p.device.type == "cpu" and p.is_contiguous():
-            return p.data.view(-1)
+            return p.data
         return self._buffer(self._staging, p, p.dtype)
 
     def _push_hyper_params(self):
@@ -385,30 +387,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 return loss
         self._resync_changed()
         self._push_hyper_params()
-        held = []  # CPU views of the gradients, borrowed by the native optimizer until step returns
         dests = [None] * len(self._params)
         for p in self._params:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("OffloadedAdamW does not support sparse gradients")
-            g = p.grad.detach()
-            if g.device.type != "cpu":
-                g = g.to("cpu")
-            g = g.contiguous().reshape(-1)
             pid = self._pid[p]
-            self._native.add_grad(pid, g, borrow=True)
-            held.append(g)
+            # Borrowed (read in place by the update; the driver holds the CPU tensor until then).
+            self._native.add_grad(pid, _host(p.grad), borrow=True)
             dests[pid] = self._destination(p)
-        if not held:
+        if all(d is None for d in dests):
             return loss
         try:
-            self.last_report = self._native.step_to(dests, skip_missing_grads=True)
+            self.last_report = self._native.step(outputs=dests, skip_missing=True)
         except BaseException:
             self._native.clear_grads()
             raise
-        finally:
-            del held
         for p in self._params:
             if p.grad is None:
                 continue
@@ -519,17 +514,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Streams the whole native state (masters, moments, step counters, hyper-parameters) to
         one checksummed file without gathering it in host memory."""
         self._quiesce()
-        self._native.save_checkpoint(os.fspath(path))
+        self._native.save(os.fspath(path))
 
     def load_checkpoint(self, path):
         self._quiesce()
-        self._native.load_checkpoint(os.fspath(path))
+        self._native.load(os.fspath(path))
         for gi, g in enumerate(self.param_groups):
-            g["lr"] = self._native.lr(gi)
+            g["lr"] = self._native.hyper_params(gi)["lr"]
         for p in self._params:
-            out = torch.empty(p.numel(), dtype=p.dtype)
-            self._native.read_params(self._pid[p], _OUTPUT_OF[p.dtype], out)
-            p.data.copy_(out.view_as(p))
+            out = torch.empty(p.shape, dtype=p.dtype)
+            self._native.read_param(self._pid[p], out)
+            p.data.copy_(out)
             self._note_version(p)
 
     def stats(self):
