@@ -217,7 +217,6 @@ TEST_P(SwapConformance, LazyArenaExtentsAreRegisteredAsBlocksReachThem) {
   if (uring) {
     EXPECT_EQ(sp->stats().fixed_buffer_bytes, (*lazy)->committed_bytes());
   }
-  sp.reset();  // before its arena
 }
 
 TEST_P(SwapConformance, StripesLargeExtentsOverThePaths) {
