@@ -27,6 +27,12 @@ struct TierUsage {
   std::uint64_t resident_bytes = 0;
   std::uint64_t peak_bytes = 0;
   std::uint64_t budget_bytes = 0;  // 0: no budget set
+  // Host tier only (0 elsewhere): bytes of the host arena mlock'd, registered with the device
+  // (cudaHostRegister; bookkeeping on the emulated device) and registered with io_uring as fixed
+  // buffers (with every I/O thread). An auto host budget's arena grows these as it fills.
+  std::uint64_t pinned_bytes = 0;
+  std::uint64_t device_registered_bytes = 0;
+  std::uint64_t io_registered_bytes = 0;
 };
 
 struct LinkUsage {

@@ -112,9 +112,10 @@ std::vector<KeySpec> build_schema() {
       "tier moves each parameter whole through the pinned host arena, with no fixed pool of swap "
       "buffers; tier.budgets.host bounds that staging";
   const std::string kPinNote =
-      "the engine's host arena is pinned (locked and registered with the device) when "
-      "tier.budgets.host is given and not under the auto budget; the optimizer's chunk buffers "
-      "are always locked; this flag changes neither";
+      "the engine's host arena is always pinned (locked and registered with the device and as "
+      "io_uring fixed buffers): whole at start when tier.budgets.host is given, in 64 MiB extents "
+      "as it fills under the auto budget; the optimizer's chunk buffers are always locked; this "
+      "flag changes neither";
   const std::string kPipelineNote =
       "the NVMe optimizer always overlaps chunk reads and writes with the update when "
       "offload_optimizer.buffer_count is 3 or more (the default is 4); 1 or 2 buffers serialize";

@@ -274,6 +274,11 @@ std::string StatsSnapshot::to_json(int indent) const {
     const auto& u = tier(t);
     j["tiers"][tier_name(t)] = {
         {"resident_bytes", u.resident_bytes}, {"peak_bytes", u.peak_bytes}, {"budget_bytes", u.budget_bytes}};
+    if (t == Tier::kHost) {
+      j["tiers"][tier_name(t)]["pinned_bytes"] = u.pinned_bytes;
+      j["tiers"][tier_name(t)]["device_registered_bytes"] = u.device_registered_bytes;
+      j["tiers"][tier_name(t)]["io_registered_bytes"] = u.io_registered_bytes;
+    }
   }
   for (Link l : kAllLinks) {
     const auto& u = link(l);

@@ -72,6 +72,8 @@ struct Backends {
   std::unique_ptr<Mover> mover;
   Device* device = nullptr;    // owned by `owner` when set
   HostArena* arena = nullptr;  // owned by `owner` when set
+  // (optional) Fills the host tier's pinned and registered bytes for the stats; any thread.
+  std::function<void(TierUsage&)> host_pinning;
 };
 
 // Test hooks of Engine::create: e.g. wrap every NVMe I/O engine in a FaultInjectingEngine.

@@ -1415,6 +1415,7 @@ StatsSnapshot Engine::stats() const {
     e.counters->set_metric("engine.stall_seconds", e.m_stall_seconds);
   }
   StatsSnapshot s = e.counters->snapshot();
+  if (e.be.host_pinning) e.be.host_pinning(s.tiers[static_cast<int>(Tier::kHost)]);
   const double moved = s.link(Link::kNvmeToHost).busy_seconds + s.link(Link::kHostToDevice).busy_seconds;
   s.metrics["prefetch.overlap"] =
       moved > 0 ? std::clamp(1.0 - s.metrics["engine.stall_seconds"] / moved, 0.0, 1.0) : 1.0;

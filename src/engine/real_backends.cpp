@@ -2,6 +2,7 @@
 // HostArena and the NVMe SwapSpace — and the Mover that drives their asynchronous copies.
 #include <sys/sysinfo.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "engine/backend.hpp"
@@ -28,8 +29,11 @@ struct Owned {
   std::unique_ptr<HostArena> arena;  // destroyed last: the device and swap space register it
   std::unique_ptr<Device> device;
   std::unique_ptr<nvme::SwapSpace> swap;
+  std::uint64_t device_listener = 0;                // the arena's commit listener registering it with the device
+  std::atomic<std::uint64_t> device_registered{0};  // arena bytes registered with the device
   ~Owned() {
     swap.reset();
+    if (device_listener != 0) arena->remove_commit_listener(device_listener);
     device.reset();
     arena.reset();
   }
@@ -189,38 +193,45 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
   detail::Backends b;
 
   // Host: the pinned arena holds host copies and staging; auto is a quarter of physical memory.
-  // An auto budget is a cap, not a reservation: it is neither locked, faulted in, registered with
-  // the device nor registered as io_uring fixed buffers, each of which touches or pins every page
-  // of a quarter of the machine's memory (tens of seconds at startup). Pages come in as used.
+  // An auto budget is a cap, not a reservation: pinning, faulting in and registering a quarter of
+  // the machine's memory at start takes tens of seconds, so that arena is lazy: each 64 MiB extent
+  // is locked, faulted in and registered (device, io_uring fixed buffers) the first time a block
+  // reaches into it. An explicit budget is a reservation: committed whole at start, so a machine
+  // that cannot pin it says so at once, and io_uring gets it as a few large fixed buffers.
   const bool host_auto = config.tier.host_budget == 0;
   const std::uint64_t host_budget = host_auto ? physical_memory() / 4 : config.tier.host_budget;
   HostArenaOptions ao;
   ao.bytes = host_budget;
   ao.huge_pages = config.tier.huge_pages;
-  ao.lock = !host_auto;
-  ao.prefault = !host_auto;
+  ao.lock = true;
+  ao.prefault = true;
+  ao.lazy = host_auto;
   auto arena = HostArena::create(ao);
   if (!arena.ok()) return arena.status().with_context("engine: host tier (tier.budgets.host)");
   owned->arena = std::move(arena).value();
   std::string host_info = str("pinned arena ", format_bytes(owned->arena->capacity()));
   if (host_auto) {
-    host_info = str("arena ", format_bytes(owned->arena->capacity()),
-                    " (auto budget: not pinned; set tier.budgets.host to pin it)");
+    host_info = str("arena ", format_bytes(owned->arena->capacity()), " (auto budget: pinned and registered in ",
+                    format_bytes(owned->arena->extent_bytes()), " extents as it fills)");
   } else if (!owned->arena->locked()) {
     host_info += " (not locked: mlock refused)";
   }
   counters->set_info("host", host_info);
 
-  // Device.
+  // Device: registers each committed extent of the arena (the whole arena for an explicit budget).
   auto device = create_device(config, counters.get());
   if (!device.ok()) return device.status().with_context("engine: device tier");
   owned->device = std::move(device).value();
-  if (host_auto) {
-    // Not registered (see above): copies stay correct.
-  } else if (Status s = owned->device->register_host(owned->arena->base(), owned->arena->capacity()); !s.ok()) {
-    TIER_LOG(kWarn, "engine: could not register the host arena with the device (", s.to_string(),
-             "); copies stay correct but may be slower");
-  }
+  owned->device_listener = owned->arena->add_commit_listener(
+      [dev = owned->device.get(), registered = &owned->device_registered](std::byte* p, std::uint64_t n) {
+        if (Status s = dev->register_host(p, n); !s.ok()) {
+          log_once("engine.register_host", LogLevel::kWarn,
+                   str("engine: could not register the host arena with the device (", s.to_string(),
+                       "); copies stay correct but may be slower"));
+          return;
+        }
+        registered->fetch_add(n, std::memory_order_relaxed);
+      });
 
   // NVMe, when anything may live there.
   if (wants_nvme(config)) {
@@ -237,7 +248,6 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
     if (total == 0 && config.tier.io.preallocate) total = std::min<std::uint64_t>(64ull << 30, 4 * host_budget);
     const std::uint64_t per_path = total == 0 ? 0 : (total / paths.size() + 4095) & ~std::uint64_t{4095};
     auto so = nvme::SwapSpaceOptions::from_config(config, per_path, owned->arena.get(), counters.get());
-    if (host_auto) so.fixed_buffers = false;
     if (hooks.wrap_io_engine) so.wrap_engine = hooks.wrap_io_engine;
     auto swap = nvme::SwapSpace::create(so);
     if (!swap.ok()) return swap.status().with_context("engine: NVMe tier");
@@ -251,6 +261,11 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
   b.mover = std::make_unique<RealMover>(owned->device.get(), owned->arena.get(), owned->swap.get());
   b.device = owned->device.get();
   b.arena = owned->arena.get();
+  b.host_pinning = [o = owned.get()](TierUsage& u) {
+    u.pinned_bytes = o->arena->pinned_bytes();
+    u.device_registered_bytes = o->device_registered.load(std::memory_order_relaxed);
+    u.io_registered_bytes = o->swap ? o->swap->stats().fixed_buffer_bytes : 0;
+  };
   b.owner = owned;
   return detail::make_engine(config, std::move(b), std::move(counters));
 }

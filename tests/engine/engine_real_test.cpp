@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -19,6 +20,8 @@
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 #include "tier/ext/fault_injecting_engine.hpp"
+#include "tier/ext/host_arena.hpp"
+#include "tier/ext/io_engine.hpp"
 
 namespace tier {
 namespace {
@@ -350,6 +353,86 @@ TEST(RealEngine, BudgetsCountTheBlocksTheStoresAllocate) {
   EXPECT_EQ(host.resident_bytes, 16u * 4096u);
   EXPECT_LE(host.resident_bytes, host.budget_bytes);
   EXPECT_TRUE((*e)->check_invariants().ok());
+}
+
+// The default (auto) host budget is a cap of a quarter of the machine's memory: creating the
+// engine touches none of it, and the extents its blocks reach are pinned and registered (device,
+// io_uring fixed buffers) as they are used, which the stats report.
+TEST(RealEngine, AutoHostBudgetPinsTheArenaAsItIsUsedAndSaysSo) {
+  TempDir dir(fs::temp_directory_path());
+  EngineConfig c;
+  c.tier.device = test_device();
+  c.tier.device_budget = 4u << 20;
+  ASSERT_EQ(c.tier.host_budget, 0u) << "the default is the auto budget";
+  c.tier.swap_paths = {dir.path.string()};
+  c.tier.nvme_budget = 64u << 20;
+  c.tier.io.use_direct = false;  // the temporary directory may be tmpfs
+  const bool uring = nvme::probe_io_engine(IoEngineKind::kUring).ok();
+  if (uring) c.tier.io.engine = IoEngineKind::kUring;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto e = Engine::create(c);
+  const double create_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(e.ok()) << e.status();
+  HostArena& arena = (*e)->host_arena();
+  EXPECT_TRUE(arena.lazy());
+  EXPECT_EQ(arena.committed_bytes(), 0u) << "creation commits nothing of the cap";
+  EXPECT_LT(create_s, 2.0) << "Engine::create with the auto host budget must not touch the cap";
+  RecordProperty("create_seconds", std::to_string(create_s));
+
+  auto data = words(256 << 10, 11);  // 1 MiB
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto id = (*e)->register_tensor({str("w", i), DType::kI32, data.size()}, Tier::kNvme, data.data());
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  for (TensorId id : ids) {
+    auto lease = (*e)->acquire_now(id, Tier::kDevice, Access::kRead);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    ASSERT_TRUE(lease->release().ok());
+    std::vector<std::uint32_t> back(data.size());
+    ASSERT_TRUE((*e)->read(id, back.data()).ok());
+    EXPECT_EQ(back, data);
+  }
+  const std::uint64_t committed = arena.committed_bytes();
+  EXPECT_GT(committed, 0u);
+  EXPECT_LT(committed, arena.capacity()) << "only what was used";
+  const auto host = (*e)->stats().tiers[static_cast<int>(Tier::kHost)];
+  if (arena.locked()) {
+    EXPECT_EQ(host.pinned_bytes, committed);
+  } else {
+    EXPECT_EQ(host.pinned_bytes, 0u) << "mlock refused here: nothing is pinned";
+  }
+  EXPECT_EQ(host.device_registered_bytes, committed);
+  const auto swap_fixed = (*e)->stats().info.at("nvme.fixed_buffers");
+  if (swap_fixed == "true") {
+    EXPECT_EQ(host.io_registered_bytes, committed);
+  } else {
+    EXPECT_EQ(host.io_registered_bytes, 0u);
+  }
+  const std::string json = (*e)->stats().to_json();
+  EXPECT_NE(json.find("\"pinned_bytes\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"device_registered_bytes\""), std::string::npos);
+  EXPECT_NE(json.find("\"io_registered_bytes\""), std::string::npos);
+  EXPECT_NE((*e)->stats().info.at("host").find("auto budget: pinned and registered"), std::string::npos)
+      << (*e)->stats().info.at("host");
+}
+
+// An explicit budget is pinned and registered whole at creation.
+TEST(RealEngine, ExplicitHostBudgetIsPinnedAndRegisteredWholeAtStart) {
+  EngineConfig c;
+  c.tier.device = test_device();
+  c.tier.device_budget = 1u << 20;
+  c.tier.host_budget = 4u << 20;
+  auto e = Engine::create(c);
+  ASSERT_TRUE(e.ok()) << e.status();
+  HostArena& arena = (*e)->host_arena();
+  EXPECT_FALSE(arena.lazy());
+  EXPECT_EQ(arena.committed_bytes(), arena.capacity());
+  const auto host = (*e)->stats().tiers[static_cast<int>(Tier::kHost)];
+  EXPECT_EQ(host.pinned_bytes, arena.locked() ? arena.capacity() : 0u);
+  EXPECT_EQ(host.device_registered_bytes, arena.capacity());
+  EXPECT_EQ(host.io_registered_bytes, 0u) << "no NVMe tier";
 }
 
 }  // namespace
