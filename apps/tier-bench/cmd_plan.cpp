@@ -13,6 +13,21 @@
 // (`--measure`: OffloadedOptimizer::measure_io_seconds over a scratch state, tier's own pipeline
 // and request shapes), not at each direction's sequential rate.
 // Compute is an input (--compute-tflops); without it the predicted time is the offload part only.
+// On tier's emulated device (--emulated) the device is host memory and computes on the host's
+// cores: there compute, the host->device copies and the disk reads of forward and backward add up
+// instead of overlapping.
+//
+// LoRA (--lora-r): the trainable parameters are the adapters, r x (in + out) per targeted
+// projection per layer (what PEFT builds); the base is frozen in the compute dtype, streamed from
+// its home like full fine-tuning's params, with no gradient and no optimizer state. Its weights
+// are read once in forward and once in backward (the recompute, which keeps each layer's weights
+// for that layer's backward; the input embedding is not needed there), less what the device still
+// holds when a pass turns around: the blocks a pass ends with are the next one's first, so at each
+// forward->backward and backward->forward turn up to the device's room of them are not read again.
+// (Full fine-tuning gets the same credit except at the step's own turn: the optimizer has just
+// rewritten every param.) Llama-2-7B, r=16, 1.49 GiB device: 2 x 12.6 GiB - 0.24 GiB of embedding
+// - 2 x 1.41 GiB = 22.1 GiB streamed, 22.4 GiB read per step with the adapters' state and
+// gradients; 22.0 GiB measured (docs/benchmarks.md).
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -44,7 +59,56 @@ struct Shape {
   bool qkv_bias = false;
   std::uint64_t params = 0;
   std::uint64_t largest_layer = 0;  // parameters of the largest block (a decoder layer or the embedding)
+  // Parameters only gathered in forward (the input embedding unless tied to the output, gpt2's
+  // positions): no matmul flops, and not needed in backward when they are frozen.
+  std::uint64_t input_embedding = 0;
 };
+
+// The per-layer projections PEFT's LoRA can adapt, by the name target_modules matches. A name
+// matches every module whose path ends in it: gpt2's c_proj is the attention's and the MLP's.
+struct Projection {
+  const char* name;
+  std::uint64_t in = 0, out = 0;
+};
+
+std::vector<Projection> projections_of(const Shape& s) {
+  const std::uint64_t h = s.hidden, i = s.inter;
+  if (s.family == "gpt_neox") {
+    return {{"query_key_value", h, 3 * h}, {"dense", h, h}, {"dense_h_to_4h", h, i}, {"dense_4h_to_h", i, h}};
+  }
+  if (s.family == "gpt2") return {{"c_attn", h, 3 * h}, {"c_proj", h, h}, {"c_fc", h, i}, {"c_proj", i, h}};
+  const std::uint64_t q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  return {{"q_proj", h, q},    {"k_proj", h, kv}, {"v_proj", h, kv},  {"o_proj", q, h},
+          {"gate_proj", h, i}, {"up_proj", h, i}, {"down_proj", i, h}};
+}
+
+// LoRA's trainable parameters per layer: r x (in + out) for each projection a target names (A is
+// r x in, B is out x r; no bias). An unknown name is refused with the ones this family has.
+Result<std::uint64_t> lora_per_layer(const Shape& s, std::uint64_t r, const std::vector<std::string>& targets) {
+  if (targets.empty()) return invalid_argument("--lora-targets: no module named (e.g. q_proj,v_proj)");
+  const std::vector<Projection> ps = projections_of(s);
+  std::vector<std::string> seen;
+  std::uint64_t n = 0;
+  for (const std::string& t : targets) {
+    if (std::find(seen.begin(), seen.end(), t) != seen.end()) continue;  // a set, as in PEFT
+    seen.push_back(t);
+    bool found = false;
+    for (const Projection& p : ps) {
+      if (t != p.name) continue;
+      n += r * (p.in + p.out);
+      found = true;
+    }
+    if (!found) {
+      std::string names;
+      for (const Projection& p : ps) {
+        if (names.find(p.name) == std::string::npos) names += names.empty() ? p.name : str(", ", p.name);
+      }
+      return invalid_argument(
+          str("--lora-targets: '", t, "' is not a projection of a ", s.family, " layer; choose among ", names));
+    }
+  }
+  return n;
+}
 
 std::uint64_t get_u(const json& j, const char* key, std::uint64_t fallback) {
   auto it = j.find(key);
@@ -87,6 +151,7 @@ Result<Shape> shape_of(const json& c, const std::string& where) {
     const std::uint64_t layer = attn + mlp + norms;
     s.params = s.vocab * s.hidden + s.layers * layer + s.hidden + (s.tied ? 0 : s.vocab * s.hidden);
     s.largest_layer = std::max(layer, s.vocab * s.hidden);
+    s.input_embedding = s.tied ? 0 : s.vocab * s.hidden;
   } else if (s.family == "gpt_neox") {
     TIER_ASSIGN_OR_RETURN(s.vocab, need("vocab_size"));
     TIER_ASSIGN_OR_RETURN(s.hidden, need("hidden_size"));
@@ -100,6 +165,7 @@ Result<Shape> shape_of(const json& c, const std::string& where) {
         3 * h * h + (bias ? 3 * h : 0) + h * h + (bias ? h : 0) + h * s.inter + s.inter + s.inter * h + h + 4 * h;
     s.params = s.vocab * h + s.layers * layer + 2 * h + (s.tied ? 0 : s.vocab * h);
     s.largest_layer = std::max(layer, s.vocab * h);
+    s.input_embedding = s.tied ? 0 : s.vocab * h;
   } else if (s.family == "gpt2") {
     TIER_ASSIGN_OR_RETURN(s.vocab, need("vocab_size"));
     TIER_ASSIGN_OR_RETURN(s.hidden, need("n_embd"));
@@ -112,6 +178,7 @@ Result<Shape> shape_of(const json& c, const std::string& where) {
     const std::uint64_t layer = h * 3 * h + 3 * h + h * h + h + h * i + i + i * h + h + 4 * h;
     s.params = s.vocab * h + s.positions * h + s.layers * layer + 2 * h;
     s.largest_layer = std::max(layer, s.vocab * h);
+    s.input_embedding = s.positions * h;  // the token embedding is also the output layer
   } else {
     return unsupported(str(where, ": model_type '", s.family,
                            "' is not one tier-bench plan counts (llama, mistral, qwen2, qwen3, gemma, gemma2, "
@@ -135,6 +202,10 @@ struct Rates {
 struct Choice {
   std::string name, params_home, optimizer_home;
   double device = 0, host = 0, nvme = 0;  // bytes
+  // What the device holds at its peak when its size is --gpu: streamed blocks stay cached up to
+  // it (the engine's budget), so between `device` and --gpu.
+  double device_peak = 0;
+  double h2d_per_step = 0, nvme_read_per_step = 0;  // bytes
   // Streamed params: the device bytes with room to prefetch two blocks ahead (`device` is the
   // least the engine can run in: the largest block and its gradient, no prefetch).
   double device_prefetch = 0;
@@ -210,6 +281,13 @@ int run_plan(Args& args) {
   take(args.number("nvme-mixed-gbps", 0), nvme_mixed);
   take(args.number("h2d-gbps", 0), h2d);
   take(args.number("adam-gparams", 0), adam);
+  // LoRA over a frozen base, and K of the model's layers (a layer-sampled run's shape).
+  long long lora_r = 0, layers_k = 0;
+  take(args.integer("lora-r", 0), lora_r);
+  const bool targets_given = args.has("lora-targets");
+  const std::vector<std::string> lora_targets = split_list(args.get("lora-targets", "q_proj,k_proj,v_proj,o_proj"));
+  take(args.integer("layers", 0), layers_k);
+  const bool emulated = args.flag("emulated");
   const bool measure = args.flag("measure");
   const bool json_out = args.flag("json");
   const std::string write_config = args.get("write-config", "");
@@ -217,6 +295,16 @@ int run_plan(Args& args) {
   if (s.ok() && model.empty()) s = invalid_argument("--model: a transformers config.json or a model directory");
   if (s.ok() && measure && nvme_dir.empty())
     s = invalid_argument("--measure needs --nvme DIR (where to time the disk)");
+  if (s.ok() && lora_r < 0) {
+    s = invalid_argument(
+        str("--lora-r ", lora_r, ": the adapters' rank is a positive integer (0, the default: a full ", "fine-tune)"));
+  }
+  if (s.ok() && targets_given && lora_r == 0)
+    s = invalid_argument("--lora-targets needs --lora-r (the adapters' rank)");
+  if (s.ok() && args.has("layers") && layers_k <= 0) {
+    s = invalid_argument(
+        str("--layers ", layers_k, ": the number of decoder layers to plan for is a positive integer"));
+  }
   if (!s.ok()) {
     std::fprintf(stderr, "tier-bench plan: %s\n", s.message().c_str());
     return 2;
@@ -233,12 +321,29 @@ int run_plan(Args& args) {
     std::fprintf(stderr, "tier-bench plan: %s is not a JSON object\n", path.c_str());
     return 2;
   }
+  std::uint64_t config_layers = 0;
+  if (layers_k > 0) {
+    // The same widths with K layers: what a layer-sampled run (finetune_llama --layers K) builds.
+    const char* key = cfg.value("model_type", "") == "gpt2" ? "n_layer" : "num_hidden_layers";
+    config_layers = get_u(cfg, key, 0);
+    cfg[key] = static_cast<std::uint64_t>(layers_k);
+  }
   auto shape_r = shape_of(cfg, path);
   if (!shape_r.ok()) {
     std::fprintf(stderr, "tier-bench plan: %s\n", shape_r.status().message().c_str());
     return 2;
   }
   const Shape sh = *shape_r;
+  std::uint64_t adapters = 0;  // LoRA's trainable parameters
+  if (lora_r > 0) {
+    auto per_layer = lora_per_layer(sh, static_cast<std::uint64_t>(lora_r), lora_targets);
+    if (!per_layer.ok()) {
+      std::fprintf(stderr, "tier-bench plan: %s\n", per_layer.status().message().c_str());
+      return 2;
+    }
+    adapters = *per_layer * sh.layers;
+  }
+  const bool lora = lora_r > 0;
   if (host == 0)
     host = static_cast<std::uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
   if (nvme_bytes == 0 && !nvme_dir.empty()) {
@@ -301,7 +406,10 @@ int run_plan(Args& args) {
     rates.source = rates.source == "given" ? "measured and given" : "measured";
   }
 
-  const double N = static_cast<double>(sh.params);
+  // N: the model's parameters; stored: with LoRA's adapters; trained: what has gradients and
+  // optimizer state (the adapters, or every parameter).
+  const double N = static_cast<double>(sh.params), T = static_cast<double>(adapters);
+  const double stored = N + T, trained = lora ? T : N;
   const double pb = dtype == "fp32" ? 4 : 2;  // bytes per parameter on the device (params, grads)
   const double tokens = static_cast<double>(batch * seq);
   // Activations per micro-batch (Megatron's estimate for one layer, S*B*H*(34 + 5*a*S/H) bytes in
@@ -347,15 +455,27 @@ int run_plan(Args& args) {
   for (const char* m : {"none", "recompute", "host", "nvme"}) act_choices.push_back(activation_choice(m));
   const ActivationChoice act = activation_choice(act_mode);
   const double acts = act.device;
-  // Streaming working set: the largest block in flight and its gradient at least; with the next
-  // two prefetched (and their gradients' room), twice that.
-  const double working_min = 2.0 * static_cast<double>(sh.largest_layer) * pb;
+  // Streaming working set: the largest block in flight and its gradient at least (LoRA: the
+  // frozen block and its adapters' share); with the next two prefetched, twice that.
+  const double largest = static_cast<double>(sh.largest_layer);
+  const double working_min = lora ? largest * pb + 2.0 * pb * T / L : 2.0 * largest * pb;
   const double working = 2.0 * working_min;
   const double buffers = 256.0 * (1 << 20);  // the optimizer's pipeline buffers (tier.optimizer.buffer_bytes)
-  const double hb = host_budget ? static_cast<double>(host_budget)
-                                : std::max(2.0 * (1ull << 30), 6.0 * static_cast<double>(sh.largest_layer) * 4.0);
-  const double flops = 6.0 * N * tokens * static_cast<double>(gas);
+  const double hb = host_budget ? static_cast<double>(host_budget) : std::max(2.0 * (1ull << 30), 6.0 * largest * 4.0);
+  // Flops per step: forward 2 per matmul parameter and token; backward 2 for the activations'
+  // gradients and 2 more for the weights' (LoRA: the adapters' only); recomputing repeats the
+  // forward. The input embedding is a gather, not a matmul (the 6N rule counts it: 20% too many
+  // for Llama-7B's shape at 2 layers).
+  const double g = static_cast<double>(gas);
+  const double matmul = stored - static_cast<double>(sh.input_embedding);
+  const double fwd_flops = 2.0 * matmul * tokens;
+  const double flops =
+      g * (fwd_flops * (act_mode == "none" ? 1.0 : 2.0) + 2.0 * matmul * tokens + 2.0 * (lora ? T : matmul) * tokens);
   const double compute = rates.compute > 0 ? flops / rates.compute : 0.0;
+  // Weights each pass reads (bytes): forward all of them; backward all but a frozen input
+  // embedding (full fine-tuning's is counted: its gradient is accumulated in place).
+  const double fwd_bytes = pb * stored;
+  const double bwd_bytes = pb * (stored - (lora ? static_cast<double>(sh.input_embedding) : 0.0));
 
   std::vector<Choice> choices;
   auto add = [&](std::string name, std::string ph, std::string oh) {
@@ -365,35 +485,66 @@ int run_plan(Args& args) {
     c.optimizer_home = std::move(oh);
     const bool p_off = c.params_home != "none", o_off = c.optimizer_home != "none";
     const bool p_nvme = c.params_home == "nvme", o_nvme = c.optimizer_home == "nvme";
-    // Device.
-    c.device = (p_off ? working_min : 2.0 * pb * N) + acts + (o_off ? 0.0 : 12.0 * N);
-    c.device_prefetch = p_off ? working + acts + (o_off ? 0.0 : 12.0 * N) : c.device;
-    // Host: what lives there, or (for NVMe homes) the host budget that stages it.
-    if (p_nvme || o_nvme) c.host = hb;
+    const double state_on_device = o_off ? 0.0 : 12.0 * trained;
+    // Device: every param and its gradient where they stay, else the streaming working set.
+    const double everything = pb * stored + pb * trained + acts + state_on_device;
+    c.device = p_off ? working_min + acts + state_on_device : everything;
+    c.device_prefetch = p_off ? working + acts + state_on_device : c.device;
+    // Streamed, the gradients leave as they are made (measured: a 1-layer 7B full fine-tune
+    // peaked at its params and activations); the params stay cached up to --gpu.
+    const double cached = p_off ? pb * stored + acts + state_on_device : everything;
+    c.device_peak = std::max(c.device, std::min(cached, static_cast<double>(gpu)));
+    // Host: what lives there, or (for NVMe homes) what the host budget stages, up to the budget.
+    if (p_nvme || o_nvme) {
+      const double staged =
+          (p_nvme ? pb * stored + 4.0 * trained : 0.0) + (o_nvme ? std::min(buffers, 12.0 * trained) : 0.0);
+      c.host = std::min(hb, staged);
+    }
     c.host += act.host;
     c.nvme += act.nvme;
-    if (c.params_home == "cpu") c.host += pb * N + 4.0 * N;  // params and fp32 gradient sums
-    if (c.optimizer_home == "cpu") c.host += 12.0 * N + (p_off ? 0.0 : 4.0 * N) + buffers;
+    if (c.params_home == "cpu") c.host += pb * stored + 4.0 * trained;  // params and fp32 gradient sums
+    if (c.optimizer_home == "cpu") c.host += 12.0 * trained + (p_off ? 0.0 : 4.0 * trained) + buffers;
     // NVMe: the optimizer's committed and next state, params (and room to stage them), gradients.
-    if (o_nvme) c.nvme += 24.0 * N + 4.0 * N;
-    if (p_nvme) c.nvme += pb * N;
-    // Time: streaming in forward and backward, gradients out, overlapped with compute.
-    double stream = 0;
-    if (p_off) stream += 2.0 * pb * N / rates.h2d * static_cast<double>(gas);
-    if (p_nvme) stream = std::max(stream, 2.0 * pb * N / rates.nvme_read * static_cast<double>(gas));
-    if (o_off) stream += pb * N / rates.d2h * static_cast<double>(gas);
-    stream += act.seconds;
-    // Recomputing costs one more forward (2 of the 6 N flops per token).
-    c.fwd_bwd = std::max(compute * (act_mode == "none" ? 1.0 : 4.0 / 3.0), stream);
+    if (o_nvme) c.nvme += 24.0 * trained + 4.0 * trained;
+    if (p_nvme) c.nvme += pb * stored;
+    // Streamed weights per step: each micro-step's forward and backward read them, less what the
+    // device still holds at each turn between passes (its room beside activations and state).
+    // LoRA's frozen base is the same at every turn; full fine-tuning's step rewrites every param,
+    // so its own turn gets nothing, and what fits whole is read once per step.
+    if (p_off) {
+      const double room = std::max(0.0, static_cast<double>(gpu) - acts - state_on_device);
+      if (lora && fwd_bytes <= room) {
+        c.h2d_per_step = 0;  // the whole model stays on the device
+      } else {
+        const double turns = lora ? 2.0 * g : 2.0 * g - 1.0;
+        c.h2d_per_step = std::max(0.0, g * (fwd_bytes + bwd_bytes) - turns * std::min({room, fwd_bytes, bwd_bytes}));
+      }
+    }
+    if (p_nvme) c.nvme_read_per_step = c.h2d_per_step;
+    if (o_nvme) c.nvme_read_per_step += 16.0 * trained;  // the state records and the fp32 gradients
+    if (act.mode == "nvme") c.nvme_read_per_step += L * checkpoint * g;
+    // Time: the streamed weights, gradients out, overlapped with compute on a GPU; on the emulated
+    // device everything shares the host's cores and adds up.
+    const double h2d_s = c.h2d_per_step / rates.h2d;
+    // The disk in forward and backward: the streamed weights read, and the fp32 gradient sums
+    // written to their NVMe home as backward makes them.
+    const double nvme_s =
+        (p_nvme ? c.h2d_per_step / rates.nvme_read : 0.0) + (o_nvme ? 4.0 * trained * g / rates.nvme_write : 0.0);
+    const double grads_s = o_off ? pb * trained * g / rates.d2h : 0.0;
+    if (emulated) {
+      c.fwd_bwd = compute + h2d_s + nvme_s + grads_s + act.seconds;
+    } else {
+      c.fwd_bwd = std::max(compute, std::max(h2d_s, nvme_s) + grads_s + act.seconds);
+    }
     if (o_nvme) {
-      // Every byte the pass moves, per parameter: 12 B of state records read and 12 B written
-      // back, the 4 B fp32 gradient read (p_nvme: from the engine's NVMe file, through its lease),
-      // and the updated params written (pb B; p_nvme: to the engine's file). They go at once, so
-      // all at the mixed rate.
-      const double io = (12.0 + 12.0 + 4.0 + pb) * N / mixed_rate(rates);
-      c.optimizer = std::max(io, N / rates.adam);
+      // Every byte the pass moves, per trained parameter: 12 B of state records read and 12 B
+      // written back, the 4 B fp32 gradient read (p_nvme: from the engine's NVMe file, through its
+      // lease), and the updated params written (pb B; p_nvme: to the engine's file). They go at
+      // once, so all at the mixed rate.
+      const double io = (12.0 + 12.0 + 4.0 + pb) * trained / mixed_rate(rates);
+      c.optimizer = std::max(io, trained / rates.adam);
     } else if (o_off) {
-      c.optimizer = N / rates.adam;
+      c.optimizer = trained / rates.adam;
     }
     c.step = c.fwd_bwd + c.optimizer;
     std::vector<std::string> over;
@@ -455,7 +606,17 @@ int run_plan(Args& args) {
     j["model_type"] = sh.family;
     j["parameters"] = sh.params;
     j["largest_block_parameters"] = sh.largest_layer;
+    j["layers"] = sh.layers;
+    j["config_layers"] = config_layers ? config_layers : sh.layers;
+    j["trainable_parameters"] = static_cast<std::uint64_t>(trained);
+    if (lora) {
+      j["lora"] = {{"r", lora_r}, {"targets", lora_targets}, {"adapter_parameters", adapters}};
+    } else {
+      j["lora"] = nullptr;
+    }
     j["dtype"] = dtype;
+    j["device_kind"] = emulated ? "emulated" : "gpu";
+    j["flops_per_step"] = flops;
     j["activation_bytes"] = acts;
     j["activation_mode"] = act_mode;
     j["activations"] = json::array();
@@ -483,8 +644,11 @@ int run_plan(Args& args) {
                               {"device_bytes", c.device},
                               {"device_prefetch_bytes", c.device_prefetch},
                               {"prefetch_limited", c.prefetch_limited},
+                              {"device_peak_bytes", c.device_peak},
                               {"host_bytes", c.host},
                               {"nvme_bytes", c.nvme},
+                              {"host_to_device_bytes_per_step", c.h2d_per_step},
+                              {"nvme_read_bytes_per_step", c.nvme_read_per_step},
                               {"forward_backward_seconds", c.fwd_bwd},
                               {"optimizer_seconds", c.optimizer},
                               {"step_seconds", c.step},
@@ -496,13 +660,25 @@ int run_plan(Args& args) {
     std::printf("%s\n", j.dump(2).c_str());
     return best ? 0 : 3;
   }
-  std::printf("%s (%s): %.3f B parameters, %s; batch %llu x %llu tokens, accumulation %llu%s\n", path.c_str(),
-              sh.family.c_str(), N / 1e9, dtype.c_str(), static_cast<unsigned long long>(batch),
-              static_cast<unsigned long long>(seq), static_cast<unsigned long long>(gas),
-              act_mode == "none" ? ""
-              : act_mode == "recompute"
-                  ? ", activation checkpointing"
-                  : str(", activation checkpointing, checkpoints offloaded to ", act_mode).c_str());
+  std::printf(
+      "%s (%s%s): %.3f B parameters, %s; batch %llu x %llu tokens, accumulation %llu%s\n", path.c_str(),
+      sh.family.c_str(), config_layers ? str(", ", sh.layers, " of its ", config_layers, " layers").c_str() : "",
+      N / 1e9, dtype.c_str(), static_cast<unsigned long long>(batch), static_cast<unsigned long long>(seq),
+      static_cast<unsigned long long>(gas),
+      act_mode == "none"        ? ""
+      : act_mode == "recompute" ? ", activation checkpointing"
+                                : str(", activation checkpointing, checkpoints offloaded to ", act_mode).c_str());
+  if (lora) {
+    std::string names;
+    for (const std::string& t : lora_targets) names += (names.empty() ? "" : ",") + t;
+    std::printf(
+        "LoRA r=%lld on %s: %.2f M trained parameters (fp32 masters and Adam state) over the frozen base "
+        "(%s, no gradients, no optimizer state)\n",
+        lora_r, names.c_str(), T / 1e6, dtype.c_str());
+  }
+  if (emulated) {
+    std::printf("emulated device: compute, host->device copies and disk reads share the host's cores (added up)\n");
+  }
   std::printf(
       "rates (%s): NVMe read %s, write %s, mixed %s%s; host->device %s; CPU Adam %.2f G params/s; compute %s\n\n",
       rates.source.c_str(), format_rate(rates.nvme_read).c_str(), format_rate(rates.nvme_write).c_str(),
@@ -510,14 +686,17 @@ int run_plan(Args& args) {
       rates.mixed_source == "from read and write" ? " (from read and write)" : "", format_rate(rates.h2d).c_str(),
       rates.adam / 1e9,
       rates.compute > 0 ? str(fmt(rates.compute / 1e12, 1), " TFLOP/s").c_str() : "not given (times exclude it)");
-  Table table({"offload", "device", "host", "NVMe", "fwd+bwd s", "optimizer s", "step s", "fits"});
+  Table table({"offload", "device", "device peak", "host", "NVMe", "NVMe read/step", "fwd+bwd s", "optimizer s",
+               "step s", "fits"});
   for (const Choice& c : choices) {
-    table.add(
-        {c.name, str(fmt(gib(c.device), 2), " GiB"), str(fmt(gib(c.host), 2), " GiB"),
-         c.nvme > 0 ? str(fmt(gib(c.nvme), 2), " GiB") : "-", fmt(c.fwd_bwd, 2), fmt(c.optimizer, 2), fmt(c.step, 2),
-         c.fits ? (c.prefetch_limited ? str("yes, without prefetch (", fmt(gib(c.device_prefetch), 2), " GiB with)")
-                                      : std::string("yes"))
-                : str("no: ", c.why_not)});
+    table.add({c.name, str(fmt(gib(c.device), 2), " GiB"), str(fmt(gib(c.device_peak), 2), " GiB"),
+               str(fmt(gib(c.host), 2), " GiB"), c.nvme > 0 ? str(fmt(gib(c.nvme), 2), " GiB") : "-",
+               c.nvme_read_per_step > 0 ? str(fmt(gib(c.nvme_read_per_step), 2), " GiB") : "-", fmt(c.fwd_bwd, 2),
+               fmt(c.optimizer, 2), fmt(c.step, 2),
+               c.fits
+                   ? (c.prefetch_limited ? str("yes, without prefetch (", fmt(gib(c.device_prefetch), 2), " GiB with)")
+                                         : std::string("yes"))
+                   : str("no: ", c.why_not)});
   }
   table.print();
   std::printf("\nactivations per micro-batch (the offload table above uses --activations %s):\n", act_mode.c_str());
@@ -555,6 +734,11 @@ const CommandRegistrar kRegister(
      "                        layer inputs (default), or recomputed with those inputs offloaded\n"
      "  --no-checkpointing    the same as --activations none\n"
      "  --compute-tflops F    the device's sustained TFLOP/s (default: not counted)\n"
+     "  --emulated            tier's emulated device: it computes on the host's cores, so compute, copies and\n"
+     "                        disk reads add up instead of overlapping\n"
+     "  --lora-r R            LoRA adapters of rank R over the frozen base (default 0: a full fine-tune)\n"
+     "  --lora-targets LIST   the projections LoRA adapts (default q_proj,k_proj,v_proj,o_proj)\n"
+     "  --layers K            plan for K decoder layers of the model (a layer-sampled run's shape)\n"
      "  --measure             time the NVMe (in --nvme: sequential reads, writes, and the optimizer's mixed\n"
      "                        read+write pass over 1.5 GiB of scratch files) and the CPU Adam here\n"
      "  --nvme-read-gbps F --nvme-write-gbps F --nvme-mixed-gbps F --h2d-gbps F --adam-gparams F\n"

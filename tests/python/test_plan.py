@@ -185,3 +185,134 @@ def test_activation_memory_is_counted_for_each_choice(tmp_path):
     assert plan(*common, "--no-checkpointing")["activation_mode"] == "none"
     r = plan(*common, "--activations", "disk", check=False)
     assert r.returncode == 2 and "--activations" in r.stderr
+
+
+# LoRA (--lora-r, --lora-targets) and --layers K: issue #33.
+LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32)
+DEVICE_7B_LORA = 1595965440  # the main job's device budget at --preset 7b-lora (2 layers + 3 embeddings)
+
+
+def _peft_trainable(cfg, targets):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets.split(",")))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name,targets", [
+    ("llama", "q_proj,k_proj,v_proj,o_proj"),  # the main job's default; k and v narrower (GQA)
+    ("llama", "q_proj,v_proj"),
+    ("llama", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
+    ("qwen3", "q_proj,k_proj,v_proj,o_proj,down_proj"),
+    ("gpt_neox", "query_key_value,dense,dense_h_to_4h,dense_4h_to_h"),
+    ("gpt2", "c_attn,c_proj,c_fc"),  # c_proj: the attention's and the MLP's
+])
+def test_lora_adapters_are_what_peft_builds(name, targets, tmp_path):
+    cfg = CONFIGS[name]()
+    cfg.save_pretrained(tmp_path)
+    expected = _peft_trainable(cfg, targets)
+    got = plan("--model", tmp_path, "--nvme-size", "1T", "--lora-r", 8, "--lora-targets", targets)
+    assert got["lora"]["adapter_parameters"] == expected, (name, targets, got["lora"], expected)
+    assert got["trainable_parameters"] == expected
+    assert got["lora"]["r"] == 8 and got["lora"]["targets"] == targets.split(",")
+    full = plan("--model", tmp_path, "--nvme-size", "1T")
+    assert full["lora"] is None and full["trainable_parameters"] == full["parameters"] == got["parameters"]
+
+
+def test_lora_keeps_no_gradients_or_optimizer_state_for_the_base(tmp_path):
+    transformers.LlamaConfig(**LLAMA7B).save_pretrained(tmp_path)
+    common = ("--model", tmp_path, "--seq", 128, "--gpu", "24G", "--host", "64G", "--nvme-size", "1T",
+              "--nvme-mixed-gbps", 2, "--adam-gparams", 1)
+    full = plan(*common)
+    lora = plan(*common, "--lora-r", 16)
+    n, t = lora["parameters"], lora["lora"]["adapter_parameters"]
+    assert t == 16 * (4096 + 4096) * 4 * 32  # Llama-2-7B, r=16 on q, k, v, o: 16.78 M
+    f, lo = _nvme_row(full), _nvme_row(lora)
+    # NVMe: the bf16 base and adapters; the adapters' gradients and state only.
+    assert lo["nvme_bytes"] == pytest.approx(2 * (n + t) + 28 * t)
+    assert f["nvme_bytes"] == pytest.approx(30 * n)
+    assert lo["nvme_bytes"] < 0.1 * f["nvme_bytes"]
+    # The optimizer pass moves the adapters' bytes only (24 B of state, 4 B gradient, 2 B param).
+    assert lo["optimizer_seconds"] == pytest.approx(30 * t / 2e9)
+    # Everything on the device: base, adapters and their gradients, the adapters' state.
+    by = {c["name"]: c for c in lora["choices"]}
+    gpu = by["all on the GPU"]
+    assert gpu["device_bytes"] - lora["activation_bytes"] == pytest.approx(2 * (n + t) + 2 * t + 12 * t)
+    assert by["optimizer in host memory"]["host_bytes"] == pytest.approx(12 * t + 4 * t + 256 * 2**20)
+    # The base is streamed without its gradients: the working set is the largest block alone.
+    assert lo["device_bytes"] < f["device_bytes"]
+    # Fewer flops: no weight gradients for the base.
+    assert lora["flops_per_step"] < 0.8 * full["flops_per_step"]
+
+
+def test_lora_reads_the_base_twice_less_what_the_device_keeps(tmp_path):
+    """The 7b-lora run of docs/benchmarks.md: 22.0 GiB read from NVMe per steady step, with the
+    main job's device budget; on a device that holds the whole base nothing is read again."""
+    transformers.LlamaConfig(**LLAMA7B).save_pretrained(tmp_path)
+    common = ("--model", tmp_path, "--seq", 128, "--lora-r", 16, "--host-budget", "2G", "--nvme-size", "1T")
+    got = plan(*common, "--gpu", DEVICE_7B_LORA)
+    row = _nvme_row(got)
+    base = 2 * (got["parameters"] + got["lora"]["adapter_parameters"])
+    assert row["nvme_read_bytes_per_step"] == pytest.approx(22.0 * 2**30, rel=0.02)
+    assert 1.7 * base < row["host_to_device_bytes_per_step"] < 2 * base
+    assert row["device_peak_bytes"] == pytest.approx(DEVICE_7B_LORA)  # the budget fills with cached blocks
+    assert row["host_bytes"] == pytest.approx(2 * 2**30)
+    roomy = _nvme_row(plan(*common, "--gpu", "24G"))
+    assert roomy["host_to_device_bytes_per_step"] == 0
+    assert roomy["nvme_read_bytes_per_step"] == pytest.approx(16 * got["lora"]["adapter_parameters"])
+
+
+def test_emulated_device_adds_compute_and_transfers(tmp_path):
+    transformers.LlamaConfig(**LLAMA7B).save_pretrained(tmp_path)
+    common = ("--model", tmp_path, "--seq", 128, "--lora-r", 16, "--gpu", DEVICE_7B_LORA, "--host-budget", "2G",
+              "--nvme-size", "1T", "--compute-tflops", 1, "--nvme-read-gbps", 2, "--h2d-gbps", 10)
+    gpu, emu = plan(*common), plan(*common, "--emulated")
+    assert gpu["device_kind"] == "gpu" and emu["device_kind"] == "emulated"
+    g, e = _nvme_row(gpu), _nvme_row(emu)
+    t = emu["lora"]["adapter_parameters"]
+    compute = emu["flops_per_step"] / 1e12
+    moved = e["host_to_device_bytes_per_step"]
+    disk = moved / 2e9 + 4 * t / 2.5e9  # the base read, the adapters' fp32 gradients written (assumed rate)
+    assert e["forward_backward_seconds"] == pytest.approx(compute + moved / 10e9 + disk + 2 * t / 10e9)
+    assert g["forward_backward_seconds"] == pytest.approx(max(compute, disk + 2 * t / 10e9))
+
+
+def test_layers_plans_k_of_the_models_layers(tmp_path):
+    cfg = transformers.LlamaConfig(**LLAMA7B)
+    cfg.save_pretrained(tmp_path / "m")
+    common = ("--model", tmp_path / "m", "--seq", 128, "--nvme-size", "1T", "--nvme-mixed-gbps", 2)
+    by_k = {k: plan(*common, "--layers", k) for k in (1, 2, 4)}
+    whole = plan(*common)
+    for k, got in by_k.items():
+        assert got["layers"] == k and got["config_layers"] == 32
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.LlamaConfig(**dict(LLAMA7B, num_hidden_layers=k)))
+        assert got["parameters"] == sum(p.numel() for p in model.parameters())
+    layer = by_k[2]["parameters"] - by_k[1]["parameters"]
+    assert by_k[4]["parameters"] - by_k[2]["parameters"] == 2 * layer
+    assert whole["parameters"] - by_k[4]["parameters"] == 28 * layer and whole["layers"] == 32
+    # Memory and the optimizer's time follow the parameters; the LoRA adapters the layers.
+    r2, r4 = _nvme_row(by_k[2]), _nvme_row(by_k[4])
+    assert r4["nvme_bytes"] - r2["nvme_bytes"] == pytest.approx(30 * 2 * layer)
+    assert r4["optimizer_seconds"] / r2["optimizer_seconds"] == pytest.approx(
+        by_k[4]["parameters"] / by_k[2]["parameters"])
+    lora = {k: plan(*common, "--layers", k, "--lora-r", 16)["lora"]["adapter_parameters"] for k in (2, 4)}
+    assert lora[4] == 2 * lora[2] == 4 * 16 * (4096 + 4096) * 4
+
+
+def test_bad_lora_and_layers_input_is_refused(tmp_path):
+    CONFIGS["llama"]().save_pretrained(tmp_path)
+    r = plan("--model", tmp_path, "--lora-r=-4", check=False)
+    assert r.returncode == 2 and "--lora-r -4" in r.stderr and "positive integer" in r.stderr
+    r = plan("--model", tmp_path, "--lora-r", 8, "--lora-targets", "q_proj,qkv_proj", check=False)
+    assert r.returncode == 2 and "'qkv_proj' is not a projection of a llama layer" in r.stderr
+    assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in r.stderr
+    r = plan("--model", tmp_path, "--lora-targets", "q_proj", check=False)
+    assert r.returncode == 2 and "--lora-targets needs --lora-r" in r.stderr
+    r = plan("--model", tmp_path, "--lora-r", "two", check=False)
+    assert r.returncode == 2 and "--lora-r" in r.stderr
+    r = plan("--model", tmp_path, "--layers", 0, check=False)
+    assert r.returncode == 2 and "--layers 0" in r.stderr
