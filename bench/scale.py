@@ -95,9 +95,12 @@ def compute_rate(args):
     """FLOP/s of the preset's matmuls here, in its dtype, for 1 micro-batch of tokens: one
     layer's projections and the output layer, each as forward (x W^T), the activations' gradient
     (g W) and the weights' gradient (g^T x), combined in the mix a step runs (forward twice with
-    checkpointing; the weights' gradients only when they are trained)."""
+    checkpointing; the weights' gradients only when they are trained). On the GPU when there is
+    one (the main job computes there), else on the host's cores (the emulated device)."""
     cfg = job.llama_config(args)
     dt = job._dtype(args)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     hd = h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -107,13 +110,13 @@ def compute_rate(args):
     flops = seconds = 0.0
     with torch.no_grad():
         for shapes, count in ((layer, args.layers), ([(h, v)], 1)):
-            ws = [torch.randn(o, n, dtype=dt) * 0.02 for n, o in shapes]
-            xs = [torch.randn(m, n, dtype=dt) for n, _ in shapes]
-            gs = [torch.randn(m, o, dtype=dt) for _, o in shapes]
+            ws = [torch.randn(o, n, dtype=dt, device=dev) * 0.02 for n, o in shapes]
+            xs = [torch.randn(m, n, dtype=dt, device=dev) for n, _ in shapes]
+            gs = [torch.randn(m, o, dtype=dt, device=dev) for _, o in shapes]
             kinds = {
-                "fwd": lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)],
-                "dgrad": lambda: [g @ w for g, w in zip(gs, ws)],
-                "wgrad": lambda: [g.t() @ x for g, x in zip(gs, xs)],
+                "fwd": lambda: ([torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)], sync()),
+                "dgrad": lambda: ([g @ w for g, w in zip(gs, ws)], sync()),
+                "wgrad": lambda: ([g.t() @ x for g, x in zip(gs, xs)], sync()),
             }
             f = sum(2.0 * m * n * o for n, o in shapes)
             for kind, fn in kinds.items():
