@@ -204,9 +204,11 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
     }
     return seconds_since(t0);
   };
-  optim::StepOptions so;
   const std::size_t os = optim::param_output_size(spec.out);
-  so.destination = [&](PartitionId id) -> void* { return outputs.data() + where[id] * os; };
+  std::vector<void*> dest(sizes.size());
+  for (std::size_t i = 0; i < sizes.size(); ++i) dest[i] = outputs.data() + where[i] * os;
+  optim::StepOptions so;
+  so.destinations = dest;
 
   // The compute bound first (it needs the gradients, and leaves everything as it was).
   TIER_ASSIGN_OR_RETURN(const double intake0, give_grads());

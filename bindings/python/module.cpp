@@ -20,6 +20,7 @@
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 #include "tier/ext/fault_injecting_engine.hpp"
+#include "tier/engine_step_io.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"
@@ -150,158 +151,55 @@ optim::ParamOutput output_of(const std::string& s) {
   raise(invalid_argument(str("output dtype '", s, "' is not one of: none, fp16, bf16, fp32")));
 }
 
-// Writes the updated low-precision params of each partition into its engine tensor: a host write
-// lease per partition, opened at its first piece and released once every element has come. Pieces
-// of a partition may come in any order and interleaved with other partitions' (an overlapped
-// step walks the chunks in reverse), so a partition's lease stays open until it is complete;
-// only partitions that span the chunk being walked are open at a time.
-class EngineParamSink {
+// The gradient norm across ranks through a Python callable (float -> float: this rank's sum of
+// squares -> the global one), e.g. a torch.distributed all-reduce. Called without the GIL held.
+class PyNormReducer final : public optim::NormReducer {
  public:
-  // `offsets` (empty: all 0) places partition i at element offsets[i] of its tensor; a partition
-  // that is part of its tensor (a rank's shard) is written in place (read, write back).
-  EngineParamSink(Engine& e, std::vector<std::int64_t> tensors, std::vector<std::int64_t> offsets,
-                  const optim::OffloadedOptimizer& opt)
-      : engine_(e), tensors_(std::move(tensors)), offsets_(std::move(offsets)), opt_(opt) {}
-
-  Status on_output(const optim::OutputChunk& c) {
-    if (c.partition >= tensors_.size() || tensors_[c.partition] < 0) return Status::Ok();
-    auto it = open_.find(c.partition);
-    const std::uint64_t base = c.partition < offsets_.size() ? static_cast<std::uint64_t>(offsets_[c.partition]) : 0;
-    if (it == open_.end()) {
-      Open o;
-      const auto tid = static_cast<TensorId>(tensors_[c.partition]);
-      TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
-      const bool whole = base == 0 && info.desc.numel == opt_.partition_numel(c.partition);
-      TIER_ASSIGN_OR_RETURN(o.lease, engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite,
-                                                         /*traced=*/false));
-      it = open_.emplace(c.partition, std::move(o)).first;
-    }
-    Open& o = it->second;
-    const std::size_t esize = optim::param_output_size(c.dtype);
-    if ((base + c.offset + c.numel) * esize > o.lease.bytes()) {
-      return internal_error(str("partition ", c.partition, ": output past the end of its tensor"));
-    }
-    std::memcpy(static_cast<char*>(o.lease.data()) + (base + c.offset) * esize, c.data, c.numel * esize);
-    o.written += c.numel;
-    if (o.written >= opt_.partition_numel(c.partition)) {
-      Status s = o.lease.release();
-      open_.erase(it);
-      return s;
-    }
-    return Status::Ok();
+  explicit PyNormReducer(nb::object fn) : fn_(std::move(fn)) {}
+  ~PyNormReducer() override {
+    nb::gil_scoped_acquire locked;  // (dropped where the GIL may be released)
+    fn_ = nb::object();
   }
-
-  // An abandoned overlapped pass: the leases of the partitions it left half written are released
-  // as they are (their memory was written, so they cannot be abandoned; the redo or the
-  // re-delivery that follows writes each of them again whole), and the pieces that follow are
-  // counted afresh.
-  void drop_open() {
-    for (auto& [pid, o] : open_) o.lease.release().ignore();
-    open_.clear();
-  }
-
-  Status close() {
-    Status first;
-    for (auto& [pid, o] : open_) {
-      Status s = o.lease.release();
-      if (first.ok()) first = s;
+  bool given() const { return fn_.is_valid() && !fn_.is_none(); }
+  Status all_reduce_sumsq(double& sumsq) override {
+    nb::gil_scoped_acquire locked;
+    try {
+      sumsq = nb::cast<double>(fn_(sumsq));
+      return Status::Ok();
+    } catch (nb::python_error& e) {
+      std::string what = e.what();
+      e.restore();
+      PyErr_Clear();
+      return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq raised: ", what));
+    } catch (std::exception& e) {
+      return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq: ", e.what()));
     }
-    open_.clear();
-    return first;
   }
 
  private:
-  struct Open {
-    Lease lease;
-    std::uint64_t written = 0;
-  };
-  Engine& engine_;
-  std::vector<std::int64_t> tensors_;
-  std::vector<std::int64_t> offsets_;
-  const optim::OffloadedOptimizer& opt_;
-  std::unordered_map<optim::PartitionId, Open> open_;
+  nb::object fn_;
 };
 
-// An overlapped step's callbacks and what they hold between start_overlap_into and
-// finish_overlap (the pass calls them on its own thread).
+// What an engine step (step_into, an overlapped or asynchronous one) talks to, held from its start
+// to its end: the params' engine tensors (sink), the declared gradients' (grads), the norm across
+// ranks (when given).
 struct OverlapContext {
-  OverlapContext(Engine& e, std::vector<std::int64_t> tensors, std::vector<std::int64_t> grads,
+  OverlapContext(Engine& e, std::vector<std::int64_t> tensors, std::vector<std::int64_t> grad_tensors,
                  const optim::OffloadedOptimizer& opt, std::vector<std::int64_t> offsets = {},
                  nb::object reduce = nb::none())
-      : engine(e),
-        sink(e, std::move(tensors), std::move(offsets), opt),
-        grad_tensors(std::move(grads)),
-        reduce_sumsq(std::move(reduce)) {}
-  ~OverlapContext() {
-    for (auto& [id, f] : grad_ahead) f.cancel();  // hinted, never asked for (the step failed)
-    nb::gil_scoped_acquire locked;                // (dropped where the GIL may be released)
-    reduce_sumsq = nb::object();
-  }
-  Engine& engine;
-  EngineParamSink sink;
-  std::vector<std::int64_t> grad_tensors;
-  std::unordered_map<optim::PartitionId, Lease> grad_leases;
-  std::unordered_map<optim::PartitionId, AcquireFuture> grad_ahead;  // started by grad_prefetch
-  nb::object reduce_sumsq;  // None, or float -> float: this rank's sum of squares -> the global one
+      : sink(e, std::move(tensors), std::move(offsets), opt),
+        grads(e, std::move(grad_tensors)),
+        norm(std::move(reduce)) {}
+  step::EngineParamSink sink;
+  step::EngineGradSource grads;
+  PyNormReducer norm;
 };
 
-// step_into's options: outputs into the engine's param tensors; declared gradients read from their
-// engine tensors, one read lease per partition while the step needs it. The optimizer's acquires
-// stay out of the engine's access trace: an overlapped pass interleaves them with backward's in an
-// order of its own, which would drop the trace every step.
 optim::StepOptions engine_step_options(OverlapContext& ctx) {
   optim::StepOptions so;
-  so.on_output = [&ctx](const optim::OutputChunk& c) { return ctx.sink.on_output(c); };
-  so.outputs_abandoned = [&ctx] { ctx.sink.drop_open(); };
-  so.grad_source = [&ctx](optim::PartitionId id) -> Result<cpu::ConstTensorRef> {
-    if (id >= ctx.grad_tensors.size() || ctx.grad_tensors[id] < 0) {
-      return invalid_argument(str("partition ", id, " has a declared gradient but no gradient tensor"));
-    }
-    const auto tid = static_cast<TensorId>(ctx.grad_tensors[id]);
-    TIER_ASSIGN_OR_RETURN(TensorInfo info, ctx.engine.info(tid));
-    auto ahead = ctx.grad_ahead.find(id);
-    Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
-    if (ahead != ctx.grad_ahead.end()) {
-      got = ahead->second.wait();
-      ctx.grad_ahead.erase(ahead);
-    } else {
-      got = ctx.engine.acquire_now(tid, Tier::kHost, Access::kRead, /*traced=*/false);
-    }
-    TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
-    const void* data = lease.data();
-    ctx.grad_leases[id] = std::move(lease);
-    return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
-  };
-  // The serial step names the next chunk's gradients while it updates the current one: their
-  // reads from NVMe start then, instead of stalling the update when it gets there.
-  so.grad_prefetch = [&ctx](optim::PartitionId id) {
-    if (id >= ctx.grad_tensors.size() || ctx.grad_tensors[id] < 0 || ctx.grad_ahead.count(id)) return;
-    ctx.grad_ahead.emplace(id,
-                           ctx.engine.acquire(static_cast<TensorId>(ctx.grad_tensors[id]), Tier::kHost, Access::kRead,
-                                              /*traced=*/false));
-  };
-  so.grad_done = [&ctx](optim::PartitionId id) {
-    auto it = ctx.grad_leases.find(id);
-    if (it == ctx.grad_leases.end()) return;
-    it->second.release().ignore();  // a read lease: nothing to write back
-    ctx.grad_leases.erase(it);
-  };
-  if (ctx.reduce_sumsq.is_valid() && !ctx.reduce_sumsq.is_none()) {
-    so.reduce_sumsq = [&ctx](double& sumsq) -> Status {
-      nb::gil_scoped_acquire locked;
-      try {
-        sumsq = nb::cast<double>(ctx.reduce_sumsq(sumsq));
-        return Status::Ok();
-      } catch (nb::python_error& e) {
-        std::string what = e.what();
-        e.restore();
-        PyErr_Clear();
-        return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq raised: ", what));
-      } catch (std::exception& e) {
-        return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq: ", e.what()));
-      }
-    };
-  }
+  so.sink = &ctx.sink;
+  so.grads = &ctx.grads;
+  if (ctx.norm.given()) so.norm = &ctx.norm;
   return so;
 }
 
@@ -997,10 +895,7 @@ NB_MODULE(_tier, m) {
             optim::StepOptions so;
             so.skip_missing_grads = skip_missing_grads;
             so.redeliver_abandoned_outputs = false;  // the destinations are the caller's staging
-            const std::vector<void*>* dest = &ctx->dest;
-            so.destination = [dest](optim::PartitionId id) -> void* {
-              return id < dest->size() ? (*dest)[id] : nullptr;
-            };
+            so.destinations = ctx->dest;             // (held by the context until the pass is done)
             check(o.get().start_overlapped_step(so));
             o.overlap_to = std::move(ctx);
           },
@@ -1055,7 +950,7 @@ NB_MODULE(_tier, m) {
             const std::vector<void*> dest = destination_pointers(o, destinations, "step_to");
             optim::StepOptions so;
             so.skip_missing_grads = skip_missing_grads;
-            so.destination = [&](optim::PartitionId id) -> void* { return id < dest.size() ? dest[id] : nullptr; };
+            so.destinations = dest;
             Result<optim::StepReport> r{Status(StatusCode::kInternal, "no step")};
             {
               nb::gil_scoped_release unlocked;

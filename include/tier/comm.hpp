@@ -8,9 +8,9 @@
 // elements [r * shard, min(n, (r + 1) * shard)), which is empty for the last ranks when n is
 // small. Reduce-scatter and all-gather run on buffers padded to W * shard elements.
 //
-// Gradient norm across ranks: reduce_sumsq_over(comm) gives the function that
-// optim::StepOptions::reduce_sumsq wants (an all-reduce sum of one fp64), so clipping uses the
-// global norm and an inf/nan on any rank makes every rank skip the step.
+// Gradient norm across ranks: CommunicatorNorm(comm) is the optim::NormReducer that
+// optim::StepOptions::norm takes (an all-reduce sum of one fp64), so clipping uses the global norm
+// and an inf/nan on any rank makes every rank skip the step.
 //
 // Errors: every collective returns a Status. Where the engine can tell (NCCL), a peer that failed
 // or did not join within the communicator's timeout comes back as kTimedOut / kDeviceError, and
@@ -31,6 +31,7 @@
 #include <memory>
 #include <string>
 
+#include "tier/norm_reducer.hpp"
 #include "tier/status.hpp"
 #include "tier/types.hpp"
 
@@ -106,10 +107,17 @@ class Communicator {
   virtual Status barrier() = 0;
 };
 
-// The function optim::StepOptions::reduce_sumsq wants: sums `sumsq` over every rank (an fp64
-// all-reduce through `comm`, host memory; the NCCL communicator stages it through the device).
-// `comm` must outlive the function.
-std::function<Status(double& sumsq)> reduce_sumsq_over(Communicator& comm);
+// The gradient norm across the ranks of `comm` (optim::StepOptions::norm): sums `sumsq` over
+// every rank (an fp64 all-reduce, host memory; the NCCL communicator stages it through the
+// device). `comm` must outlive it.
+class CommunicatorNorm final : public optim::NormReducer {
+ public:
+  explicit CommunicatorNorm(Communicator& comm) : comm_(comm) {}
+  Status all_reduce_sumsq(double& sumsq) override;
+
+ private:
+  Communicator& comm_;
+};
 
 // ---------------------------------------------------------------------------------------------
 // A host framework's collectives, as std::function members (the C ABI's tier_comm_callbacks_t
@@ -171,7 +179,7 @@ Result<NcclUniqueId> make_nccl_unique_id();
 // Joins the communicator of `world` ranks that share options.id, as rank options.rank on CUDA
 // device options.device (blocks until every rank joined, up to options.timeout). Collectives take
 // device memory of that device; host memory is staged through a device buffer (one copy each way,
-// for small things such as reduce_sumsq_over's one fp64). Each collective waits for its
+// for small things such as CommunicatorNorm's one fp64). Each collective waits for its
 // completion on the stream (polling NCCL's asynchronous error and the timeout), so a dead peer
 // comes back as an error instead of a hang.
 // libnccl.so.2 is loaded at the first call (dlopen; TIER_NCCL_LIBRARY names another file), so

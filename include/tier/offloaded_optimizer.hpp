@@ -23,7 +23,7 @@
 //  - step() applies loss-scale unscaling and clipping by global norm as one factor folded into the
 //    Adam kernel, skips the update when a gradient is inf/nan (fp16 overflow; the dynamic loss
 //    scale is updated), and hands the updated low-precision params to the caller in the same pass:
-//    straight into a destination the caller names per partition, or piece by piece to a callback.
+//    straight into a destination the caller names per partition, or piece by piece to a ParamSink.
 //  - The moments are kept in the options' state_dtype (fp32, bf16 or block-int8, see
 //    tier/state_codec.hpp): the compressed bytes are what NVMe and host memory hold and move, and
 //    the update widens and narrows them inside the kernel. Master params are always fp32. With
@@ -50,17 +50,19 @@
 // (two calls for the same partition must not overlap); nothing else may run concurrently with
 // add_grad() or with any other member. Every other member is called by one thread at a time.
 // step() runs its own I/O threads (the swap space's) and a oneTBB arena of `threads` threads; the
-// StepOptions callbacks run on the thread that called step(). Between start_overlapped_step()
-// and finish_overlapped_step() the pass's own thread runs beside the caller's, which may call
-// add_grad() and declare_grad() (and cancel_overlapped_step(), clear_grads()) but nothing else;
-// the pass's StepOptions callbacks run on the pass's thread. The hyper-parameter setters and
-// getters and stats() may also be called from another thread (a scheduler, a monitor) at any time.
+// StepOptions interfaces (ParamSink, GradSource, NormReducer) are called on the thread that called
+// step(). Between start_overlapped_step() and finish_overlapped_step() the pass's own thread runs
+// beside the caller's, which may call add_grad() and declare_grad() (and cancel_overlapped_step(),
+// clear_grads()) but nothing else; the pass calls the interfaces on its own thread. The
+// hyper-parameter setters and getters and stats() may also be called from another thread (a
+// scheduler, a monitor) at any time.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -68,6 +70,7 @@
 #include "tier/cpu_adam.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/loss_scaler.hpp"
+#include "tier/norm_reducer.hpp"
 #include "tier/state_codec.hpp"
 #include "tier/status.hpp"
 #include "tier/ext/swap_space.hpp"
@@ -182,73 +185,92 @@ struct PartitionSpec {
   std::string name;  // optional; used in messages and checked by load_checkpoint when set
 };
 
-// A piece of a partition's updated low-precision params, handed to StepOptions::on_output.
+// A piece of a partition's updated low-precision params, handed to ParamSink::deliver.
 struct OutputChunk {
   PartitionId partition = 0;
   std::uint64_t offset = 0;  // elements from the start of the partition
   std::uint64_t numel = 0;
   ParamOutput dtype = ParamOutput::kNone;
   // Pinned staging memory (the pinned arena: a valid source for NVMe writes and device copies).
-  // Valid during the callback, and for as long as the transfers the callback adds to `pending`.
+  // Valid during the call, and for as long as the transfers the sink adds to `pending`.
   const void* data = nullptr;
   // Asynchronous transfers that read `data` (e.g. a swap-space write of the params to their NVMe
   // home) may be added here: the optimizer leaves the staging untouched until they complete,
-  // waits for all of them before step() returns and reports their errors like the callback's.
+  // waits for all of them before step() returns and reports their errors like the sink's.
   std::vector<nvme::IoFuture>* pending = nullptr;
 };
 
+// The three things a step talks to besides its own state, as named interfaces (StepOptions holds
+// pointers to them; each is optional). They are called on the thread that called step(), or for
+// an overlapped step on the pass's own thread; the caller keeps them alive until step() (or
+// finish_overlapped_step(), cancel_overlapped_step(), clear_grads()) returns.
+
+// Where the updated params of partitions without a destination go, piece by piece in chunk order
+// (e.g. copied to the device, or into engine tensors).
+class ParamSink {
+ public:
+  virtual ~ParamSink() = default;
+  // One piece. The first error stops further calls; the state update still completes and is
+  // committed, and step() returns that error (the message says the step was applied);
+  // read_params() gives the values.
+  virtual Status deliver(const OutputChunk& chunk) = 0;
+  // Overlapped steps only: the pass was abandoned (redone, skipped or cancelled) after it may
+  // have delivered pieces, before the redo or the re-delivery starts over. A sink that gathers
+  // each partition's pieces until it has them all drops what it gathered from the pass (a
+  // partition left half written is written again whole by the redo, or by the re-delivery when
+  // the pass had touched it).
+  virtual void abandoned() {}
+};
+
+// The gradients of partitions declared with declare_grad (the caller holds them, e.g. in engine
+// tensors).
+class GradSource {
+ public:
+  virtual ~GradSource() = default;
+  // The gradient of a declared partition: numel elements of fp32, fp16 or bf16, valid and
+  // unchanged until release(id). Asked before the partition's first chunk is updated. An error
+  // fails the step as an I/O error does: with the NVMe home the state is intact and the gradients
+  // are kept; with the host home (updated in place) an error after the first chunk leaves the
+  // state invalid until a checkpoint is loaded.
+  virtual Result<cpu::ConstTensorRef> acquire(PartitionId id) = 0;
+  // The gradient is no longer needed (after the partition's last chunk, or when the step fails);
+  // once per acquire.
+  virtual void release(PartitionId id) { (void)id; }
+  // A hint: acquire(id) will come soon, after the chunk being updated (a serial step names the
+  // declared partitions of the next chunk in its walk as it fetches the current one's), so the
+  // source may start bringing the gradient in. At most once per partition and step; a hinted
+  // partition may still not be asked for (the step fails first), so whatever the hint started
+  // must be let go when the step returns.
+  virtual void prefetch(PartitionId id) { (void)id; }
+};
+
+// NormReducer (tier/norm_reducer.hpp): the gradient norm across data-parallel ranks.
+
 struct StepOptions {
-  // (optional) Where a partition's updated low-precision params go: numel elements of its output
-  // dtype, written by the update itself (no extra pass), e.g. host memory that is the params' home.
-  // Asked once per partition with an output, at the start of step(); the memory must stay valid
-  // and untouched by others until step() returns. Return null to use on_output for it instead.
-  std::function<void*(PartitionId)> destination;
-  // (optional) Receives the updated params of partitions without a destination, piece by piece in
-  // chunk order, on the thread that called step(), e.g. to copy them to the device. The first
-  // error stops further calls; the state update still completes and is committed, and step()
-  // returns that error (the message says the step was applied); read_params() gives the values.
-  std::function<Status(const OutputChunk&)> on_output;
-  // (required when a gradient was declared with declare_grad) The gradient of a declared
-  // partition: numel elements of fp32, fp16 or bf16, valid and unchanged until grad_done(id).
-  // Called on the thread that called step(), before the partition's first chunk is updated. An
-  // error fails the step as an I/O error does: with the NVMe home the state is intact and the
-  // gradients are kept; with the host home (updated in place) an error after the first chunk
-  // leaves the state invalid until a checkpoint is loaded.
-  std::function<Result<cpu::ConstTensorRef>(PartitionId)> grad_source;
-  // (optional) The gradient of a declared partition is no longer needed (after its last chunk, or
-  // when the step fails); called once per grad_source call.
-  std::function<void(PartitionId)> grad_done;
-  // (optional) A hint: grad_source(id) will be called soon, after the chunk being updated (a serial
-  // step names the declared partitions of the next chunk in its walk as it fetches the current
-  // one's), so the caller may start bringing that gradient in. At most once per partition and
-  // step; a hinted partition may still not be asked for (the step fails first), so whatever the
-  // hint started must be let go when the step returns.
-  std::function<void(PartitionId)> grad_prefetch;
+  // (optional) Where each partition's updated low-precision params go: empty, or one pointer per
+  // partition (null: none, the sink gets it), each to numel elements of its output dtype, written
+  // by the update itself (no extra pass), e.g. host memory that is the params' home. The memory
+  // (and this array) must stay valid and untouched by others until the step returns.
+  std::span<void* const> destinations;
+  // (optional) Receives the updated params of partitions without a destination.
+  ParamSink* sink = nullptr;
+  // (required when a gradient was declared with declare_grad) Where declared gradients come from.
+  GradSource* grads = nullptr;
+  // (optional) The gradient norm across ranks.
+  NormReducer* norm = nullptr;
   // Partitions that got no gradient this step keep their state and params untouched, as
   // torch.optim skips a parameter whose .grad is None (no decay, no momentum step; nothing is
-  // written to their destination or handed to on_output). Off: they are updated with zeros (as
+  // written to their destination or handed to the sink). Off: they are updated with zeros (as
   // DeepSpeed does). Either way the group's step counter, which bias correction uses, advances.
   bool skip_missing_grads = false;
-  // (optional) Data-parallel ranks that each own part of the state: combines this rank's sum of
-  // squares of its gradients with every other rank's (an all-reduce sum, e.g. through a
-  // tier::Communicator) and leaves the global sum in `sumsq`, so that clipping and the overflow
-  // check use the global norm and every rank takes the same decision (inf/nan propagate through
-  // the sum). Called once per step, on the thread that called step() (finish_overlapped_step()
-  // for an overlapped step), before anything is updated; every rank must step for it to return.
-  // An error fails the step with nothing changed.
-  std::function<Status(double& sumsq)> reduce_sumsq;
   // Overlapped steps only: whether params that an abandoned speculative pass had written (to a
-  // destination or through on_output) are delivered again from the committed masters when the
+  // destination or through the sink) are delivered again from the committed masters when the
   // pass is cancelled or its step skipped for an overflow. Keep it on when the outputs land where
   // the training reads its params; turn it off when they land in the caller's private staging,
   // which it discards with the pass (it saves reading those masters back from the home).
   bool redeliver_abandoned_outputs = true;
-  // Overlapped steps only (optional): called when the pass is abandoned (redone, skipped or
-  // cancelled) after it may have handed pieces to on_output or written destinations, before the
-  // redo or the re-delivery starts over. A sink that gathers each partition's pieces until it has
-  // them all must drop what it gathered from the pass (its counts; a partition left half written
-  // is written again whole by the redo, or by the re-delivery when the pass had touched it).
-  std::function<void()> outputs_abandoned;
+
+  void* destination(PartitionId id) const noexcept { return id < destinations.size() ? destinations[id] : nullptr; }
 };
 
 // One stream of the pipeline.
@@ -270,7 +292,7 @@ struct StepReport {
   StreamReport read, update, write;
   double io_busy_seconds = 0;      // wall time with any transfer (read or write) in flight
   double update_wait_seconds = 0;  // time the updater waited for a chunk to arrive
-  double output_seconds = 0;       // time spent in on_output callbacks
+  double output_seconds = 0;       // time spent in ParamSink::deliver
   unsigned max_transfers_in_flight = 0;
   std::uint64_t chunks = 0;
   std::uint64_t late_norm_partitions = 0;  // accumulated grads whose norm was computed at step()
@@ -355,7 +377,7 @@ class OffloadedOptimizer {
   // Declares that partition `id` has its final gradient of this step, kept by the caller (e.g. in
   // an engine tensor homed on NVMe, so that host memory does not grow with the model), and that
   // its sum of squares is `sumsq` (of the values as they will be given, loss scale included).
-  // step() asks for it through StepOptions::grad_source when it reaches the partition's chunks,
+  // step() asks for it through StepOptions::grads (GradSource::acquire) when it reaches the partition's chunks,
   // in partition order, and hands it back through grad_done after its last chunk. Errors:
   // kInvalidArgument (unknown id, negative sumsq; inf or nan mark an overflow, as a non-finite
   // gradient given to add_grad does);
@@ -370,7 +392,7 @@ class OffloadedOptimizer {
   // One optimizer step over every partition (see the header comment). On success the gradients are
   // consumed. Errors: kFailedPrecondition before finish_registration(); the I/O error of a failed
   // read or write, with the previous state intact and the gradients kept (call step() again, or
-  // clear_grads()); an on_output error (the step was applied, see StepOptions).
+  // clear_grads()); a ParamSink error (the step was applied, see StepOptions).
   Result<StepReport> step(const StepOptions& options = {});
 
   // ------------------------------------------------------------------ the step overlapped with backward
@@ -381,7 +403,7 @@ class OffloadedOptimizer {
   // is neither clipped nor skipped: the gradients are unscaled by the loss scale only. Everything
   // goes to the shadow slots; nothing is committed. Gradients keep arriving through add_grad /
   // declare_grad (from any one thread; see the thread-safety note) while it runs; `options` are
-  // used as step() would use them, their callbacks on the pass's thread. The pass stops early
+  // used as step() would use them, their interfaces called on the pass's thread. The pass stops early
   // once the gradients so far make clipping certain (their norm alone exceeds max_grad_norm) or
   // show an overflow. Errors: kFailedPrecondition (host home, which updates in place and could
   // not redo; Lamb; an overlapped step already running; before finish_registration()).
@@ -399,7 +421,7 @@ class OffloadedOptimizer {
   // clear_grads() and the destructor.
   void cancel_overlapped_step() noexcept;
   bool overlapped_step_running() const noexcept;
-  // Whether params delivered by a step (through StepOptions::on_output or a destination) may be
+  // Whether params delivered by a step (through the ParamSink or a destination) may be
   // ahead of the committed state: a failed step (NVMe home) puts back the params it had delivered,
   // and this is set only when that failed too, or when an applied step's outputs failed. Cleared
   // by the next step that delivers every output; meanwhile read_params() has the committed ones.

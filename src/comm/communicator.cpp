@@ -13,12 +13,10 @@ const char* reduce_op_name(ReduceOp op) noexcept {
   return "unknown";
 }
 
-std::function<Status(double& sumsq)> reduce_sumsq_over(Communicator& comm) {
-  return [&comm](double& sumsq) -> Status {
-    // NaN and inf survive the sum, so an overflow on any rank reaches every rank.
-    return comm.all_reduce(&sumsq, 1, DType::kF64, ReduceOp::kSum)
-        .with_context(str("gradient norm across ", comm.world(), " ranks (", comm.name(), ")"));
-  };
+Status CommunicatorNorm::all_reduce_sumsq(double& sumsq) {
+  // NaN and inf survive the sum, so an overflow on any rank reaches every rank.
+  return comm_.all_reduce(&sumsq, 1, DType::kF64, ReduceOp::kSum)
+      .with_context(str("gradient norm across ", comm_.world(), " ranks (", comm_.name(), ")"));
 }
 
 namespace detail {

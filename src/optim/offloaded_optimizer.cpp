@@ -167,7 +167,7 @@ void OffloadedOptimizer::Impl::report_resident(std::int64_t host_delta, std::int
 // A step's update of one chunk whose sections are at `base` (with the chunk's stride): every
 // partition piece of the chunk on the workers' threads, each piece with its group's constants,
 // outputs to the partition's destination or packed into `staging` from its first element's slot
-// (chunk offset * 4), where process() hands them to on_output.
+// (chunk offset * 4), where process() hands them to the ParamSink.
 // `part_steps`, when not empty, holds each partition's step (Lamb: with its trust ratio) and
 // takes the place of its group's.
 static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base, std::byte* staging,
@@ -203,7 +203,7 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
       if (p.output != ParamOutput::kNone) {
         if (dest.empty() || dest[pid] == nullptr) {
           // The partition's outputs in this chunk are packed from the staging slot of its first
-          // element in the chunk (where on_output reads them), whichever thread writes which piece.
+          // element in the chunk (where the ParamSink reads them), whichever thread writes which piece.
           const std::uint64_t first = std::max(p.start, c.start);
           out = staging + (first - c.start) * 4 + (flat - first) * os;
         } else {
@@ -873,7 +873,7 @@ Status restore_outputs(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, c
 Status after_failed_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& o,
                          const std::vector<std::uint8_t>& delivered, Status failure) {
   if (std::find(delivered.begin(), delivered.end(), std::uint8_t{1}) == delivered.end()) return failure;
-  if (o.outputs_abandoned) o.outputs_abandoned();
+  if (o.sink) o.sink->abandoned();
   Status restored = restore_outputs(self, im, o, delivered);
   if (restored.ok()) return failure;
   im.outputs_stale = true;
@@ -919,10 +919,10 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       // Fewer gradients than accumulation steps (a parameter unused in some micro-steps).
       auto s = detail::sum_of_squares(cpu::ConstTensorRef(p.grad, p.grad_dtype, p.numel), im.workers.get());
       if (!s.ok()) {
-        if (options.reduce_sumsq) {
+        if (options.norm) {
           // The other ranks wait in the all-reduce: take part with a nan, which makes them skip.
           double poisoned = std::numeric_limits<double>::quiet_NaN();
-          options.reduce_sumsq(poisoned).ignore();
+          options.norm->all_reduce_sumsq(poisoned).ignore();
         }
         return s.status();
       }
@@ -932,8 +932,8 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     total += p.sumsq;
   }
-  if (!spec && options.reduce_sumsq) {
-    Status reduced = options.reduce_sumsq(total);
+  if (!spec && options.norm) {
+    Status reduced = options.norm->all_reduce_sumsq(total);
     if (!reduced.ok()) return reduced.with_context("optimizer step: combining the gradient norm across ranks");
   }
   const double scale = im.scaler->scale();
@@ -986,26 +986,26 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   bool any_declared = spec != nullptr;  // a pass cannot know yet: it looks at each chunk's
   for (std::size_t i = 0; i < im.parts.size() && !spec; ++i) any_declared = any_declared || im.parts[i].declared;
   std::vector<std::uint8_t> fetched(im.parts.size(), 0);
-  if (!spec && any_declared && !options.grad_source) {
+  if (!spec && any_declared && options.grads == nullptr) {
     rollback();
     return failed_precondition(
-        "optimizer step: gradients were declared (declare_grad) but StepOptions::grad_source is not set");
+        "optimizer step: gradients were declared (declare_grad) but StepOptions::grads (a GradSource) is not set");
   }
   auto fetch_grads = [&](const Chunk& c) -> Status {
     for (PartitionId pid = c.first; pid <= c.last; ++pid) {
       Partition& p = im.parts[pid];
       if (!p.declared || p.grad != nullptr) continue;
-      if (!options.grad_source) {
+      if (options.grads == nullptr) {
         return failed_precondition(
-            "optimizer step: gradients were declared (declare_grad) but StepOptions::grad_source is not set");
+            "optimizer step: gradients were declared (declare_grad) but StepOptions::grads (a GradSource) is not set");
       }
       fetched[pid] = 1;
-      auto g = options.grad_source(pid);
+      auto g = options.grads->acquire(pid);
       if (!g.ok()) return g.status().with_context(str("the gradient of ", partition_label(pid, p)));
       const cpu::ConstTensorRef ref = *g;
       p.grad = ref.data;  // set first, so that a refused gradient is still handed back
       if (ref.numel != p.numel || !cpu::is_float_dtype(ref.dtype) || ref.data == nullptr) {
-        return invalid_argument(str("optimizer step: grad_source gave ", partition_label(pid, p), " ", ref.numel,
+        return invalid_argument(str("optimizer step: the GradSource gave ", partition_label(pid, p), " ", ref.numel,
                                     " elements of ", dtype_name(ref.dtype), "; it needs ", p.numel,
                                     " elements of fp32, fp16 or bf16"));
       }
@@ -1033,7 +1033,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       if (c && --chunks_left[pid] > 0) continue;
       fetched[pid] = 0;
       p.grad = nullptr;
-      if (options.grad_done) options.grad_done(pid);
+      if (options.grads != nullptr) options.grads->release(pid);
     }
   };
   // Lamb: pass 1 reads the whole state once (NVMe home: every chunk's committed slot, nothing
@@ -1091,7 +1091,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   }
 
   std::vector<void*> dest;
-  if (options.destination) {
+  if (!options.destinations.empty()) {
     dest.assign(im.parts.size(), nullptr);
     for (std::size_t i = 0; i < im.parts.size(); ++i) {
       if (im.parts[i].output != ParamOutput::kNone) dest[i] = options.destination(static_cast<PartitionId>(i));
@@ -1106,7 +1106,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     for (const nvme::IoFuture& f : fs) {
       Status s = f.wait();
       if (!s.ok() && sink_error.ok()) {
-        sink_error = s.with_context("a transfer of updated params started by on_output");
+        sink_error = s.with_context("a transfer of updated params started by the ParamSink");
       }
     }
     fs.clear();
@@ -1119,14 +1119,14 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   std::vector<std::uint8_t> hinted;
   std::size_t position = 0;  // of the chunk being processed in the walk
   auto hint_next = [&] {
-    if (spec || !options.grad_prefetch || position + 1 >= im.chunks.size()) return;
+    if (spec || options.grads == nullptr || position + 1 >= im.chunks.size()) return;
     if (hinted.empty()) hinted.assign(im.parts.size(), 0);
     const Chunk& next = im.chunks[walk ? walk->order[position + 1] : position + 1];
     for (PartitionId pid = next.first; pid <= next.last; ++pid) {
       const Partition& p = im.parts[pid];
       if (!p.declared || p.grad != nullptr || hinted[pid]) continue;
       hinted[pid] = 1;
-      options.grad_prefetch(pid);
+      options.grads->prefetch(pid);
     }
   };
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
@@ -1143,7 +1143,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     updated_any = true;
     for (PartitionId pid = c.first; pid <= c.last; ++pid) (spec ? spec->touched : delivered)[pid] = 1;
     if (any_declared) return_grads(&c);
-    if (!options.on_output || !sink_error.ok()) return {};
+    if (options.sink == nullptr || !sink_error.ok()) return {};
     const auto ts = Clock::now();
     for (PartitionId pid = c.first; pid <= c.last && sink_error.ok(); ++pid) {
       const Partition& p = im.parts[pid];
@@ -1152,8 +1152,8 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       const std::uint64_t a = std::max(p.start, c.start);
       const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
       OutputChunk oc{pid, a - p.start, e - a, p.output, staging + (a - c.start) * 4, &pending[b]};
-      Status s = options.on_output(oc);
-      if (!s.ok()) sink_error = s.with_context(str("on_output for ", partition_label(pid, p)));
+      Status s = options.sink->deliver(oc);
+      if (!s.ok()) sink_error = s.with_context(str("the ParamSink, for ", partition_label(pid, p)));
     }
     output_seconds += since(ts);
     return {};
@@ -1247,19 +1247,19 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
 }
 
 // Delivers again, from the committed masters, the params of the partitions an abandoned overlapped
-// pass had delivered (to their destination, or through on_output).
+// pass had delivered (to their destination, or through the ParamSink).
 Status restore_outputs(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& o,
                        const std::vector<std::uint8_t>& touched) {
   std::vector<float> tmp;
   for (PartitionId pid = 0; pid < touched.size(); ++pid) {
     const Partition& p = im.parts[pid];
     if (!touched[pid] || p.output == ParamOutput::kNone) continue;
-    void* d = o.destination ? o.destination(pid) : nullptr;
+    void* d = o.destination(pid);
     if (d != nullptr) {
       TIER_RETURN_IF_ERROR(self.read_params(pid, param_output_dtype(p.output), d));
       continue;
     }
-    if (!o.on_output) continue;
+    if (o.sink == nullptr) continue;
     std::byte* staging = im.bufs[0].staging;  // read_state bounces through the state part only
     for (std::uint64_t off = 0; off < p.numel; off += im.chunk_elems) {
       const std::uint64_t n = std::min(im.chunk_elems, p.numel - off);
@@ -1269,7 +1269,7 @@ Status restore_outputs(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, c
                                         cpu::TensorRef{staging, param_output_dtype(p.output), n}));
       std::vector<nvme::IoFuture> pending;
       OutputChunk oc{pid, off, n, p.output, staging, &pending};
-      Status s = o.on_output(oc);
+      Status s = o.sink->deliver(oc);
       for (const nvme::IoFuture& f : pending) {
         Status w = f.wait();
         if (s.ok()) s = w;
@@ -1404,11 +1404,11 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
     }
     total += p.sumsq;
   }
-  if (ov.options.reduce_sumsq) {
+  if (ov.options.norm != nullptr) {
     // The pass's early stop used this rank's partial sum, a lower bound of the global one. A rank
     // that could not take its norm still takes part (with a nan, which makes the others skip).
     if (!norm_error.ok()) total = std::numeric_limits<double>::quiet_NaN();
-    Status reduced = ov.options.reduce_sumsq(total);
+    Status reduced = ov.options.norm->all_reduce_sumsq(total);
     if (norm_error.ok() && !reduced.ok()) norm_error = reduced.with_context("combining the gradient norm across ranks");
   }
   const bool overflow = !std::isfinite(total);
@@ -1466,19 +1466,22 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
                                  : str("the speculative pass failed: ", pass.status().to_string());
   const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : held->speculated;
   restore_steps(im, held->old_steps);
-  if (held->options.outputs_abandoned) held->options.outputs_abandoned();
+  if (held->options.sink != nullptr) held->options.sink->abandoned();
   if (overflow && held->options.redeliver_abandoned_outputs) {
     // The skipped step must leave the params as they were: deliver the committed ones again.
     TIER_RETURN_IF_ERROR(restore_outputs(*this, im, held->options, held->touched));
   }
-  StepOptions redo = held->options;
-  if (redo.reduce_sumsq) {
-    // Combined once above (and maybe redone on this rank only): the redo uses the global sum.
-    redo.reduce_sumsq = [total](double& sumsq) {
+  // Combined once above (and maybe redone on this rank only): the redo uses the global sum.
+  struct KnownNorm final : NormReducer {
+    double total = 0;
+    Status all_reduce_sumsq(double& sumsq) override {
       sumsq = total;
       return Status::Ok();
-    };
-  }
+    }
+  } known;
+  known.total = total;
+  StepOptions redo = held->options;
+  if (redo.norm != nullptr) redo.norm = &known;
   // The chunks the pass had read when it stopped go first, as they are in the buffers.
   const Walk walk = walk_after(held->leftover, im.chunks.size(), im.bufs.size());
   Result<StepReport> r = run_step(*this, im, redo, nullptr, im.nvme() ? &walk : nullptr);
@@ -1515,7 +1518,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   restore_steps(im, held->old_steps);
   // The params the pass delivered are not the committed state's: deliver those again.
-  if (held->options.outputs_abandoned) held->options.outputs_abandoned();
+  if (held->options.sink != nullptr) held->options.sink->abandoned();
   if (!held->options.redeliver_abandoned_outputs) return;
   Status s = restore_outputs(*this, im, held->options, held->touched);
   if (!s.ok()) {

@@ -220,9 +220,7 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
   }
   optim::StepOptions so;
   so.skip_missing_grads = args.skip_missing;
-  if (!args.outputs.empty()) {
-    so.destination = [&args](optim::PartitionId id) -> void* { return args.outputs[id]; };
-  }
+  so.destinations = args.outputs;
   TIER_ASSIGN_OR_RETURN(optim::StepReport report, opt_->step(so));
   after_step(report);
   return report;
@@ -257,11 +255,8 @@ Status StepDriver::start_overlap(const StepArgs& args) {
   overlap_args_ = args;
   optim::StepOptions so;
   so.skip_missing_grads = args.skip_missing;
-  so.redeliver_abandoned_outputs = false;  // the outputs of a dropped pass are the caller's staging
-  if (!overlap_args_.outputs.empty()) {
-    const std::vector<void*>* outputs = &overlap_args_.outputs;
-    so.destination = [outputs](optim::PartitionId id) -> void* { return (*outputs)[id]; };
-  }
+  so.redeliver_abandoned_outputs = false;   // the outputs of a dropped pass are the caller's staging
+  so.destinations = overlap_args_.outputs;  // (kept until the pass is finished or cancelled)
   if (Status s = opt_->start_overlapped_step(so); !s.ok()) {
     overlap_args_ = {};
     return s;

@@ -141,7 +141,7 @@ TEST_P(CallbackCollectives, EveryCollectiveThroughCommCallbacks) {
     EXPECT_EQ(b, 8);
     ASSERT_TRUE(c.barrier().ok());
     double s = 0.25 * (r + 1);
-    ASSERT_TRUE(reduce_sumsq_over(c)(s).ok());
+    ASSERT_TRUE(CommunicatorNorm(c).all_reduce_sumsq(s).ok());
     EXPECT_EQ(s, 0.25 * world * (world + 1) / 2);
   });
 }

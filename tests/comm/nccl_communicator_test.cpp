@@ -128,10 +128,11 @@ TEST(NcclCommunicator, ReduceSumsqOverNcclTakesAHostDouble) {
   ASSERT_TRUE(comm.ok()) << comm.status();
   EXPECT_STREQ((*comm)->name(), "nccl");
   double sumsq = 12.5;
-  ASSERT_TRUE(reduce_sumsq_over(**comm)(sumsq).ok());
+  CommunicatorNorm norm(**comm);
+  ASSERT_TRUE(norm.all_reduce_sumsq(sumsq).ok());
   EXPECT_EQ(sumsq, 12.5);
   double inf = std::numeric_limits<double>::infinity();
-  ASSERT_TRUE(reduce_sumsq_over(**comm)(inf).ok());
+  ASSERT_TRUE(norm.all_reduce_sumsq(inf).ok());
   EXPECT_TRUE(std::isinf(inf));
 }
 

@@ -1,7 +1,7 @@
 // Data-parallel optimizer steps: W ranks (threads), each with its own OffloadedOptimizer holding
 // only its shards (tier::ShardMap) of every parameter, take the rank's slice of a known full
 // gradient and combine the gradient norm through a callback communicator
-// (StepOptions::reduce_sumsq = reduce_sumsq_over(comm)). Their masters, put back together, must
+// (StepOptions::norm = a CommunicatorNorm over comm). Their masters, put back together, must
 // equal one optimizer's over the full parameters after clipped steps, every rank must skip a step
 // whose gradient has an inf on one rank, and a failing collective fails the step with nothing
 // changed.
@@ -178,8 +178,9 @@ class ShardedOptimizer : public ::testing::TestWithParam<Params> {
     for (int r = 0; r < world_; ++r) reports.emplace_back(internal_error("not run"));
     on_ranks(world_, [&](int r) {
       Rank& k = ranks_[static_cast<std::size_t>(r)];
+      CommunicatorNorm norm(*k.comm);
       StepOptions so;
-      so.reduce_sumsq = reduce_sumsq_over(*k.comm);
+      so.norm = &norm;
       reports[static_cast<std::size_t>(r)] = k.rig->opt().step(so);
     });
     if (reference) *reference = full_->opt().step();

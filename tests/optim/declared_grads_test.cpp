@@ -1,10 +1,11 @@
-// Declared gradients (declare_grad + StepOptions::grad_source): the caller keeps each partition's
+// Declared gradients (declare_grad + a GradSource in StepOptions::grads): the caller keeps each partition's
 // gradient and the step asks for it chunk by chunk. The result must be the add_grad result, bit
 // for bit; every fetched gradient is handed back once; a failed fetch or a failed step keeps the
 // state and the declarations for a retry.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -28,8 +29,10 @@ class DeclaredGrads : public testing::TestWithParam<Home> {
 };
 
 // The caller's side: gradients kept per partition, and a record of what the step asked for.
-struct Source {
+struct Source final : GradSource {
   std::map<PartitionId, std::vector<std::uint8_t>> grads;
+  const std::vector<test::PartDesc>* model = nullptr;
+  std::function<void(PartitionId)> on_prefetch;  // (a test's record of the hints)
   DType dtype = DType::kBF16;
   std::vector<PartitionId> fetched, returned;
   PartitionId fail_at = ~PartitionId{0};
@@ -48,14 +51,20 @@ struct Source {
     }
   }
 
-  StepOptions options(const std::vector<test::PartDesc>& model) {
+  Result<cpu::ConstTensorRef> acquire(PartitionId id) override {
+    if (id == fail_at) return Status(StatusCode::kIoError, "the gradient's tier could not be read (injected)");
+    fetched.push_back(id);
+    return cpu::ConstTensorRef(grads.at(id).data(), dtype, (*model)[id].numel);
+  }
+  void release(PartitionId id) override { returned.push_back(id); }
+  void prefetch(PartitionId id) override {
+    if (on_prefetch) on_prefetch(id);
+  }
+
+  StepOptions options(const std::vector<test::PartDesc>& m) {
+    model = &m;
     StepOptions so;
-    so.grad_source = [this, &model](PartitionId id) -> Result<cpu::ConstTensorRef> {
-      if (id == fail_at) return Status(StatusCode::kIoError, "the gradient's tier could not be read (injected)");
-      fetched.push_back(id);
-      return cpu::ConstTensorRef(grads.at(id).data(), dtype, model[id].numel);
-    };
-    so.grad_done = [this](PartitionId id) { returned.push_back(id); };
+    so.grads = this;
     return so;
   }
 };
@@ -91,7 +100,7 @@ TEST_P(DeclaredGrads, MatchAddGradBitForBitAndAreFetchedInOrderOnce) {
   }
 }
 
-// grad_prefetch: a serial step names each declared gradient once, while updating the chunk before
+// GradSource::prefetch: a serial step names each declared gradient once, while updating the chunk before
 // the one that first needs it, so every hinted partition is fetched after its hint; partitions
 // without a gradient are never named, and the result is the same bytes.
 TEST_P(DeclaredGrads, TheNextChunksGradientsAreHintedBeforeTheyAreFetched) {
@@ -111,7 +120,7 @@ TEST_P(DeclaredGrads, TheNextChunksGradientsAreHintedBeforeTheyAreFetched) {
     StepOptions so = src.options(model);
     std::vector<PartitionId> hinted;
     std::vector<std::size_t> fetched_when_hinted;  // how many fetches had happened at each hint
-    so.grad_prefetch = [&](PartitionId id) {
+    src.on_prefetch = [&](PartitionId id) {
       hinted.push_back(id);
       fetched_when_hinted.push_back(src.fetched.size());
     };
@@ -206,15 +215,20 @@ TEST_P(DeclaredGrads, MisuseIsRefused) {
   EXPECT_EQ(*rig->opt().group_step(0), 0);
   // A source that gives the wrong length fails the step and keeps the state.
   std::vector<float> short_grad(3, 0.0f);
+  struct Short final : GradSource {
+    std::vector<float>* grad = nullptr;
+    int returned = 0;
+    Result<cpu::ConstTensorRef> acquire(PartitionId) override {
+      return cpu::ConstTensorRef(grad->data(), DType::kF32, grad->size());
+    }
+    void release(PartitionId) override { ++returned; }
+  } short_source;
+  short_source.grad = &short_grad;
   StepOptions so;
-  int returned = 0;
-  so.grad_source = [&](PartitionId) -> Result<cpu::ConstTensorRef> {
-    return cpu::ConstTensorRef(short_grad.data(), DType::kF32, short_grad.size());
-  };
-  so.grad_done = [&](PartitionId) { ++returned; };
+  so.grads = &short_source;
   r = rig->opt().step(so);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
-  EXPECT_EQ(returned, 1);
+  EXPECT_EQ(short_source.returned, 1);
   EXPECT_EQ(*rig->opt().group_step(0), 0);
   EXPECT_TRUE(test::state_matches(rig->opt(), ref));
   rig->opt().clear_grads();

@@ -60,19 +60,21 @@ TEST_P(OptimizerEquivalence, MatchesInRamAdamBitForBit) {
     feed(rig.opt(), ref, step, 1, dtypes[step - 1], mode, &keep);
     ASSERT_TRUE(ref.step(1.0, 0.0));
 
-    // Even partitions take their output in place; the others through the callback.
+    // Even partitions take their output in place; the others through the sink.
     test::Outputs outs(model);
     std::map<PartitionId, std::uint64_t> delivered;
-    StepOptions so;
-    so.destination = [&](PartitionId id) -> void* { return id % 2 == 0 ? outs.data[id].data() : nullptr; };
-    so.on_output = [&](const OutputChunk& c) -> Status {
+    const std::vector<void*> dest = outs.pointers([](PartitionId id) { return id % 2 == 0; });
+    test::FnSink sink([&](const OutputChunk& c) -> Status {
       EXPECT_NE(c.partition % 2, 0u);
       EXPECT_EQ(c.dtype, model[c.partition].output);
       const std::size_t es = param_output_size(c.dtype);
       std::memcpy(outs.data[c.partition].data() + c.offset * es, c.data, c.numel * es);
       delivered[c.partition] += c.numel;
       return {};
-    };
+    });
+    StepOptions so;
+    so.destinations = dest;
+    so.sink = &sink;
     auto r = rig.opt().step(so);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_TRUE(r->applied);
@@ -205,9 +207,10 @@ TEST_P(OptimizerHome, SkipMissingGradsLeavesThosePartitionsUntouched) {
     }
     double norm = 0;
     ASSERT_TRUE(ref.step(1.0, o.max_grad_norm, &norm, true));
+    const std::vector<void*> dest = outs.pointers();
     StepOptions so;
     so.skip_missing_grads = true;
-    so.destination = [&](PartitionId id) -> void* { return outs.data[id].data(); };
+    so.destinations = dest;
     auto r = rig->opt().step(so);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->grad_norm, norm);
@@ -318,11 +321,12 @@ TEST_P(OptimizerHome, SinkErrorStillAppliesTheStep) {
   feed(rig->opt(), ref, 1, 1, DType::kF32, GradMode::kCopy);
   ASSERT_TRUE(ref.step(1.0, 0));
   int calls = 0;
-  StepOptions so;
-  so.on_output = [&](const OutputChunk&) -> Status {
+  test::FnSink sink([&](const OutputChunk&) -> Status {
     ++calls;
     return calls == 2 ? Status(StatusCode::kDeviceError, "copy to the device failed") : Status();
-  };
+  });
+  StepOptions so;
+  so.sink = &sink;
   auto r = rig->opt().step(so);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kDeviceError);
@@ -449,7 +453,7 @@ TEST_P(OptimizerHome, MisuseIsRefusedWithClearErrors) {
   EXPECT_EQ(*g1, 1);
 }
 
-// on_output may start asynchronous transfers from the staging (here: writes of the bf16 params to
+// A ParamSink may start asynchronous transfers from the staging (here: writes of the bf16 params to
 // their own NVMe home); the optimizer keeps the staging until they complete. Partition sizes are
 // multiples of 2048 so that every piece lands at a 4 KiB-aligned offset of its extent.
 TEST_P(OptimizerHome, OutputsGoToAnNvmeHomeInTheSamePass) {
@@ -482,13 +486,14 @@ TEST_P(OptimizerHome, OutputsGoToAnNvmeHomeInTheSamePass) {
     feed(rig->opt(), ref, step, 1, DType::kBF16, GradMode::kCopy);
     ASSERT_TRUE(ref.step(1.0, 0));
     std::uint64_t started = 0;
-    StepOptions opts;
-    opts.on_output = [&](const OutputChunk& c) -> Status {
+    test::FnSink sink([&](const OutputChunk& c) -> Status {
       EXPECT_EQ(c.offset * 2 % 4096, 0u);
       c.pending->push_back((*sp)->write(homes[c.partition], c.data, c.numel * 2, c.offset * 2));
       ++started;
       return {};
-    };
+    });
+    StepOptions opts;
+    opts.sink = &sink;
     auto r = rig->opt().step(opts);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(started, 6u);  // pieces: partition 0 in one chunk, 1 in three, 3 in two
@@ -505,7 +510,7 @@ TEST_P(OptimizerHome, OutputsGoToAnNvmeHomeInTheSamePass) {
 
 // The low-precision copy handed out is exactly the fp32 master rounded to nearest, whatever the
 // thread count: partitions straddle the update threads' 32 Ki-element pieces and the chunks, and
-// reach the caller both through on_output (packed staging) and in place (destination).
+// reach the caller both through the sink (packed staging) and in place (destination).
 TEST_P(OptimizerHome, LowPrecisionOutputsAreTheRoundedMastersForAnyThreadCount) {
   const std::vector<PartDesc> model = {
       {1, 0, ParamOutput::kBF16},     {100003, 0, ParamOutput::kBF16}, {65537, 0, ParamOutput::kF16},
@@ -514,7 +519,7 @@ TEST_P(OptimizerHome, LowPrecisionOutputsAreTheRoundedMastersForAnyThreadCount) 
   const std::vector<cpu::AdamHyperParams> groups = {test::three_groups()[0]};
   for (const int threads : {1, 2, 3, 16}) {
     for (const bool in_place : {false, true}) {
-      SCOPED_TRACE(str(threads, " threads, ", in_place ? "destination" : "on_output"));
+      SCOPED_TRACE(str(threads, " threads, ", in_place ? "destination" : "sink"));
       OffloadedOptimizerOptions o;
       o.groups = groups;
       o.chunk_elements = 131072;  // four update pieces per chunk
@@ -528,13 +533,15 @@ TEST_P(OptimizerHome, LowPrecisionOutputsAreTheRoundedMastersForAnyThreadCount) 
         ASSERT_TRUE(ref.step(1.0, 0));
         test::Outputs outs(model);
         for (auto& d : outs.data) std::fill(d.begin(), d.end(), 0xEE);  // no stale zeros can pass
-        StepOptions so;
-        if (in_place) so.destination = [&](PartitionId id) -> void* { return outs.data[id].data(); };
-        so.on_output = [&](const OutputChunk& c) -> Status {
+        const std::vector<void*> dest = in_place ? outs.pointers() : std::vector<void*>{};
+        test::FnSink sink([&](const OutputChunk& c) -> Status {
           const std::size_t es = param_output_size(c.dtype);
           std::memcpy(outs.data[c.partition].data() + c.offset * es, c.data, c.numel * es);
           return {};
-        };
+        });
+        StepOptions so;
+        so.destinations = dest;
+        so.sink = &sink;
         auto r = rig->opt().step(so);
         ASSERT_TRUE(r.ok()) << r.status();
         ASSERT_TRUE(test::state_matches(rig->opt(), ref)) << "step " << step;

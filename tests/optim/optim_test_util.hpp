@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -361,6 +362,30 @@ struct Outputs {
   std::vector<std::vector<std::uint8_t>> data;
   explicit Outputs(const std::vector<PartDesc>& m) {
     for (const auto& p : m) data.emplace_back(p.numel * 4 + 4, 0);
+  }
+  // StepOptions::destinations: every partition's buffer, or those `keep` says (others null).
+  template <class Keep>
+  std::vector<void*> pointers(Keep keep) {
+    std::vector<void*> out(data.size(), nullptr);
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      if (keep(static_cast<PartitionId>(i))) out[i] = data[i].data();
+    }
+    return out;
+  }
+  std::vector<void*> pointers() {
+    return pointers([](PartitionId) { return true; });
+  }
+};
+
+// A ParamSink made of a test's lambdas.
+struct FnSink final : ParamSink {
+  std::function<Status(const OutputChunk&)> fn;
+  std::function<void()> on_abandoned;
+  explicit FnSink(std::function<Status(const OutputChunk&)> f, std::function<void()> a = {})
+      : fn(std::move(f)), on_abandoned(std::move(a)) {}
+  Status deliver(const OutputChunk& c) override { return fn(c); }
+  void abandoned() override {
+    if (on_abandoned) on_abandoned();
   }
 };
 

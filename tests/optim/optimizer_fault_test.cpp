@@ -149,17 +149,15 @@ TEST_P(OptimizerFaults, FailedCheckpointLoadKeepsTheState) {
   ASSERT_TRUE(test::state_matches(rig_->opt(), *ref_));
 }
 
-// Options that deliver the updated params through on_output (as the engine's param sink does)
-// into `out`, counting the pieces.
-StepOptions deliver_into(test::Outputs& out, int& pieces) {
-  StepOptions so;
-  so.on_output = [&out, &pieces](const OutputChunk& c) -> Status {
+// A sink that delivers the updated params piece by piece (as the engine's param sink does) into
+// `out`, counting the pieces.
+test::FnSink deliver_into(test::Outputs& out, int& pieces) {
+  return test::FnSink([&out, &pieces](const OutputChunk& c) -> Status {
     const std::size_t esize = param_output_size(c.dtype);
     std::memcpy(out.data[c.partition].data() + c.offset * esize, c.data, c.numel * esize);
     ++pieces;
     return Status::Ok();
-  };
-  return so;
+  });
 }
 
 // Every delivered param equals the reference's output after its last step.
@@ -179,7 +177,9 @@ StepOptions deliver_into(test::Outputs& out, int& pieces) {
 TEST_P(OptimizerFaults, AFailedStepPutsBackTheParamsItHadDelivered) {
   test::Outputs out(ref_->model());
   int pieces = 0;
-  const StepOptions so = deliver_into(out, pieces);
+  test::FnSink sink = deliver_into(out, pieces);
+  StepOptions so;
+  so.sink = &sink;
   feed(rig_->opt(), *ref_, 1, 1, DType::kBF16, GradMode::kCopy);
   ASSERT_TRUE(ref_->step(1.0, 0));
   ASSERT_TRUE(rig_->opt().step(so).ok());
@@ -208,13 +208,16 @@ TEST_P(OptimizerFaults, AFailedStepPutsBackTheParamsItHadDelivered) {
 TEST_P(OptimizerFaults, ParamsThatCannotBePutBackAreReportedStale) {
   test::Outputs out(ref_->model());
   int pieces = 0;
-  const StepOptions good = deliver_into(out, pieces);
+  test::FnSink good_sink = deliver_into(out, pieces);
+  StepOptions good;
+  good.sink = &good_sink;
   std::set<std::pair<PartitionId, std::uint64_t>> seen;
-  StepOptions refusing = good;
-  refusing.on_output = [&](const OutputChunk& c) -> Status {
+  test::FnSink refusing_sink([&](const OutputChunk& c) -> Status {
     if (!seen.insert({c.partition, c.offset}).second) return Status(StatusCode::kIoError, "the sink is full");
-    return good.on_output(c);
-  };
+    return good_sink.deliver(c);
+  });
+  StepOptions refusing;
+  refusing.sink = &refusing_sink;
   feed(rig_->opt(), *ref_, 1, 1, DType::kBF16, GradMode::kCopy);
   ASSERT_TRUE(ref_->step(1.0, 0));
   ASSERT_TRUE(rig_->opt().step(good).ok());

@@ -74,8 +74,10 @@ std::vector<StepReport> run_both(const Home& home, const OffloadedOptimizerOptio
   const std::uint64_t chunks = over->opt().stats().chunks;  // (stats() may not run beside a pass)
   for (int step = 1; step <= steps; ++step) {
     StepOptions ss, so;
-    ss.destination = [&](PartitionId id) -> void* { return out_serial.data[id].data(); };
-    so.destination = [&](PartitionId id) -> void* { return out_over.data[id].data(); };
+    const std::vector<void*> out_serial_dest = out_serial.pointers();
+    ss.destinations = out_serial_dest;
+    const std::vector<void*> out_over_dest = out_over.pointers();
+    so.destinations = out_over_dest;
     for (int micro = 0; micro < o.gradient_accumulation_steps; ++micro) {
       const auto g = grads_for(ref, step, micro, grad_scale);
       const bool boundary = micro + 1 == o.gradient_accumulation_steps;
@@ -154,7 +156,8 @@ TEST_P(Overlap, SettingTheLrWhileAPassRunsIsSafe) {
   OffloadedOptimizer& opt = rig->opt();
   test::Outputs out(ref.model());
   StepOptions so;
-  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  const std::vector<void*> out_dest = out.pointers();
+  so.destinations = out_dest;
   std::atomic<bool> stop{false};
   std::thread scheduler([&] {
     for (int i = 0; !stop.load(); ++i) {
@@ -189,7 +192,8 @@ TEST_P(Overlap, AnOverflowSkipsTheStepAndDeliversTheCommittedParamsAgain) {
   OffloadedOptimizer& opt = rig->opt();
   test::Outputs out(ref.model());
   StepOptions so;
-  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  const std::vector<void*> out_dest = out.pointers();
+  so.destinations = out_dest;
   // One good step, so that the params differ from the initial masters' conversion.
   auto g = grads_for(ref, 1, 0, 1.0f);
   ASSERT_TRUE(opt.start_overlapped_step(so).ok());
@@ -252,13 +256,20 @@ TEST_P(OverlapDeclared, DeclaredGradientsComeThroughTheGradSource) {
   auto serial = test::make_rig(std::get<0>(GetParam()), o, ref);
   auto over = test::make_rig(std::get<0>(GetParam()), o, ref);
   const auto g = grads_for(ref, 1, 0, 1e-2f);
+  struct Counting final : GradSource {
+    const std::vector<std::vector<std::uint8_t>>* grads = nullptr;
+    const Reference* ref = nullptr;
+    int fetched = 0, done = 0;
+    Result<cpu::ConstTensorRef> acquire(PartitionId id) override {
+      ++fetched;
+      return cpu::ConstTensorRef((*grads)[id].data(), DType::kBF16, ref->model()[id].numel);
+    }
+    void release(PartitionId) override { ++done; }
+  } source;
+  source.grads = &g;
+  source.ref = &ref;
   StepOptions so;
-  int fetched = 0, done = 0;
-  so.grad_source = [&](PartitionId id) -> Result<cpu::ConstTensorRef> {
-    ++fetched;
-    return cpu::ConstTensorRef(g[id].data(), DType::kBF16, ref.model()[id].numel);
-  };
-  so.grad_done = [&](PartitionId) { ++done; };
+  so.grads = &source;
   ASSERT_TRUE(over->opt().start_overlapped_step(so).ok());
   for (std::size_t i = ref.model().size(); i-- > 0;) {
     const auto sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g[i].data(), DType::kBF16, ref.model()[i].numel));
@@ -275,8 +286,8 @@ TEST_P(OverlapDeclared, DeclaredGradientsComeThroughTheGradSource) {
   // Once each: the clipped pass stops before its first chunk (the first gradient declared already
   // exceeds the norm), and the redo's walk, out of order, keeps each partition's gradient (20000
   // elements span five chunks) until its last chunk.
-  EXPECT_EQ(fetched, static_cast<int>(ref.model().size()));
-  EXPECT_EQ(done, fetched);
+  EXPECT_EQ(source.fetched, static_cast<int>(ref.model().size()));
+  EXPECT_EQ(source.done, source.fetched);
   for (std::size_t i = 0; i < ref.model().size(); ++i) {
     const std::uint64_t n = ref.model()[i].numel;
     std::vector<float> x(n), y(n);
@@ -288,11 +299,11 @@ TEST_P(OverlapDeclared, DeclaredGradientsComeThroughTheGradSource) {
 
 // A sink that gathers each partition's pieces and publishes the partition once it has numel
 // elements (as tier.torch's engine sink does). A pass that delivers pieces and is then redone
-// (clipping found late) must tell it to start over (outputs_abandoned): otherwise its counts
+// (clipping found late) must tell it to start over (ParamSink::abandoned): otherwise its counts
 // include the pass's pieces, and a partition is published half made of them.
 TEST_P(Overlap, ARedoneStepRestartsAGatheringSink) {
   for (bool tell : {true, false}) {
-    SCOPED_TRACE(tell ? "outputs_abandoned set" : "outputs_abandoned not set");
+    SCOPED_TRACE(tell ? "the sink hears of abandoned passes" : "the sink does not hear of abandoned passes");
     Reference ref(test::mixed_model(), test::three_groups(), 11);
     const OffloadedOptimizerOptions o = opts(0.5);
     auto serial = test::make_rig(GetParam(), o, ref);
@@ -300,8 +311,7 @@ TEST_P(Overlap, ARedoneStepRestartsAGatheringSink) {
     const std::size_t parts = ref.model().size();
     std::vector<std::vector<std::uint8_t>> gathering(parts), published(parts);
     std::vector<std::uint64_t> count(parts, 0);
-    StepOptions so;
-    so.on_output = [&](const OutputChunk& c) -> Status {
+    test::FnSink sink([&](const OutputChunk& c) -> Status {
       const std::size_t es = param_output_size(c.dtype);
       auto& g = gathering[c.partition];
       g.resize(ref.model()[c.partition].numel * es);
@@ -312,8 +322,10 @@ TEST_P(Overlap, ARedoneStepRestartsAGatheringSink) {
         count[c.partition] = 0;
       }
       return {};
-    };
-    if (tell) so.outputs_abandoned = [&] { std::fill(count.begin(), count.end(), 0); };
+    });
+    if (tell) sink.on_abandoned = [&] { std::fill(count.begin(), count.end(), 0); };
+    StepOptions so;
+    so.sink = &sink;
     // Small gradients everywhere but in partition 0 (what backward finishes last), whose large
     // one makes the step clipped only once the pass has updated the other chunks.
     auto g = grads_for(ref, 1, 0, 1e-4f);
@@ -329,7 +341,8 @@ TEST_P(Overlap, ARedoneStepRestartsAGatheringSink) {
     EXPECT_GT(b->speculated_chunks, 0u);
     test::Outputs expect(ref.model());
     StepOptions ss;
-    ss.destination = [&](PartitionId id) -> void* { return expect.data[id].data(); };
+    const std::vector<void*> expect_dest = expect.pointers();
+    ss.destinations = expect_dest;
     for (std::size_t i = parts; i-- > 0;) ASSERT_TRUE(give(serial->opt(), ref, g, i).ok());
     ASSERT_TRUE(serial->opt().step(ss).ok());
     std::size_t wrong = 0;
@@ -354,7 +367,8 @@ TEST_P(Overlap, ACancelledStepChangesNothing) {
   OffloadedOptimizer& opt = rig->opt();
   test::Outputs out(ref.model());
   StepOptions so;
-  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  const std::vector<void*> out_dest = out.pointers();
+  so.destinations = out_dest;
   // Params as the committed state has them.
   for (std::size_t i = 0; i < ref.model().size(); ++i) {
     if (ref.model()[i].output == ParamOutput::kNone) continue;
@@ -394,7 +408,8 @@ TEST_P(Overlap, WithoutRedeliveryACancelLeavesThePassOutputsAlone) {
   test::Outputs out(ref.model());
   StepOptions so;
   so.redeliver_abandoned_outputs = false;
-  so.destination = [&](PartitionId id) -> void* { return out.data[id].data(); };
+  const std::vector<void*> out_dest = out.pointers();
+  so.destinations = out_dest;
   const auto g = grads_for(ref, 1, 0, 1e-2f);
   const std::uint64_t chunks = opt.stats().chunks;
   ASSERT_TRUE(opt.start_overlapped_step(so).ok());

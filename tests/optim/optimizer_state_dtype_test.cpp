@@ -33,8 +33,9 @@ OffloadedOptimizerOptions opts(StateDType sd, std::uint64_t chunk = 4096) {
 void step_both(OffloadedOptimizer& opt, Reference& ref, std::uint64_t step, test::Outputs* outs = nullptr) {
   feed(opt, ref, step, 1, DType::kBF16, GradMode::kCopy);
   ASSERT_TRUE(ref.step(1.0, 0.05));
+  const std::vector<void*> dest = outs ? outs->pointers() : std::vector<void*>{};
   StepOptions so;
-  if (outs) so.destination = [outs](PartitionId id) -> void* { return outs->data[id].data(); };
+  so.destinations = dest;
   auto r = opt.step(so);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_TRUE(r->applied);

@@ -1,0 +1,75 @@
+// tier/engine_step_io.hpp — the optimizer step's interfaces (optim::ParamSink, optim::GradSource)
+// over engine tensors: updated params written into their engine tensors, and declared gradients
+// read from theirs. What tier.torch's engine steps with, for any C++ caller whose params and
+// gradients are engine tensors.
+//
+// Both are used by the thread that runs the step (or an overlapped step's pass), one at a time,
+// and must outlive it (step(), finish_overlapped_step(), cancel_overlapped_step() returning).
+// The optimizer's acquires stay out of the engine's access trace: an overlapped pass interleaves
+// them with backward's in an order of its own, which would drop the trace every step.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "tier/engine.hpp"
+#include "tier/offloaded_optimizer.hpp"
+
+namespace tier::step {
+
+// Writes the updated low-precision params of each partition into its engine tensor: a host write
+// lease per partition, opened at its first piece and released once every element has come. Pieces
+// of a partition may come in any order and interleaved with other partitions' (an overlapped step
+// walks the chunks in reverse), so a partition's lease stays open until it is complete; only
+// partitions that span the chunk being walked are open at a time.
+class EngineParamSink final : public optim::ParamSink {
+ public:
+  // tensors[i]: partition i's engine tensor (< 0: none, its pieces are dropped). `offsets` (empty:
+  // all 0) places partition i at element offsets[i] of its tensor; a partition that is part of
+  // its tensor (a rank's shard) is written in place (read, write back).
+  EngineParamSink(Engine& engine, std::vector<std::int64_t> tensors, std::vector<std::int64_t> offsets,
+                  const optim::OffloadedOptimizer& opt);
+  ~EngineParamSink() override;
+
+  Status deliver(const optim::OutputChunk& chunk) override;
+  // An abandoned overlapped pass: the leases of the partitions it left half written are released
+  // as they are (their memory was written, so they cannot be abandoned; the redo or the
+  // re-delivery that follows writes each of them again whole), and the pieces that follow are
+  // counted afresh.
+  void abandoned() override;
+  // Releases the leases still open (a step that failed part way); the first error.
+  Status close();
+
+ private:
+  struct Open {
+    Lease lease;
+    std::uint64_t written = 0;
+  };
+  Engine& engine_;
+  std::vector<std::int64_t> tensors_;
+  std::vector<std::int64_t> offsets_;
+  const optim::OffloadedOptimizer& opt_;
+  std::unordered_map<optim::PartitionId, Open> open_;
+};
+
+// Declared gradients read from their engine tensors: one host read lease per partition while the
+// step needs it; a prefetch hint starts the acquire, which acquire() then waits for.
+class EngineGradSource final : public optim::GradSource {
+ public:
+  // tensors[i]: partition i's gradient tensor (< 0: none; asking for it is an error).
+  EngineGradSource(Engine& engine, std::vector<std::int64_t> tensors);
+  ~EngineGradSource() override;  // cancels hinted acquires never asked for (the step failed)
+
+  Result<cpu::ConstTensorRef> acquire(optim::PartitionId id) override;
+  void release(optim::PartitionId id) override;
+  void prefetch(optim::PartitionId id) override;
+
+ private:
+  Engine& engine_;
+  std::vector<std::int64_t> tensors_;
+  std::unordered_map<optim::PartitionId, Lease> leases_;
+  std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;  // started by prefetch
+};
+
+}  // namespace tier::step

@@ -1,0 +1,102 @@
+// The optimizer step's interfaces over engine tensors (include/tier/engine_step_io.hpp).
+#include "tier/engine_step_io.hpp"
+
+#include <cstring>
+#include <utility>
+
+namespace tier::step {
+
+EngineParamSink::EngineParamSink(Engine& engine, std::vector<std::int64_t> tensors, std::vector<std::int64_t> offsets,
+                                 const optim::OffloadedOptimizer& opt)
+    : engine_(engine), tensors_(std::move(tensors)), offsets_(std::move(offsets)), opt_(opt) {}
+
+EngineParamSink::~EngineParamSink() {
+  close().ignore();
+}
+
+Status EngineParamSink::deliver(const optim::OutputChunk& c) {
+  if (c.partition >= tensors_.size() || tensors_[c.partition] < 0) return Status::Ok();
+  auto it = open_.find(c.partition);
+  const std::uint64_t base = c.partition < offsets_.size() ? static_cast<std::uint64_t>(offsets_[c.partition]) : 0;
+  if (it == open_.end()) {
+    Open o;
+    const auto tid = static_cast<TensorId>(tensors_[c.partition]);
+    TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
+    const bool whole = base == 0 && info.desc.numel == opt_.partition_numel(c.partition);
+    TIER_ASSIGN_OR_RETURN(o.lease, engine_.acquire_now(tid, Tier::kHost, whole ? Access::kWrite : Access::kReadWrite,
+                                                       /*traced=*/false));
+    it = open_.emplace(c.partition, std::move(o)).first;
+  }
+  Open& o = it->second;
+  const std::size_t esize = optim::param_output_size(c.dtype);
+  if ((base + c.offset + c.numel) * esize > o.lease.bytes()) {
+    return internal_error(str("partition ", c.partition, ": output past the end of its tensor"));
+  }
+  std::memcpy(static_cast<char*>(o.lease.data()) + (base + c.offset) * esize, c.data, c.numel * esize);
+  o.written += c.numel;
+  if (o.written >= opt_.partition_numel(c.partition)) {
+    Status s = o.lease.release();
+    open_.erase(it);
+    return s;
+  }
+  return Status::Ok();
+}
+
+void EngineParamSink::abandoned() {
+  for (auto& [pid, o] : open_) o.lease.release().ignore();
+  open_.clear();
+}
+
+Status EngineParamSink::close() {
+  Status first;
+  for (auto& [pid, o] : open_) {
+    Status s = o.lease.release();
+    if (first.ok()) first = s;
+  }
+  open_.clear();
+  return first;
+}
+
+EngineGradSource::EngineGradSource(Engine& engine, std::vector<std::int64_t> tensors)
+    : engine_(engine), tensors_(std::move(tensors)) {}
+
+EngineGradSource::~EngineGradSource() {
+  for (auto& [id, f] : ahead_) f.cancel();
+}
+
+Result<cpu::ConstTensorRef> EngineGradSource::acquire(optim::PartitionId id) {
+  if (id >= tensors_.size() || tensors_[id] < 0) {
+    return invalid_argument(str("partition ", id, " has a declared gradient but no gradient tensor"));
+  }
+  const auto tid = static_cast<TensorId>(tensors_[id]);
+  TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
+  auto ahead = ahead_.find(id);
+  Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
+  if (ahead != ahead_.end()) {
+    got = ahead->second.wait();
+    ahead_.erase(ahead);
+  } else {
+    got = engine_.acquire_now(tid, Tier::kHost, Access::kRead, /*traced=*/false);
+  }
+  TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
+  const void* data = lease.data();
+  leases_[id] = std::move(lease);
+  return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
+}
+
+void EngineGradSource::release(optim::PartitionId id) {
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return;
+  it->second.release().ignore();  // a read lease: nothing to write back
+  leases_.erase(it);
+}
+
+// The serial step names the next chunk's gradients while it updates the current one: their reads
+// from NVMe start then, instead of stalling the update when it gets there.
+void EngineGradSource::prefetch(optim::PartitionId id) {
+  if (id >= tensors_.size() || tensors_[id] < 0 || ahead_.count(id)) return;
+  ahead_.emplace(id, engine_.acquire(static_cast<TensorId>(tensors_[id]), Tier::kHost, Access::kRead,
+                                     /*traced=*/false));
+}
+
+}  // namespace tier::step
