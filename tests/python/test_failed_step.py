@@ -78,10 +78,14 @@ def _fail_second_step(engine, overlap, fault):
     op, err, kind = FAULTS[fault]
     raised = None
     for i in range(4):
+        # Exact: the step's update starts during micro-step 3's backward, and may have read every
+        # chunk by the time backward returns; so the fault is in place before that backward
+        # (serial: the same, its update runs in step()). Delayed: the update started at
+        # micro-step 1's step runs meanwhile and fails; its join at micro-step 3's step reports it.
+        if overlap != "delayed" and i == 3:
+            engine.optimizer._inject_io_fault(op, err, nth=1, count=10**9)
         _micro(engine, i)
-        # Delayed: the update started at micro-step 1's step runs meanwhile and fails; its join
-        # at micro-step 3's step reports it.
-        if i == (1 if overlap == "delayed" else 3):
+        if overlap == "delayed" and i == 1:
             engine.optimizer._inject_io_fault(op, err, nth=1, count=10**9)
         if i == 3:
             with pytest.raises(kind) as info:
