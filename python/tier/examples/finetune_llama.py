@@ -63,13 +63,15 @@ def corpus_bytes(where):
 
 
 def llama_config(args):
+    """The Llama config of the main job's arguments (the benches under bench/ pass theirs, which
+    may lack the 7B presets' --vocab, --intermediate and --kv-heads: their defaults apply)."""
     return transformers.LlamaConfig(
-        vocab_size=args.vocab,
+        vocab_size=getattr(args, "vocab", 256),
         hidden_size=args.hidden,
-        intermediate_size=args.intermediate or (args.hidden * 8 // 3 // 64 * 64 or 64),
+        intermediate_size=getattr(args, "intermediate", 0) or (args.hidden * 8 // 3 // 64 * 64 or 64),
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads or max(1, args.heads // 2),
+        num_key_value_heads=getattr(args, "kv_heads", 0) or max(1, args.heads // 2),
         max_position_embeddings=args.seq,
         tie_word_embeddings=False,
     )
