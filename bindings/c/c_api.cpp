@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -90,8 +91,8 @@ constexpr std::size_t kCommCallbacksV1 = sizeof(tier_comm_callbacks_t);
 constexpr std::size_t kCommNcclConfigV1 = sizeof(tier_comm_nccl_config_t);
 constexpr std::size_t kOptimizerConfigV1 = sizeof(tier_optimizer_config_t);
 constexpr std::size_t kParamGroupV1 = sizeof(tier_param_group_t);
-constexpr std::size_t kStepOptionsV1 = sizeof(tier_step_options_t);
-constexpr std::size_t kStepReportV1 = sizeof(tier_step_report_t);
+constexpr std::size_t kStepOptionsV1 = offsetof(tier_step_options_t, skip_missing);
+constexpr std::size_t kStepReportV1 = offsetof(tier_step_report_t, overlapped);
 
 // ---- errors
 
@@ -1177,6 +1178,17 @@ tier_status_t tier_optimizer_add_grad(tier_optimizer_t* optimizer, uint32_t inde
   });
 }
 
+tier_status_t tier_optimizer_add_grad_borrowed(tier_optimizer_t* optimizer, uint32_t index, const DLTensor* grad) {
+  return guarded("tier_optimizer_add_grad_borrowed", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_RETURN_IF_ERROR(check_index(d, index));
+    // Host memory only: a device gradient would need a copy, which would not outlive this call.
+    TIER_ASSIGN_OR_RETURN(HostView v, host_view(grad, "grad", d.param(index).name, false, nullptr));
+    return d.add_grad(index, {v.data, v.layout.dtype, v.shape()}, tier::step::GradIntake::kBorrow);
+  });
+}
+
 tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer) {
   return guarded("tier_optimizer_clear_grads", [&]() -> Status {
     TIER_C_REQUIRE(optimizer);
@@ -1185,51 +1197,127 @@ tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer) {
   });
 }
 
+namespace {
+
+// tier_step_options_t (NULL: the defaults) as the driver's arguments, each output checked.
+Result<tier::step::StepArgs> step_args(tier::step::StepDriver& d, const tier_step_options_t* options) {
+  tier_step_options_t o = TIER_STEP_OPTIONS_INIT;
+  if (options != nullptr) {
+    const tier_step_options_t defaults = TIER_STEP_OPTIONS_INIT;
+    TIER_ASSIGN_OR_RETURN(o, read_versioned(options, defaults, kStepOptionsV1, "options", "tier_step_options_t",
+                                            "TIER_STEP_OPTIONS_INIT"));
+  }
+  tier::step::StepArgs args;
+  if (o.set_lr != 0) args.lr = o.lr;
+  args.skip_missing = o.skip_missing != 0;
+  if (o.params_out != nullptr) {
+    if (o.num_params_out != d.param_count()) {
+      return tier::invalid_argument(str("options->num_params_out is ", o.num_params_out, " but ", d.param_count(),
+                                        " parameters were added (one entry per parameter, NULL to skip one)"));
+    }
+    args.outputs.resize(d.param_count(), nullptr);
+    for (uint32_t i = 0; i < o.num_params_out; ++i) {
+      if (o.params_out[i] == nullptr) continue;
+      const std::string arg = str("options->params_out[", i, "]");
+      TIER_ASSIGN_OR_RETURN(args.outputs[i], output_view(d, i, o.params_out[i], arg.c_str(), d.param(i).dtype));
+    }
+  } else if (o.num_params_out != 0) {
+    return tier::invalid_argument("options->num_params_out is set but params_out is NULL");
+  }
+  return args;
+}
+
+// Checks an out_report's struct_size (NULL: none); the bytes to write.
+Result<std::size_t> report_size(const tier_step_report_t* out_report) {
+  if (out_report == nullptr) return std::size_t{0};
+  return output_size(out_report, kStepReportV1, "out_report", "tier_step_report_t", "TIER_STEP_REPORT_INIT");
+}
+
+void write_report(const tier::optim::StepReport& r, tier_step_report_t* out_report, std::size_t bytes) {
+  if (out_report == nullptr) return;
+  tier_step_report_t rep = TIER_STEP_REPORT_INIT;
+  rep.step = r.step;
+  rep.applied = r.applied ? 1 : 0;
+  rep.grad_norm = r.grad_norm;
+  rep.clip_coefficient = r.clip_coefficient;
+  rep.loss_scale = r.loss_scale;
+  rep.seconds = r.seconds;
+  rep.overlapped = r.overlapped ? 1 : 0;
+  rep.redone = r.redone ? 1 : 0;
+  std::memcpy(static_cast<void*>(out_report), &rep, bytes);
+  out_report->struct_size = bytes;
+}
+
+}  // namespace
+
 tier_status_t tier_optimizer_step(tier_optimizer_t* optimizer, const tier_step_options_t* options,
                                   tier_step_report_t* out_report) {
   return guarded("tier_optimizer_step", [&]() -> Status {
     TIER_C_REQUIRE(optimizer);
     tier::step::StepDriver& d = driver_of(optimizer);
-    tier_step_options_t o = TIER_STEP_OPTIONS_INIT;
-    if (options != nullptr) {
-      const tier_step_options_t defaults = TIER_STEP_OPTIONS_INIT;
-      TIER_ASSIGN_OR_RETURN(o, read_versioned(options, defaults, kStepOptionsV1, "options", "tier_step_options_t",
-                                              "TIER_STEP_OPTIONS_INIT"));
-    }
-    std::size_t report_bytes = 0;
-    if (out_report != nullptr) {
-      TIER_ASSIGN_OR_RETURN(report_bytes, output_size(out_report, kStepReportV1, "out_report", "tier_step_report_t",
-                                                      "TIER_STEP_REPORT_INIT"));
-    }
-    tier::step::StepArgs args;
-    if (o.set_lr != 0) args.lr = o.lr;
-    if (o.params_out != nullptr) {
-      if (o.num_params_out != d.param_count()) {
-        return tier::invalid_argument(str("options->num_params_out is ", o.num_params_out, " but ", d.param_count(),
-                                          " parameters were added (one entry per parameter, NULL to skip one)"));
-      }
-      args.outputs.resize(d.param_count(), nullptr);
-      for (uint32_t i = 0; i < o.num_params_out; ++i) {
-        if (o.params_out[i] == nullptr) continue;
-        const std::string arg = str("options->params_out[", i, "]");
-        TIER_ASSIGN_OR_RETURN(args.outputs[i], output_view(d, i, o.params_out[i], arg.c_str(), d.param(i).dtype));
-      }
-    } else if (o.num_params_out != 0) {
-      return tier::invalid_argument("options->num_params_out is set but params_out is NULL");
-    }
+    TIER_ASSIGN_OR_RETURN(const std::size_t report_bytes, report_size(out_report));
+    TIER_ASSIGN_OR_RETURN(const tier::step::StepArgs args, step_args(d, options));
     TIER_ASSIGN_OR_RETURN(tier::optim::StepReport r, d.step(args));
-    if (out_report != nullptr) {
-      tier_step_report_t rep = TIER_STEP_REPORT_INIT;
-      rep.step = r.step;
-      rep.applied = r.applied ? 1 : 0;
-      rep.grad_norm = r.grad_norm;
-      rep.clip_coefficient = r.clip_coefficient;
-      rep.loss_scale = r.loss_scale;
-      rep.seconds = r.seconds;
-      std::memcpy(static_cast<void*>(out_report), &rep, report_bytes);
-      out_report->struct_size = report_bytes;
-    }
+    write_report(r, out_report, report_bytes);
     return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_start_overlap(tier_optimizer_t* optimizer, const tier_step_options_t* options) {
+  return guarded("tier_optimizer_start_overlap", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_ASSIGN_OR_RETURN(const tier::step::StepArgs args, step_args(d, options));
+    return d.start_overlap(args);
+  });
+}
+
+tier_status_t tier_optimizer_finish_overlap(tier_optimizer_t* optimizer, tier_step_report_t* out_report) {
+  return guarded("tier_optimizer_finish_overlap", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_ASSIGN_OR_RETURN(const std::size_t report_bytes, report_size(out_report));
+    TIER_ASSIGN_OR_RETURN(tier::optim::StepReport r, driver_of(optimizer).finish_overlap());
+    write_report(r, out_report, report_bytes);
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_cancel_overlap(tier_optimizer_t* optimizer) {
+  return guarded("tier_optimizer_cancel_overlap", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    driver_of(optimizer).cancel_overlap();
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_get_group(tier_optimizer_t* optimizer, int32_t group, tier_param_group_t* out_group) {
+  return guarded("tier_optimizer_get_group", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(out_group);
+    TIER_ASSIGN_OR_RETURN(const std::size_t bytes, output_size(out_group, kParamGroupV1, "out_group",
+                                                               "tier_param_group_t", "TIER_PARAM_GROUP_INIT"));
+    TIER_ASSIGN_OR_RETURN(const tier::cpu::AdamHyperParams hp, driver_of(optimizer).hyper_params(group));
+    tier_param_group_t g = TIER_PARAM_GROUP_INIT;
+    g.lr = hp.lr;
+    g.beta1 = hp.beta1;
+    g.beta2 = hp.beta2;
+    g.eps = hp.eps;
+    g.weight_decay = hp.weight_decay;
+    std::memcpy(static_cast<void*>(out_group), &g, bytes);
+    out_group->struct_size = bytes;
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_set_group(tier_optimizer_t* optimizer, int32_t group,
+                                       const tier_param_group_t* group_params) {
+  return guarded("tier_optimizer_set_group", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(group_params);
+    const tier_param_group_t defaults = TIER_PARAM_GROUP_INIT;
+    TIER_ASSIGN_OR_RETURN(tier_param_group_t g, read_versioned(group_params, defaults, kParamGroupV1, "group_params",
+                                                               "tier_param_group_t", "TIER_PARAM_GROUP_INIT"));
+    return driver_of(optimizer).set_hyper_params(group, g.lr, g.beta1, g.beta2, g.eps, g.weight_decay);
   });
 }
 

@@ -568,7 +568,15 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_find_param(tier_optimize
  * gradient_accumulation_steps). */
 TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_grad(tier_optimizer_t* optimizer, uint32_t index,
                                                                  const DLTensor* grad);
-/* Forgets the gradients taken since the last step. */
+/* As tier_optimizer_add_grad, but borrowed instead of copied: the update reads `grad` in place,
+ * which saves a pass over it (one host pass per gradient element instead of two). `grad` must be
+ * host memory (kDLCPU or kDLCUDAHost), compact row-major, and stay valid and unchanged until the
+ * step (tier_optimizer_step, tier_optimizer_finish_overlap) or tier_optimizer_clear_grads returns;
+ * the step's whole gradient, so only with gradient_accumulation_steps 1
+ * (TIER_ERROR_INVALID_ARGUMENT otherwise). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_grad_borrowed(tier_optimizer_t* optimizer, uint32_t index,
+                                                                          const DLTensor* grad);
+/* Forgets the gradients taken since the last step (and drops an overlapped step in flight). */
 TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer);
 
 typedef struct tier_step_options {
@@ -579,9 +587,13 @@ typedef struct tier_step_options {
    * (NULL entries are skipped), each with the parameter's shape and dtype, in host memory. */
   DLTensor* const* params_out;
   uint32_t num_params_out;
+  /* nonzero: a parameter without a gradient this step is left as it is (values and moments, no
+   * weight decay), as torch.optim skips a parameter whose grad is None; 0: such a step is refused
+   * (TIER_ERROR_FAILED_PRECONDITION naming the parameter). */
+  int32_t skip_missing;
 } tier_step_options_t;
 #define TIER_STEP_OPTIONS_INIT \
-  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0 }
+  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0 }
 
 typedef struct tier_step_report {
   size_t struct_size; /* sizeof(tier_step_report_t); set by TIER_STEP_REPORT_INIT */
@@ -591,9 +603,11 @@ typedef struct tier_step_report {
   double clip_coefficient;
   double loss_scale; /* the scale the gradients carried */
   double seconds;
+  int32_t overlapped; /* the step ran overlapped (tier_optimizer_start_overlap) */
+  int32_t redone;     /* ... and its pass was dropped and the step run again serially (e.g. clipped) */
 } tier_step_report_t;
 #define TIER_STEP_REPORT_INIT \
-  { sizeof(tier_step_report_t), 0, 0, 0.0, 0.0, 0.0, 0.0 }
+  { sizeof(tier_step_report_t), 0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0 }
 
 /* One optimizer step over every parameter (options and out_report may be NULL). Checked first:
  * every parameter has its gradient_accumulation_steps gradients, the lr is finite and not
@@ -605,6 +619,30 @@ typedef struct tier_step_report {
 TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_step(tier_optimizer_t* optimizer,
                                                              const tier_step_options_t* options,
                                                              tier_step_report_t* out_report);
+
+/* The step overlapped with the gradients' arrival: start_overlap checks `options` as
+ * tier_optimizer_step does (except the gradients, still to come) and starts the update on a thread
+ * of the optimizer's, which updates each chunk of the state as soon as its gradients are in;
+ * gradients are then handed in (tier_optimizer_add_grad or _borrowed, e.g. as backward produces
+ * them, in any order). finish_overlap checks that every gradient is in (as tier_optimizer_step;
+ * on an error nothing is applied and the pass keeps running), computes the global norm and
+ * commits the pass, or runs the step again serially when clipping or an overflow says so: the
+ * result is tier_optimizer_step's, bit for bit. cancel_overlap drops the pass (nothing committed,
+ * the gradients kept). The params_out tensors must stay valid until finish or cancel returns;
+ * those written by a dropped pass are not written again. Only with the state on NVMe (a host home
+ * updates in place: TIER_ERROR_FAILED_PRECONDITION). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_start_overlap(tier_optimizer_t* optimizer,
+                                                                      const tier_step_options_t* options);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_finish_overlap(tier_optimizer_t* optimizer,
+                                                                       tier_step_report_t* out_report);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_cancel_overlap(tier_optimizer_t* optimizer);
+
+/* A parameter group's hyper-parameters, read or set (from the next step on); setting checks them
+ * first (TIER_ERROR_INVALID_ARGUMENT, nothing changed). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_get_group(tier_optimizer_t* optimizer, int32_t group,
+                                                                  tier_param_group_t* out_group);
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_set_group(tier_optimizer_t* optimizer, int32_t group,
+                                                                  const tier_param_group_t* group_params);
 
 /* The parameter's current values (from its fp32 master) into `dst`: its shape, float32, bfloat16
  * or float16, host memory. */

@@ -9,6 +9,7 @@
 #include <tier/tier.h>
 
 #include <ftw.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1229,6 +1230,137 @@ static int test_communicators(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * The optimizer's overlapped step, borrowed gradients, skipped parameters and group
+ * hyper-parameters: a serial optimizer and an overlapped one stepped side by side give the same
+ * bytes, one step clipped (its overlapped pass is then run again serially). */
+
+enum { kOvParams = 2 };
+static const int64_t kOvNumel[kOvParams] = {3072, 2048};
+static const char* const kOvNames[kOvParams] = {"w0", "w1"};
+
+static DLTensor host_f32(float* data, const int64_t* shape) {
+  DLTensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.device.device_type = kDLCPU;
+  t.ndim = 1;
+  t.dtype = kF32;
+  t.shape = (int64_t*)shape;
+  return t;
+}
+
+static int overlap_optimizer(const char* dir, const char* sub, tier_optimizer_t** out) {
+  char path[600];
+  char json[1400];
+  snprintf(path, sizeof path, "%s/%s", dir, sub);
+  snprintf(
+      json, sizeof json,
+      "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 0.01, \"weight_decay\": 0.01}},"
+      " \"gradient_clipping\": 1.0,"
+      " \"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}},"
+      " \"tier\": {\"io\": {\"use_direct\": false}, \"optimizer\": {\"chunk_elements\": 1024}}}",
+      path);
+  tier_optimizer_config_t c = TIER_OPTIMIZER_CONFIG_INIT;
+  c.json = json;
+  c.ignore_env = 1;
+  c.max_elements = 8192;
+  CHECK_OK(tier_optimizer_create(&c, out));
+  for (int k = 0; k < kOvParams; ++k) {
+    float init[3072];
+    for (int64_t i = 0; i < kOvNumel[k]; ++i) init[i] = 0.5f * sinf(0.37f * (float)i + (float)k);
+    DLTensor t = host_f32(init, &kOvNumel[k]);
+    CHECK_OK(tier_optimizer_add_param(*out, kOvNames[k], &t, 0, NULL));
+  }
+  return 0;
+}
+
+static int test_optimizer_overlap(void) {
+  char dir[512];
+  make_temp_dir(dir, sizeof dir);
+  tier_optimizer_t *serial = NULL, *over = NULL;
+  int rc = overlap_optimizer(dir, "serial", &serial);
+  if (rc == 0) rc = overlap_optimizer(dir, "overlap", &over);
+  if (rc != 0) return rc;
+  static float grads[kOvParams][3072], out_s[kOvParams][3072], out_o[kOvParams][3072];
+  DLTensor g[kOvParams], os[kOvParams], oo[kOvParams];
+  DLTensor *os_p[kOvParams], *oo_p[kOvParams];
+  for (int k = 0; k < kOvParams; ++k) {
+    g[k] = host_f32(grads[k], &kOvNumel[k]);
+    os[k] = host_f32(out_s[k], &kOvNumel[k]);
+    oo[k] = host_f32(out_o[k], &kOvNumel[k]);
+    os_p[k] = &os[k];
+    oo_p[k] = &oo[k];
+  }
+  tier_step_options_t so = TIER_STEP_OPTIONS_INIT, oo_opts = TIER_STEP_OPTIONS_INIT;
+  so.params_out = os_p;
+  so.num_params_out = kOvParams;
+  oo_opts.params_out = oo_p;
+  oo_opts.num_params_out = kOvParams;
+  for (int step = 1; step <= 3; ++step) {
+    /* Step 2's gradients are large: clipped at 1.0 (norm about 2000); the others are not (0.2). */
+    const float scale = step == 2 ? 40.0f : 0.004f;
+    for (int k = 0; k < kOvParams; ++k) {
+      for (int64_t i = 0; i < kOvNumel[k]; ++i) grads[k][i] = scale * sinf(0.11f * (float)i + (float)(step * 3 + k));
+    }
+    if (step == 3) { /* a schedule: both take a new lr and betas through their group */
+      tier_param_group_t gp = TIER_PARAM_GROUP_INIT, got = TIER_PARAM_GROUP_INIT;
+      CHECK_OK(tier_optimizer_get_group(serial, 0, &got));
+      CHECK(got.lr == 0.01 && got.weight_decay == 0.01);
+      gp = got;
+      gp.lr = 0.005;
+      gp.beta1 = 0.8;
+      CHECK_OK(tier_optimizer_set_group(serial, 0, &gp));
+      CHECK_OK(tier_optimizer_set_group(over, 0, &gp));
+      CHECK_OK(tier_optimizer_get_group(over, 0, &got));
+      CHECK(got.lr == 0.005 && got.beta1 == 0.8);
+      gp.beta1 = 1.5;
+      CHECK_STATUS(tier_optimizer_set_group(over, 0, &gp), TIER_ERROR_INVALID_ARGUMENT);
+      CHECK_OK(tier_optimizer_get_group(over, 0, &got));
+      CHECK(got.beta1 == 0.8); /* the refused values changed nothing */
+    }
+    for (int k = 0; k < kOvParams; ++k) CHECK_OK(tier_optimizer_add_grad_borrowed(serial, (uint32_t)k, &g[k]));
+    tier_step_report_t rs = TIER_STEP_REPORT_INIT, ro = TIER_STEP_REPORT_INIT;
+    CHECK_OK(tier_optimizer_step(serial, &so, &rs));
+    CHECK(rs.overlapped == 0 && (rs.clip_coefficient < 1.0) == (step == 2));
+
+    CHECK_OK(tier_optimizer_start_overlap(over, &oo_opts));
+    CHECK_STATUS(tier_optimizer_start_overlap(over, &oo_opts), TIER_ERROR_FAILED_PRECONDITION);
+    CHECK_OK(tier_optimizer_add_grad_borrowed(over, 1, &g[1])); /* backward's order: the last first */
+    CHECK_STATUS(tier_optimizer_finish_overlap(over, &ro), TIER_ERROR_FAILED_PRECONDITION);
+    CHECK_ERROR_SAYS("'w0'");
+    CHECK_OK(tier_optimizer_add_grad_borrowed(over, 0, &g[0]));
+    CHECK_OK(tier_optimizer_finish_overlap(over, &ro));
+    CHECK(ro.overlapped == 1 && ro.redone == (step == 2) && ro.step == rs.step);
+    for (int k = 0; k < kOvParams; ++k) {
+      CHECK(memcmp(out_s[k], out_o[k], (size_t)kOvNumel[k] * sizeof(float)) == 0);
+    }
+  }
+  /* A cancelled overlap keeps the gradients; the step then runs serially, to the same bytes. */
+  for (int k = 0; k < kOvParams; ++k) CHECK_OK(tier_optimizer_add_grad(serial, (uint32_t)k, &g[k]));
+  CHECK_OK(tier_optimizer_step(serial, &so, NULL));
+  CHECK_OK(tier_optimizer_start_overlap(over, &oo_opts));
+  for (int k = kOvParams - 1; k >= 0; --k) CHECK_OK(tier_optimizer_add_grad(over, (uint32_t)k, &g[k]));
+  CHECK_OK(tier_optimizer_cancel_overlap(over));
+  CHECK_STATUS(tier_optimizer_finish_overlap(over, NULL), TIER_ERROR_FAILED_PRECONDITION);
+  CHECK_OK(tier_optimizer_step(over, &oo_opts, NULL));
+  for (int k = 0; k < kOvParams; ++k) CHECK(memcmp(out_s[k], out_o[k], (size_t)kOvNumel[k] * sizeof(float)) == 0);
+  /* Skipped parameters: w1 gets no gradient; refused unless skip_missing, then left as it was. */
+  static float w1_before[2048];
+  memcpy(w1_before, out_o[1], sizeof w1_before);
+  CHECK_OK(tier_optimizer_add_grad(over, 0, &g[0]));
+  CHECK_STATUS(tier_optimizer_step(over, &oo_opts, NULL), TIER_ERROR_FAILED_PRECONDITION);
+  CHECK_ERROR_SAYS("'w1'");
+  oo_opts.skip_missing = 1;
+  CHECK_OK(tier_optimizer_step(over, &oo_opts, NULL));
+  CHECK(memcmp(w1_before, out_o[1], sizeof w1_before) == 0);
+  CHECK(memcmp(out_s[0], out_o[0], sizeof(float) * 3072) != 0); /* w0 moved */
+  tier_optimizer_destroy(serial);
+  tier_optimizer_destroy(over);
+  nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Driver */
 
 typedef struct test_case {
@@ -1253,6 +1385,7 @@ static const test_case kCases[] = {
     {"last_error_per_thread", test_last_error_per_thread},
     {"engine_outlives_handle", test_engine_outlives_handle},
     {"communicators", test_communicators},
+    {"optimizer_overlap", test_optimizer_overlap},
 };
 
 int main(int argc, char** argv) {
