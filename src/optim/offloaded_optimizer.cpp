@@ -836,8 +836,19 @@ struct Walk {
 
 // The redo's walk after a pass that stopped with `leftover` read: the buffers' chunks first, each
 // at a position that maps to its buffer (position k uses buffer k % B), the others in order.
-Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, std::size_t chunks, std::size_t buffers) {
+//
+// With `whole_partitions` (the step holds something per partition from its first chunk to its
+// last: a declared gradient from the GradSource, a ParamSink's lease) a leftover chunk goes first
+// only when every partition it holds has all its chunks among those going first: the walk then
+// visits each partition's chunks without a gap, so what it holds for a partition is held for that
+// partition's own chunks only. Taking a chunk from the middle of a partition first would hold that
+// partition's gradient and its params' lease across the whole walk (at 7B a 500 MiB gradient of
+// the output layer beside the embedding's, which then found no room in the host budget). The
+// chunks left out are read again, as any other.
+Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, const std::vector<Chunk>& all, std::size_t parts,
+                std::size_t buffers, bool whole_partitions) {
   Walk w;
+  const std::size_t chunks = all.size();
   const std::size_t first = std::min(chunks, buffers);
   std::vector<std::size_t> holds(first, chunks);  // chunks: none
   std::vector<std::uint8_t> placed(chunks, 0);
@@ -845,6 +856,30 @@ Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, std::size_t c
     if (l.buffer < first && l.chunk < chunks && !placed[l.chunk]) {
       holds[l.buffer] = l.chunk;
       placed[l.chunk] = 1;
+    }
+  }
+  // Each partition's chunks [lo, hi]; drop leftover chunks until none holds a partition with a
+  // chunk outside them (dropping one can make another's partition incomplete: repeat).
+  std::vector<std::size_t> lo(parts, chunks), hi(parts, 0);
+  for (std::size_t i = 0; i < chunks; ++i) {
+    for (PartitionId pid = all[i].first; pid <= all[i].last && pid < parts; ++pid) {
+      lo[pid] = std::min(lo[pid], i);
+      hi[pid] = std::max(hi[pid], i);
+    }
+  }
+  for (bool changed = whole_partitions; changed;) {
+    changed = false;
+    for (std::size_t& h : holds) {
+      if (h >= chunks) continue;
+      bool whole = true;
+      for (PartitionId pid = all[h].first; pid <= all[h].last && pid < parts && whole; ++pid) {
+        for (std::size_t c = lo[pid]; c <= hi[pid] && whole; ++c) whole = placed[c] != 0;
+      }
+      if (!whole) {
+        placed[h] = 0;
+        h = chunks;
+        changed = true;
+      }
     }
   }
   std::size_t next = 0;
@@ -1483,7 +1518,9 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   StepOptions redo = held->options;
   if (redo.norm != nullptr) redo.norm = &known;
   // The chunks the pass had read when it stopped go first, as they are in the buffers.
-  const Walk walk = walk_after(held->leftover, im.chunks.size(), im.bufs.size());
+  bool holds_per_partition = held->options.sink != nullptr;
+  for (const Partition& p : im.parts) holds_per_partition = holds_per_partition || p.declared;
+  const Walk walk = walk_after(held->leftover, im.chunks, im.parts.size(), im.bufs.size(), holds_per_partition);
   Result<StepReport> r = run_step(*this, im, redo, nullptr, im.nvme() ? &walk : nullptr);
   if (!r.ok() && held->options.redeliver_abandoned_outputs && !im.outputs_stale) {
     // The redo failed too (it put back what it had delivered): so must the params the pass had.

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include "optim/optim_test_util.hpp"
@@ -250,51 +251,97 @@ class OverlapDeclared : public testing::TestWithParam<std::tuple<Home, double>> 
   }
 };
 
-TEST_P(OverlapDeclared, DeclaredGradientsComeThroughTheGradSource) {
-  Reference ref(test::mixed_model(), test::three_groups(), 11);
-  OffloadedOptimizerOptions o = opts(std::get<1>(GetParam()));
-  auto serial = test::make_rig(std::get<0>(GetParam()), o, ref);
-  auto over = test::make_rig(std::get<0>(GetParam()), o, ref);
-  const auto g = grads_for(ref, 1, 0, 1e-2f);
-  struct Counting final : GradSource {
-    const std::vector<std::vector<std::uint8_t>>* grads = nullptr;
-    const Reference* ref = nullptr;
-    int fetched = 0, done = 0;
-    Result<cpu::ConstTensorRef> acquire(PartitionId id) override {
-      ++fetched;
-      return cpu::ConstTensorRef((*grads)[id].data(), DType::kBF16, ref->model()[id].numel);
+// A GradSource over the test's gradients that records when each is held, and checks that no
+// gradient is held while another partition, sharing no chunk with it, is fetched and handed back
+// (which a walk visiting a partition's chunks with a gap between them would do: its gradient held
+// across the gap).
+struct RecordingSource final : GradSource {
+  const std::vector<std::vector<std::uint8_t>>* grads = nullptr;
+  std::vector<test::PartDesc> model;
+  std::uint64_t chunk_elements = 0;
+  int fetched = 0, done = 0;
+  std::map<PartitionId, int> held;  // partition -> the fetch that took it (its order)
+  std::vector<std::string> gaps;    // what was fetched and handed back while another was held
+  std::pair<std::uint64_t, std::uint64_t> chunks_of(PartitionId id) const {
+    std::uint64_t start = 0;
+    for (PartitionId i = 0; i < id; ++i) start += model[i].numel;
+    return {start / chunk_elements, (start + model[id].numel - 1) / chunk_elements};
+  }
+  Result<cpu::ConstTensorRef> acquire(PartitionId id) override {
+    held[id] = ++fetched;
+    return cpu::ConstTensorRef((*grads)[id].data(), DType::kBF16, model[id].numel);
+  }
+  void release(PartitionId id) override {
+    ++done;
+    const auto [lo, hi] = chunks_of(id);
+    for (const auto& [other, order] : held) {
+      if (other == id || order > held[id]) continue;
+      const auto [olo, ohi] = chunks_of(other);
+      if (ohi < lo || hi < olo) gaps.push_back(str("partition ", id, " while ", other, " was held"));
     }
-    void release(PartitionId) override { ++done; }
-  } source;
+    held.erase(id);
+  }
+};
+
+// One overlapped step of `model` with declared gradients beside a serial one; the masters must
+// be the same bits. Returns the overlapped step's report.
+StepReport declared_step(const Home& home, double max_norm, const std::vector<test::PartDesc>& model,
+                         RecordingSource& source) {
+  Reference ref(model, test::three_groups(), 11);
+  OffloadedOptimizerOptions o = opts(max_norm);
+  auto serial = test::make_rig(home, o, ref);
+  auto over = test::make_rig(home, o, ref);
+  const auto g = grads_for(ref, 1, 0, 1e-2f);
   source.grads = &g;
-  source.ref = &ref;
+  source.model = model;
+  source.chunk_elements = o.chunk_elements;
   StepOptions so;
   so.grads = &source;
-  ASSERT_TRUE(over->opt().start_overlapped_step(so).ok());
-  for (std::size_t i = ref.model().size(); i-- > 0;) {
-    const auto sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g[i].data(), DType::kBF16, ref.model()[i].numel));
-    ASSERT_TRUE(over->opt().declare_grad(static_cast<PartitionId>(i), *sumsq).ok());
-    ASSERT_TRUE(give(serial->opt(), ref, g, i).ok());
+  EXPECT_TRUE(over->opt().start_overlapped_step(so).ok());
+  for (std::size_t i = model.size(); i-- > 0;) {
+    const auto sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g[i].data(), DType::kBF16, model[i].numel));
+    EXPECT_TRUE(over->opt().declare_grad(static_cast<PartitionId>(i), *sumsq).ok());
+    EXPECT_TRUE(give(serial->opt(), ref, g, i).ok());
   }
   auto b = over->opt().finish_overlapped_step();
-  ASSERT_TRUE(b.ok()) << b.status();
-  ASSERT_TRUE(serial->opt().step().ok());
-  EXPECT_EQ(b->redone, std::get<1>(GetParam()) > 0);
-  if (b->redone) {
-    EXPECT_GT(b->reused_chunks, 0u);
-  }
-  // Once each: the clipped pass stops before its first chunk (the first gradient declared already
-  // exceeds the norm), and the redo's walk, out of order, keeps each partition's gradient (20000
-  // elements span five chunks) until its last chunk.
-  EXPECT_EQ(source.fetched, static_cast<int>(ref.model().size()));
-  EXPECT_EQ(source.done, source.fetched);
-  for (std::size_t i = 0; i < ref.model().size(); ++i) {
-    const std::uint64_t n = ref.model()[i].numel;
+  EXPECT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(serial->opt().step().ok());
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    const std::uint64_t n = model[i].numel;
     std::vector<float> x(n), y(n);
-    ASSERT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, x.data(), 0, n).ok());
-    ASSERT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, y.data(), 0, n).ok());
-    ASSERT_TRUE(test::same_bits(y.data(), x.data(), n, str("master ", i)));
+    EXPECT_TRUE(serial->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, x.data(), 0, n).ok());
+    EXPECT_TRUE(over->opt().read_state(static_cast<PartitionId>(i), StateKind::kMaster, y.data(), 0, n).ok());
+    EXPECT_TRUE(test::same_bits(y.data(), x.data(), n, str("master ", i)));
   }
+  return b.ok() ? *b : StepReport{};
+}
+
+TEST_P(OverlapDeclared, DeclaredGradientsComeThroughTheGradSource) {
+  RecordingSource source;
+  const StepReport b = declared_step(std::get<0>(GetParam()), std::get<1>(GetParam()), test::mixed_model(), source);
+  EXPECT_EQ(b.redone, std::get<1>(GetParam()) > 0);
+  // Once each: the clipped pass stops before its first chunk (the first gradient declared already
+  // exceeds the norm), and the redo's walk keeps each partition's gradient (20000 elements span
+  // five chunks) until its last chunk.
+  EXPECT_EQ(source.fetched, static_cast<int>(test::mixed_model().size()));
+  EXPECT_EQ(source.done, source.fetched);
+  // The buffers the pass left read hold a piece of partition 7 (7777 elements over chunks 6-8):
+  // a redo starting with them would hold its gradient while it walks chunks 0-5. It reads them
+  // again instead, in order.
+  EXPECT_TRUE(source.gaps.empty()) << source.gaps.front() << " (" << source.gaps.size() << " in all)";
+}
+
+// When the chunks the pass left read hold whole partitions, the redo starts with them (no read
+// again), and still holds no gradient across another partition.
+TEST_P(OverlapDeclared, TheRedoReusesTheBuffersThatHoldWholePartitions) {
+  if (std::get<1>(GetParam()) == 0) GTEST_SKIP() << "unclipped: nothing is redone";
+  const std::vector<test::PartDesc> whole(5, test::PartDesc{4096, 0, ParamOutput::kBF16});  // one chunk each
+  RecordingSource source;
+  const StepReport b = declared_step(std::get<0>(GetParam()), std::get<1>(GetParam()), whole, source);
+  EXPECT_TRUE(b.redone);
+  EXPECT_GT(b.reused_chunks, 0u);
+  EXPECT_EQ(b.read.transfers, b.chunks - b.reused_chunks);
+  EXPECT_TRUE(source.gaps.empty()) << source.gaps.front();
 }
 
 // A sink that gathers each partition's pieces and publishes the partition once it has numel
