@@ -248,6 +248,7 @@ def main():
     bench = find_tier_bench(a.tier_bench) if a.plan else None
     inputs = measure_inputs(bench, a.swap_dir, specs) if a.plan else None
     rows = []
+    failed = []
     for preset, k in specs:
         name = f"{preset}:{k}" if k else preset
         args = run_args(preset, k)
@@ -266,8 +267,11 @@ def main():
                "--swap-dir", a.swap_dir, "--json"] + (["--layers", str(k)] if k else [])
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
+            # Said loudly, and the runs before and after it still get their rows.
             print(r.stdout[-2000:], r.stderr[-3000:], sep="\n")
-            sys.exit(f"{name}: the main job failed (exit {r.returncode})")
+            print(f"{name}: the main job failed (exit {r.returncode})", flush=True)
+            failed.append(name)
+            continue
         out = r.stdout
         result = json.loads(out[out.index("{\n"):])
         summary = result["summary"]
@@ -312,7 +316,7 @@ def main():
                                              inputs["compute_flops_per_second"][preset])
             rows[-1]["against_plan"] = cmp
     if not rows:
-        sys.exit("no preset fits the free space")
+        sys.exit("no run completed" + (f" (failed: {', '.join(failed)})" if failed else ": no preset fits the free space"))
     print()
     print(f"{'preset':>6} {'params':>8} {'peak RSS':>9} {'B/param':>8} {'NVMe':>8} {'s/step':>7} {'fwd':>6} "
           f"{'bwd':>6} {'optim':>6} {'optim, steps 2+':>15}")
@@ -334,6 +338,8 @@ def main():
               "(target <= 1.3)")
     if a.json:
         print(json.dumps(rows, indent=1))
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (their output is above)")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
 // and request shapes), not at each direction's sequential rate.
 // Compute is an input (--compute-tflops); without it the predicted time is the offload part only.
 // On tier's emulated device (--emulated) the device is host memory and computes on the host's
-// cores: there compute, the host->device copies and the disk reads of forward and backward add up
-// instead of overlapping.
+// cores: there compute and the host->device copies add up instead of overlapping, while the disk
+// (DMA, started ahead by the prefetcher) runs beside them.
 //
 // LoRA (--lora-r): the trainable parameters are the adapters, r x (in + out) per targeted
 // projection per layer (what PEFT builds); the base is frozen in the compute dtype, streamed from
@@ -532,7 +532,10 @@ int run_plan(Args& args) {
         (p_nvme ? c.h2d_per_step / rates.nvme_read : 0.0) + (o_nvme ? 4.0 * trained * g / rates.nvme_write : 0.0);
     const double grads_s = o_off ? pb * trained * g / rates.d2h : 0.0;
     if (emulated) {
-      c.fwd_bwd = compute + h2d_s + nvme_s + grads_s + act.seconds;
+      // The host's cores compute, copy to the "device" and take the gradients back, one after
+      // another; the disk's reads and writes are DMA (io_uring), which the prefetcher starts ahead
+      // of use, so they run beside them.
+      c.fwd_bwd = std::max(compute + h2d_s + grads_s + act.seconds, nvme_s);
     } else {
       c.fwd_bwd = std::max(compute, std::max(h2d_s, nvme_s) + grads_s + act.seconds);
     }
@@ -677,7 +680,9 @@ int run_plan(Args& args) {
         lora_r, names.c_str(), T / 1e6, dtype.c_str());
   }
   if (emulated) {
-    std::printf("emulated device: compute, host->device copies and disk reads share the host's cores (added up)\n");
+    std::printf(
+        "emulated device: compute and host->device copies share the host's cores (added up); the disk runs "
+        "beside them\n");
   }
   std::printf(
       "rates (%s): NVMe read %s, write %s, mixed %s%s; host->device %s; CPU Adam %.2f G params/s; compute %s\n\n",
@@ -734,8 +739,8 @@ const CommandRegistrar kRegister(
      "                        layer inputs (default), or recomputed with those inputs offloaded\n"
      "  --no-checkpointing    the same as --activations none\n"
      "  --compute-tflops F    the device's sustained TFLOP/s (default: not counted)\n"
-     "  --emulated            tier's emulated device: it computes on the host's cores, so compute, copies and\n"
-     "                        disk reads add up instead of overlapping\n"
+     "  --emulated            tier's emulated device: it computes on the host's cores, so compute and copies\n"
+     "                        add up instead of overlapping (the disk runs beside them)\n"
      "  --lora-r R            LoRA adapters of rank R over the frozen base (default 0: a full fine-tune)\n"
      "  --lora-targets LIST   the projections LoRA adapts (default q_proj,k_proj,v_proj,o_proj)\n"
      "  --layers K            plan for K decoder layers of the model (a layer-sampled run's shape)\n"

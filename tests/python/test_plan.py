@@ -264,7 +264,7 @@ def test_lora_reads_the_base_twice_less_what_the_device_keeps(tmp_path):
     assert roomy["nvme_read_bytes_per_step"] == pytest.approx(16 * got["lora"]["adapter_parameters"])
 
 
-def test_emulated_device_adds_compute_and_transfers(tmp_path):
+def test_emulated_device_adds_compute_and_copies_beside_the_disk(tmp_path):
     transformers.LlamaConfig(**LLAMA7B).save_pretrained(tmp_path)
     common = ("--model", tmp_path, "--seq", 128, "--lora-r", 16, "--gpu", DEVICE_7B_LORA, "--host-budget", "2G",
               "--nvme-size", "1T", "--compute-tflops", 1, "--nvme-read-gbps", 2, "--h2d-gbps", 10)
@@ -275,7 +275,8 @@ def test_emulated_device_adds_compute_and_transfers(tmp_path):
     compute = emu["flops_per_step"] / 1e12
     moved = e["host_to_device_bytes_per_step"]
     disk = moved / 2e9 + 4 * t / 2.5e9  # the base read, the adapters' fp32 gradients written (assumed rate)
-    assert e["forward_backward_seconds"] == pytest.approx(compute + moved / 10e9 + disk + 2 * t / 10e9)
+    # The host's cores compute and copy one after another; the disk's DMA runs beside them.
+    assert e["forward_backward_seconds"] == pytest.approx(max(compute + moved / 10e9 + 2 * t / 10e9, disk))
     assert g["forward_backward_seconds"] == pytest.approx(max(compute, disk + 2 * t / 10e9))
 
 
