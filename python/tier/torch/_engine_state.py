@@ -175,7 +175,7 @@ class StateMixin:
         The keyword arguments are DeepSpeed's; tier restores module, optimizer and scheduler
         together, so only their defaults (what the Hugging Face Trainer passes) are accepted, and a
         partial load is refused with the reason."""
-        from .checkpoint import load
+        from .checkpoint_load import load
 
         if self.native_optimizer is None:
             raise ValueError(

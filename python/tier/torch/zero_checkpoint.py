@@ -34,6 +34,7 @@ import torch
 from .. import _tier
 from .. import fs as _fs
 from . import checkpoint as _ck
+from . import checkpoint_load as _load
 
 FORMAT = "tier-checkpoint-zero-1"
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -204,8 +205,8 @@ def is_rank_checkpoint(load_dir, tag):
 
 def resolve(load_dir, tag):
     load_dir = os.fspath(load_dir)
-    tag = _ck.latest_tag(load_dir) if tag is None else _ck.check_tag(tag)
-    return _ck._resolve(load_dir, tag)
+    tag = _load.latest_tag(load_dir) if tag is None else _ck.check_tag(tag)
+    return _load._resolve(load_dir, tag)
 
 
 def read_verified(path):
@@ -292,7 +293,7 @@ def load(engine, load_dir, tag):
                 f"{engine.compute_dtype_name}"
             )
         for e in (e for p in parts for e in p["params"]):
-            if not all(_ck._count(e.get(k)) for k in ("start", "count", "offset")):
+            if not all(_load._count(e.get(k)) for k in ("start", "count", "offset")):
                 raise ValueError(f"checkpoint {path}: the range of {_ck._short(e.get('name'))} is not made of counts")
         covered = {}
         for p in parts:
@@ -306,16 +307,16 @@ def load(engine, load_dir, tag):
             raise ValueError(
                 f"checkpoint {path} has {len(steps)} parameter groups, this engine {engine.native_optimizer.group_count}"
             )
-        if not all(_ck._count(x) for x in steps):
+        if not all(_load._count(x) for x in steps):
             raise ValueError(f"checkpoint {path}: the step counters {_ck._short(steps)} are not counts")
         # Counters, scheduler state, the schedule's lr at the saved step and this rank's RNG state:
         # all tried before any rank changes anything.
-        plan = _ck._plan_schedule(engine, meta, path)
+        plan = _load._plan_schedule(engine, meta, path)
         if "client_state" not in meta:
             raise ValueError(f"checkpoint {path}: meta.json has no client_state")
         source = parts[rank] if rank < len(parts) else parts[0]
-        rng_cpu = _ck._tried_rng_state(
-            _ck._rng_tensor(source.get("rng_cpu"), torch.get_rng_state().numel(), path, "CPU"), path, "CPU"
+        rng_cpu = _load._tried_rng_state(
+            _load._rng_tensor(source.get("rng_cpu"), torch.get_rng_state().numel(), path, "CPU"), path, "CPU"
         )
     except Exception as e:  # noqa: BLE001 (every rank must hear of it before anyone changes)
         error = e

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from .. import _tier
-from . import checkpoint, zero_checkpoint
+from . import checkpoint, checkpoint_load, zero_checkpoint
 from .atomic_file import atomic_write, private_dir, publish
 
 
@@ -55,7 +55,7 @@ def consolidate(path):
             f"checkpoint {path} has the first tier format ({checkpoint.OLD_FORMAT}, without checksums), which "
             "zero_to_fp32 does not read: load it with engine.load_checkpoint and save it again"
         )
-    return checkpoint.consolidate(path)  # tier-checkpoint-2; any other format is refused there
+    return checkpoint_load.consolidate(path)  # tier-checkpoint-2; any other format is refused there
 
 
 def main(argv=None):
