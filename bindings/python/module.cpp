@@ -706,9 +706,10 @@ NB_MODULE(_tier, m) {
               options.pinned_source = [e](std::uint64_t bytes, const std::string& name) {
                 return e->reserve_host(name, bytes);
               };
-              // An explicit budget is a pinned, prefaulted arena: the optimizer's swap space may
-              // register it as fixed buffers too. An auto budget is a cap that is never pinned whole.
-              if (e->config().tier.host_budget != 0) options.arena = &e->host_arena();
+              // The optimizer's swap space registers the engine's arena as fixed buffers too: whole
+              // at start under an explicit budget, extent by extent as it is committed under the
+              // auto budget (a lazy arena), so its buffers' I/O is on fixed buffers either way.
+              options.arena = &e->host_arena();
             }
             PyOptimizer out;
             Result<std::unique_ptr<optim::OffloadedOptimizer>> r{Status(StatusCode::kInternal, "not created")};
@@ -1058,6 +1059,7 @@ NB_MODULE(_tier, m) {
              d["nvme_bytes"] = st.nvme_bytes;
              d["nvme_capacity_bytes"] = st.nvme_capacity_bytes;
              d["nvme_allocated_bytes"] = st.nvme_allocated_bytes;
+             d["io_registered_bytes"] = st.io_registered_bytes;
              d["step"] = st.step;
              d["steps_skipped"] = st.steps_skipped;
              d["steps_failed"] = st.steps_failed;

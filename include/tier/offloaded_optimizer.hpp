@@ -338,6 +338,9 @@ struct OptimizerStats {
   // partition is added; the files grow to it) and what they reserve on disk now.
   std::uint64_t nvme_capacity_bytes = 0;
   std::uint64_t nvme_allocated_bytes = 0;
+  // Of the host memory its swap files' I/O reads and writes (the engine's arena when it serves an
+  // engine), the bytes registered with io_uring as fixed buffers.
+  std::uint64_t io_registered_bytes = 0;
   std::int64_t step = 0;  // group 0's step counter
   std::uint64_t steps_skipped = 0;
   std::uint64_t steps_failed = 0;

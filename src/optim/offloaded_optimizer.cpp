@@ -1941,6 +1941,7 @@ OptimizerStats OffloadedOptimizer::stats() const {
     const nvme::SwapSpaceStats ss = im.own_swap->stats();
     s.nvme_capacity_bytes = ss.capacity_bytes;
     s.nvme_allocated_bytes = ss.allocated_bytes;
+    s.io_registered_bytes = ss.fixed_buffer_bytes;
   }
   {
     std::lock_guard<std::mutex> lock(im.groups_mu);

@@ -376,6 +376,7 @@ std::string StepDriver::stats_json() const {
   j["nvme_bytes"] = s.nvme_bytes;
   j["nvme_capacity_bytes"] = s.nvme_capacity_bytes;
   j["nvme_allocated_bytes"] = s.nvme_allocated_bytes;
+  j["io_registered_bytes"] = s.io_registered_bytes;
   j["step"] = s.step;
   j["steps_applied"] = s.steps_applied;
   j["steps_skipped"] = s.steps_skipped;

@@ -65,3 +65,24 @@ def test_host_optimizer_sums_in_host_memory_once(swap_dir):
     assert not grad_tensors(engine)
     assert engine.stats()["optimizer"]["accumulator_bytes"] == 0
     assert not engine._grads.held  # released after the step
+
+
+@pytest.mark.parametrize("host_budget", ["auto", "16M"])
+def test_the_optimizers_io_is_on_the_engines_registered_arena(swap_dir, host_budget):
+    """The optimizer's pipeline buffers are blocks of the engine's host arena, and its swap files'
+    I/O is on fixed buffers there: under an explicit budget the arena is registered whole at
+    start, under the auto budget extent by extent as it is committed (the optimizer's swap space
+    registers those extents too, as the engine's does)."""
+    cfg = tier_config(swap_dir, gas=1)
+    if host_budget == "auto":
+        del cfg["tier"]["budgets"]["host"]
+    engine, *_ = tier.torch.initialize(make_model(), cfg)
+    tier_losses(engine, 1)
+    stats = engine.stats()
+    if stats["info"].get("io_engine") != "uring":
+        pytest.skip(f"fixed buffers are io_uring's; this machine's I/O engine is {stats['info'].get('io_engine')!r}")
+    host = stats["tiers"]["host"]
+    assert host["pinned_bytes"] > 0 and host["io_registered_bytes"] > 0
+    optimizer = engine.native_optimizer.stats()
+    assert optimizer["io_registered_bytes"] >= optimizer["pinned_bytes"] > 0
+    engine.destroy()
