@@ -68,7 +68,7 @@ def main():
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ threshold (0: no clipping)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = ex.with_job_defaults(p.parse_args())  # what the main job's helpers read besides
     args.steps = max(3, args.steps)
     data = ex.corpus_bytes(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
     swap = tempfile.mkdtemp(prefix="tier-bench-adamw-", dir=os.environ.get("TIER_BENCH_DIR", "."))

@@ -154,7 +154,7 @@ def main():
                    help="where the baseline and tier compute (auto: cuda when torch sees a GPU; cpu: tier's "
                    "emulated device)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = ex.with_job_defaults(p.parse_args())  # what the main job's helpers read besides
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.steps = max(2, args.steps)

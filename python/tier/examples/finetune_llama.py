@@ -63,15 +63,15 @@ def corpus_bytes(where):
 
 
 def llama_config(args):
-    """The Llama config of the main job's arguments (the benches under bench/ pass theirs, which
-    may lack the 7B presets' --vocab, --intermediate and --kv-heads: their defaults apply)."""
+    """The Llama config of the main job's arguments (a bench passes its own through
+    with_job_defaults)."""
     return transformers.LlamaConfig(
-        vocab_size=getattr(args, "vocab", 256),
+        vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=getattr(args, "intermediate", 0) or (args.hidden * 8 // 3 // 64 * 64 or 64),
+        intermediate_size=args.intermediate or (args.hidden * 8 // 3 // 64 * 64 or 64),
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=getattr(args, "kv_heads", 0) or max(1, args.heads // 2),
+        num_key_value_heads=args.kv_heads or max(1, args.heads // 2),
         max_position_embeddings=args.seq,
         tie_word_embeddings=False,
     )
@@ -269,7 +269,17 @@ def bar(frac, width=24):
     return "[" + "#" * n + "." * (width - n) + "]"
 
 
-def main(argv=None):
+def with_job_defaults(args):
+    """`args` (a bench's argparse Namespace) with the main job's defaults for the options it lacks,
+    so that the helpers here (llama_config, model_shape, default_config, ...) can read them."""
+    for key, value in vars(parser().parse_args([])).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    return args
+
+
+def parser():
+    """The main job's command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a larger model shape (sets --hidden, --layers, --heads, "
                    "--lr, --batch, --seq, --steps and --gas unless given)")
@@ -308,6 +318,11 @@ def main(argv=None):
                         "(needs --checkpoint-activations)")
     p.add_argument("--trace", metavar="FILE", help="write the run's timeline (transfers per link, stalls, "
                    "forward/backward/optimizer spans) to FILE as Chrome trace JSON (ui.perfetto.dev)")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.preset:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
