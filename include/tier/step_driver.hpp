@@ -171,6 +171,8 @@ class StepDriver {
   Status check_index(std::size_t index, const char* what) const;
   Status check_grads_complete(bool skip_missing) const;
   Status check_step_args(const StepArgs& args) const;
+  // Registration done, and args.lr (if any) set on every group: what a step does first.
+  Status apply_lr(const StepArgs& args);
   // Books the gradient traffic of an applied step and resets the per-step gradient counts.
   void after_step(const optim::StepReport& report);
 

@@ -206,18 +206,22 @@ Status StepDriver::check_step_args(const StepArgs& args) const {
   return Status::Ok();
 }
 
+Status StepDriver::apply_lr(const StepArgs& args) {
+  TIER_RETURN_IF_ERROR(ensure_registered());
+  if (!args.lr) return Status::Ok();
+  for (std::size_t g = 0; g < opt_->group_count(); ++g) {
+    TIER_RETURN_IF_ERROR(opt_->set_lr(static_cast<int>(g), *args.lr));
+  }
+  return Status::Ok();
+}
+
 Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
   if (overlap_started_ && opt_->overlapped_step_running()) {
     return failed_precondition("step: an overlapped step is running; finish_overlap() or cancel_overlap() first");
   }
   TIER_RETURN_IF_ERROR(check_step_args(args));
   TIER_RETURN_IF_ERROR(check_grads_complete(args.skip_missing));
-  TIER_RETURN_IF_ERROR(ensure_registered());
-  if (args.lr) {
-    for (std::size_t g = 0; g < opt_->group_count(); ++g) {
-      TIER_RETURN_IF_ERROR(opt_->set_lr(static_cast<int>(g), *args.lr));
-    }
-  }
+  TIER_RETURN_IF_ERROR(apply_lr(args));
   optim::StepOptions so;
   so.skip_missing_grads = args.skip_missing;
   so.destinations = args.outputs;
@@ -246,12 +250,7 @@ Status StepDriver::start_overlap(const StepArgs& args) {
     return failed_precondition("start_overlap: an overlapped step is already running");
   }
   TIER_RETURN_IF_ERROR(check_step_args(args));
-  TIER_RETURN_IF_ERROR(ensure_registered());
-  if (args.lr) {
-    for (std::size_t g = 0; g < opt_->group_count(); ++g) {
-      TIER_RETURN_IF_ERROR(opt_->set_lr(static_cast<int>(g), *args.lr));
-    }
-  }
+  TIER_RETURN_IF_ERROR(apply_lr(args));
   overlap_args_ = args;
   optim::StepOptions so;
   so.skip_missing_grads = args.skip_missing;
