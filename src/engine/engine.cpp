@@ -405,7 +405,7 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
         }
         grant(id, tier, access, st);
       },
-      /*staging=*/false, access == Access::kWrite ? st : nullptr);
+      /*staging=*/false, st);
   issue_prefetches();
 }
 
@@ -445,7 +445,10 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
   switch (c.state) {
     case CopyState::kValid:  // a writer overwrites it in place; its release makes it the newest
       return done(Status::Ok());
-    case CopyState::kLoading: c.on_ready.push_back(std::move(done)); return;
+    case CopyState::kLoading:
+      c.on_ready.push_back(std::move(done));
+      want(c, horizon, owner);
+      return;
     case CopyState::kReserved:
       return done(
           internal_error(str("tensor '", t.desc.name, "': copy on ", tier_name(tier), " is reserved by a writer")));
@@ -476,34 +479,60 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
   // Copies move between adjacent tiers only: device <-> host <-> nvme.
   const auto valid = [&](Tier x) { return t.copies[static_cast<int>(x)].state == CopyState::kValid; };
   if (tier == Tier::kHost) {
-    if (valid(Tier::kDevice)) return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done), staging);
-    if (valid(Tier::kNvme)) return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done), staging);
+    if (valid(Tier::kDevice))
+      return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done), staging, std::move(owner));
+    if (valid(Tier::kNvme))
+      return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done), staging, std::move(owner));
     return done(internal_error(str("tensor '", t.desc.name, "' has no valid copy to load from")));
   }
   // Device or NVMe: through the host copy.
-  if (valid(Tier::kHost)) return load_from(id, tier, Tier::kHost, horizon, std::move(done), staging);
+  if (valid(Tier::kHost)) return load_from(id, tier, Tier::kHost, horizon, std::move(done), staging, std::move(owner));
   const std::uint64_t gen = t.generation;
   ensure_copy(
       id, Tier::kHost, true, horizon,
-      [this, id, tier, horizon, gen, done, staging](Status s) {
+      [this, id, tier, horizon, gen, done, staging, owner](Status s) {
         TensorRec& t2 = tensors[id];
         if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
         if (!s.ok()) return done(s);
+        if (owner != nullptr && owner->given_up) return done(cancelled("the acquire was given up between two hops"));
         if (t2.copies[static_cast<int>(Tier::kHost)].state != CopyState::kValid) {
           // Evicted between the two hops (possible when the host tier is tight): start again.
-          return ensure_copy(id, tier, true, horizon, done, staging);
+          return ensure_copy(id, tier, true, horizon, done, staging, owner);
         }
-        load_from(id, tier, Tier::kHost, horizon, done, staging);
+        load_from(id, tier, Tier::kHost, horizon, done, staging, owner);
       },
-      /*staging=*/true);
+      /*staging=*/true, owner);
 }
 
-void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizon, Done done, bool staging) {
+void Engine::Impl::want(Copy& c, std::size_t horizon, const std::shared_ptr<detail::AcquireState>& owner) {
+  if (owner != nullptr) {
+    c.wanted_by.push_back(owner);
+  } else if (horizon == kNever) {
+    ++c.wanted_unowned;
+  }
+}
+
+bool Engine::Impl::abandoned(const RoomRequest& r) const {
+  if (r.owner != nullptr) return r.owner->given_up;
+  if (!r.for_load || r.for_tensor >= tensors.size()) return false;
+  const TensorRec& t = tensors[r.for_tensor];
+  if (t.generation != r.generation) return false;
+  const Copy& c = t.copies[static_cast<int>(r.tier)];
+  if (c.state != CopyState::kLoading || c.wanted_unowned > 0 || c.wanted_by.empty()) return false;
+  for (const auto& a : c.wanted_by) {
+    if (!a->given_up) return false;
+  }
+  return true;
+}
+
+void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizon, Done done, bool staging,
+                             std::shared_ptr<detail::AcquireState> owner) {
   TensorRec& t = tensors[id];
   Copy& dst = t.copies[static_cast<int>(to)];
   if (dst.state == CopyState::kValid) return done(Status::Ok());
   if (dst.state == CopyState::kLoading) {
     dst.on_ready.push_back(std::move(done));
+    want(dst, horizon, owner);
     return;
   }
   const bool prefetch = horizon != kNever;
@@ -521,6 +550,8 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
     TensorRec& t2 = tensors[id];
     Copy& d = t2.copies[static_cast<int>(to)];
     Copy& s2 = t2.copies[static_cast<int>(from)];
+    d.wanted_by.clear();  // the move starts: it is not given up from here on
+    d.wanted_unowned = 0;
     if (b) {
       d.buf = std::move(b);
       note_cached(id, to);
@@ -542,30 +573,38 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   const bool home_storage = dst.state == CopyState::kStale;  // write into the existing home storage
   dst.state = CopyState::kLoading;                           // later ensure_copy calls queue on on_ready from now on
   dst.on_ready.push_back(std::move(done));
+  dst.wanted_by.clear();
+  dst.wanted_unowned = 0;
+  want(dst, horizon, owner);
   if (home_storage) {
     start(Buffer{});
     return;
   }
-  make_room(to, bytes, id, horizon, [this, id, to, from, gen, start](Status s, Buffer b) {
-    TensorRec& t2 = tensors[id];
-    if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
-    if (!s.ok()) {
-      if (t2.generation == gen) {
-        Copy& d = t2.copies[static_cast<int>(to)];
-        Copy& s2 = t2.copies[static_cast<int>(from)];
-        --s2.pins;
-        --t2.readers;
-        --t2.transfers;
-        d.state = CopyState::kAbsent;
-        auto waiters = std::move(d.on_ready);
-        d.on_ready.clear();
-        for (auto& w : waiters) w(s);
-        wake_blocked(t2);
-      }
-      return;
-    }
-    start(std::move(b));
-  });
+  make_room(
+      to, bytes, id, horizon,
+      [this, id, to, from, gen, start](Status s, Buffer b) {
+        TensorRec& t2 = tensors[id];
+        if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
+        if (!s.ok()) {
+          if (t2.generation == gen) {
+            Copy& d = t2.copies[static_cast<int>(to)];
+            Copy& s2 = t2.copies[static_cast<int>(from)];
+            --s2.pins;
+            --t2.readers;
+            --t2.transfers;
+            d.state = CopyState::kAbsent;
+            d.wanted_by.clear();
+            d.wanted_unowned = 0;
+            auto waiters = std::move(d.on_ready);
+            d.on_ready.clear();
+            for (auto& w : waiters) w(s);
+            wake_blocked(t2);
+          }
+          return;
+        }
+        start(std::move(b));
+      },
+      nullptr, /*for_load=*/true);
 }
 
 void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t gen, int counted, Status s) {
@@ -576,6 +615,8 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
   if (t.generation != gen) return;
   Copy& d = t.copies[static_cast<int>(to)];
   Copy& src = t.copies[static_cast<int>(from)];
+  d.wanted_by.clear();
+  d.wanted_unowned = 0;
   --src.pins;
   --t.readers;
   --t.transfers;
@@ -665,6 +706,8 @@ void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
   c.state = CopyState::kAbsent;
   c.prefetched = false;
   c.writing_back = false;
+  c.wanted_by.clear();
+  c.wanted_unowned = 0;
 }
 
 void Engine::Impl::note_cached(TensorId id, Tier tier) {
@@ -744,7 +787,8 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
 }
 
 void Engine::Impl::make_room(Tier tier, std::uint64_t tensor_bytes, TensorId for_tensor, std::size_t horizon,
-                             std::function<void(Status, Buffer)> done, std::shared_ptr<detail::AcquireState> owner) {
+                             std::function<void(Status, Buffer)> done, std::shared_ptr<detail::AcquireState> owner,
+                             bool for_load) {
   const int ti = static_cast<int>(tier);
   // Counted as the store really allocates it (4 KiB blocks on host and NVMe).
   const std::uint64_t bytes = be.stores[ti] ? be.stores[ti]->footprint(tensor_bytes) : tensor_bytes;
@@ -763,13 +807,10 @@ void Engine::Impl::make_room(Tier tier, std::uint64_t tensor_bytes, TensorId for
     return done(resource_exhausted("no room for a prefetch"), Buffer{});
   }
   ++m_room_waits;
+  const std::uint64_t gen = for_tensor < tensors.size() ? tensors[for_tensor].generation : 0;
   room_waiters[ti].push_back(RoomRequest{tier, bytes, for_tensor,
                                          Clock::now() + std::chrono::milliseconds(cfg.tier.acquire_timeout_ms),
-                                         std::move(done), std::move(owner)});
-}
-
-bool Engine::Impl::RoomRequest::abandoned() const {
-  return owner != nullptr && owner->given_up;
+                                         std::move(done), std::move(owner), for_load, gen});
 }
 
 void Engine::Impl::give_up(const std::shared_ptr<detail::AcquireState>& st) {
@@ -800,7 +841,7 @@ void Engine::Impl::serve_room_waiters(Tier tier) {
       for (auto it = list.begin(); it != list.end();) {
         Buffer b;
         Status fatal;
-        if (it->abandoned()) {
+        if (abandoned(*it)) {
           answers.push_back({std::move(it->done), cancelled("the acquire was given up while it waited for room"), {}});
         } else if (try_place(x, it->bytes, it->for_tensor, kNever, &b, &fatal)) {
           answers.push_back({std::move(it->done), Status::Ok(), std::move(b)});
@@ -1022,7 +1063,7 @@ Status Engine::Impl::check_invariants_locked() const {
   }
   for (const auto& list : room_waiters) {
     for (const RoomRequest& r : list) {
-      if (r.abandoned()) {
+      if (abandoned(r)) {
         return internal_error(
             str("a given-up acquire of tensor ", r.for_tensor, " still waits for room on ", tier_name(r.tier)));
       }

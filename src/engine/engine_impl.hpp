@@ -107,6 +107,12 @@ struct Engine::Impl {
     std::uint32_t cached_pos = kNotCached;
     Clock::time_point retry_writeback_after{};  // after a failed write-back, wait before the next
     std::vector<detail::Done> on_ready;         // waiters for a load in flight
+    // Who a load in flight is for, while it waits for room: the acquires among its waiters, and
+    // how many waiters no acquire owns (a flush, a write-back, a registration; a prefetch is not
+    // counted). Once every one of them is a given-up acquire, the load stops waiting (and lets go
+    // of its source copy, which a flush may need room for).
+    std::vector<std::shared_ptr<detail::AcquireState>> wanted_by;
+    std::uint32_t wanted_unowned = 0;
   };
 
   struct Pending;  // an acquire waiting for a reader/writer conflict to clear
@@ -137,7 +143,10 @@ struct Engine::Impl {
     // The one acquire this room is for (a writer's reservation), or null when the room serves a
     // copy that others may wait on too. A given-up owner takes its request out of the queue.
     std::shared_ptr<detail::AcquireState> owner;
-    bool abandoned() const;
+    // For a load's room: the copy being loaded (`for_tensor` on `tier`, of that generation), whose
+    // wanted_by / wanted_unowned say whether anyone still waits for it.
+    bool for_load = false;
+    std::uint64_t generation = 0;
   };
 
   Impl(const EngineConfig& config, detail::Backends backends, std::shared_ptr<Counters> counters);
@@ -163,10 +172,17 @@ struct Engine::Impl {
   // `owner`: the acquire a writer's reservation is for (see RoomRequest::owner).
   void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done, bool staging = false,
                    std::shared_ptr<detail::AcquireState> owner = nullptr);
-  void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done, bool staging = false);
+  void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done, bool staging = false,
+                 std::shared_ptr<detail::AcquireState> owner = nullptr);
+  // Records who waits for the load of `c` (see Copy::wanted_by); a prefetch (horizon set) does not count.
+  static void want(Copy& c, std::size_t horizon, const std::shared_ptr<detail::AcquireState>& owner);
+  // `for_load`: the room is for the load of `for_tensor` on `tier` (see RoomRequest::for_load).
   void make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
                  std::function<void(Status, detail::Buffer)> done,
-                 std::shared_ptr<detail::AcquireState> owner = nullptr);
+                 std::shared_ptr<detail::AcquireState> owner = nullptr, bool for_load = false);
+  // A queued room request nobody waits for any more: its acquire, or every acquire waiting for
+  // its load, was given up.
+  bool abandoned(const RoomRequest& r) const;
   bool try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon, detail::Buffer* out,
                  Status* fatal);
   // Gives room to the queued requests that now fit (and ends given-up and failed ones). Callbacks

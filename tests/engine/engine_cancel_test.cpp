@@ -190,6 +190,47 @@ TEST(EngineCancel, GivenUpRoomWaiterLeavesTheQueue) {
   ASSERT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
 }
 
+// A read acquire whose load waits for device room, given up, lets go at once too: the load
+// leaves the queue and unpins its host copy, so the tensor has no reader left and a flush does not
+// wait behind it. (The load kept waiting until its timeout, pinning the host copy, and a flush
+// that needed that host room timed out: found by fuzz_engine_ops.) A load another acquire still
+// waits for goes on.
+TEST(EngineCancel, GivenUpReadLeavesTheRoomQueueUnlessAnotherAcquireWaits) {
+  const std::size_t n = 64 * kKiB;
+  auto m = make(512 * kKiB, 2048 * kKiB, 16 << 20, config(60000));
+  const auto ids = register_six(*m.engine, n);
+  auto a = m.engine->acquire_now(ids[0], Tier::kDevice, Access::kRead);
+  auto b = m.engine->acquire_now(ids[1], Tier::kDevice, Access::kRead);
+  ASSERT_TRUE(a.ok() && b.ok());
+  AcquireFuture alone = m.engine->acquire(ids[2], Tier::kDevice, Access::kRead);  // no room: queued
+  EXPECT_FALSE(alone.wait_for(50ms).ok());
+  EXPECT_GT(m.engine->info(ids[2])->readers, 0u);  // the load, and the acquire waiting for it
+  alone.cancel();
+  ASSERT_TRUE(m.engine->flush().ok());  // no 60 s wait
+  EXPECT_EQ(m.engine->info(ids[2])->readers, 0u);
+  EXPECT_STREQ(m.engine->info(ids[2])->copy_state[static_cast<int>(Tier::kDevice)], "absent");
+  ASSERT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
+
+  // Two acquires wait for one load; one gives up, the other gets the tensor when room comes.
+  AcquireFuture gives_up = m.engine->acquire(ids[3], Tier::kDevice, Access::kRead);
+  AcquireFuture stays = m.engine->acquire(ids[3], Tier::kDevice, Access::kRead);
+  EXPECT_FALSE(gives_up.wait_for(50ms).ok());
+  gives_up.cancel();
+  ASSERT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
+  EXPECT_FALSE(stays.ready());
+  ASSERT_TRUE(a->release().ok());
+  auto lease = stays.wait_for(5000ms);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  float v = -1;
+  EXPECT_TRUE(consistent(static_cast<const float*>(lease->data()), n, &v));
+  EXPECT_EQ(v, 3000.0f);
+  ASSERT_TRUE(lease->release().ok());
+  ASSERT_TRUE(b->release().ok());
+  ASSERT_TRUE(m.engine->flush().ok());
+  ASSERT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
+  expect_registered_contents(*m.engine, ids, n);
+}
+
 // Giving up in each state: blocked behind a reader, loading from NVMe, granted and never taken.
 TEST(EngineCancel, GiveUpInEveryStateKeepsContentsAndInvariants) {
   const std::size_t n = 16 * kKiB;
