@@ -160,3 +160,52 @@ def test_an_auto_without_counterpart_and_a_client_optimizer_are_refused(swap_dir
             tier_config=ds_config(swap_dir),
             optimizers=(torch.optim.AdamW(model.parameters()), None),
         )
+
+
+def other_family(name):
+    """Small models of families the other tests do not build: Phi-3 (fused qkv and gate_up
+    projections), GPT-J (attention and MLP in parallel, partial rotary) and BLOOM (ALiBi, fused
+    query_key_value)."""
+    torch.manual_seed(0)
+    if name == "phi3":
+        cfg = transformers.Phi3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        )
+        return transformers.Phi3ForCausalLM(cfg)
+    if name == "gptj":
+        cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4)
+        return transformers.GPTJForCausalLM(cfg)
+    cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    return transformers.BloomForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gptj", "bloom"])
+def test_other_families_with_the_trainers_gradient_checkpointing(swap_dir, tmp_path, family):
+    """TrainingArguments(gradient_checkpointing=True), as a Trainer user turns it on: the Trainer
+    enables it on the model before tier wraps it, and the losses are the plain Trainer's."""
+    plain = transformers.Trainer(
+        model=other_family(family),
+        args=args(tmp_path, "plain", max_steps=4, gradient_checkpointing=True),
+        train_dataset=Tokens(),
+    )
+    plain.train()
+    trainer = tier.hf.TierTrainer(
+        model=other_family(family),
+        args=args(tmp_path, "tier", max_steps=4, gradient_checkpointing=True),
+        train_dataset=Tokens(),
+        tier_config=ds_config(swap_dir),
+    )
+    trainer.train()
+    expected, got = losses_of(plain), losses_of(trainer)
+    assert len(got) == len(expected) == 4
+    assert rel(expected, got) <= 1e-5, (expected, got)
+    assert trainer.tier_engine.global_steps == 4
+    assert trainer.model.is_gradient_checkpointing
