@@ -98,23 +98,16 @@ Result<PrefetchResult> run_prefetch(const PrefetchOptions& o) {
   PrefetchResult r;
   // The NVMe bound is judged against the disk's own sequential read rate over the bytes just
   // written, measured here with nothing of the engine in flight, not against the engine's reads:
-  // blocks of aio.block_size at aio.queue_depth and at 4x and 16x that depth (the engine keeps
-  // several tensors' requests in flight at once, so its own depth is a floor, not the disk's
-  // ceiling), best of 2 passes each.
-  // It is measured again after the steps (the disk may still be absorbing the writes that filled
-  // the layers when the first measurement runs), and the best of all is the reference.
-  auto measure_reference = [&]() -> Status {
-    for (const int depth : {cfg.aio.queue_depth, 4 * cfg.aio.queue_depth, 16 * cfg.aio.queue_depth}) {
-      for (int pass = 0; pass < 2; ++pass) {
-        TIER_ASSIGN_OR_RETURN(ReadReference ref, measure_sequential_read(
-                                                     dir.string(), static_cast<std::uint64_t>(o.layers) * o.layer_bytes,
-                                                     cfg.aio.block_size, std::min(depth, 256)));
-        if (ref.bytes_per_second > r.nvme_reference.bytes_per_second) r.nvme_reference = ref;
-      }
-    }
-    return Status::Ok();
-  };
-  TIER_RETURN_IF_ERROR(measure_reference());
+  // the best over request shapes around the engine's (blocks of aio.block_size, 1 MiB and 4 MiB,
+  // at aio.queue_depth and 4x and 16x that depth: the engine keeps several tensors' requests in
+  // flight at once, so its own shape is a floor, not the disk's ceiling), best of 2 passes each.
+  // The best shape is measured again after the steps (the disk may still be absorbing the writes
+  // that filled the layers when the search runs, and its rate drifts), and the best of all is the
+  // reference.
+  const std::uint64_t layers_bytes = static_cast<std::uint64_t>(o.layers) * o.layer_bytes;
+  TIER_ASSIGN_OR_RETURN(
+      r.nvme_reference,
+      best_sequential_read(dir.string(), layers_bytes, reference_shapes(cfg.aio.block_size, cfg.aio.queue_depth)));
   const auto compute = std::chrono::duration<double, std::milli>(o.compute_ms);
   Progress prog("training steps", static_cast<std::uint64_t>(o.steps), false, o.progress);
   StatsSnapshot after_first;
@@ -143,7 +136,7 @@ Result<PrefetchResult> run_prefetch(const PrefetchOptions& o) {
   const auto d = engine->stats().since(after_first);
   const double compute_total = 2.0 * o.layers * o.compute_ms / 1000.0 * measured;
   r.step_seconds = std::chrono::duration<double>(Clock::now() - t_after_first).count() / measured;
-  TIER_RETURN_IF_ERROR(measure_reference());
+  TIER_ASSIGN_OR_RETURN(r.nvme_reference, measure_again(r.nvme_reference, dir.string(), layers_bytes));
   r.stall_seconds_per_step = d.metrics.at("engine.stall_seconds") / measured;
   r.stall_fraction = d.metrics.at("engine.stall_seconds") / compute_total;
   r.compute_bound_seconds = compute_total / measured;
@@ -254,7 +247,7 @@ int run_prefetch_cmd(Args& args) {
              format_rate(r->nvme_reference.bytes_per_second), " (reference)")});
   t.add({"NVMe read reference", format_rate(r->nvme_reference.bytes_per_second),
          str(r->nvme_reference.describe(), " of ", format_bytes(r->nvme_reference.bytes_read),
-             ", best of 3, outside the engine; the engine's own reads ran at ",
+             ", best of the request shapes tried, outside the engine; the engine's own reads ran at ",
              format_rate(r->nvme_read_bytes_per_second))});
   t.add({"step / max(bounds)", fmt(r->step_seconds / bound, 3), "1.0 is perfect overlap"});
   t.add({"stall fraction", fmt(r->stall_fraction, 3), "stall time / compute time"});
