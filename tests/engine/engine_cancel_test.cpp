@@ -168,12 +168,22 @@ TEST(EngineCancel, ThreadsAcquiringAndGivingUpOnAFullDevice) {
 
 // A write acquire that waits for device room and is given up lets go of the tensor at once: its
 // room request leaves the queue, and the next writer of that tensor does not wait for the room.
+// A device of room for two of register_six's tensors (64K floats each), both held by read leases,
+// and an acquire timeout (60 s) no test waits for.
+struct FullDevice {
+  static constexpr std::size_t n = 64 * kKiB;
+  MemoryEngine m = make(512 * kKiB, 2048 * kKiB, 16 << 20, config(60000));
+  std::vector<TensorId> ids = register_six(*m.engine, n);
+  Result<Lease> a = m.engine->acquire_now(ids[0], Tier::kDevice, Access::kRead);
+  Result<Lease> b = m.engine->acquire_now(ids[1], Tier::kDevice, Access::kRead);
+};
+
 TEST(EngineCancel, GivenUpRoomWaiterLeavesTheQueue) {
-  const std::size_t n = 64 * kKiB;
-  auto m = make(512 * kKiB, 2048 * kKiB, 16 << 20, config(60000));
-  const auto ids = register_six(*m.engine, n);
-  auto a = m.engine->acquire_now(ids[0], Tier::kDevice, Access::kRead);
-  auto b = m.engine->acquire_now(ids[1], Tier::kDevice, Access::kRead);
+  FullDevice f;
+  auto& m = f.m;
+  auto& a = f.a;
+  auto& b = f.b;
+  const auto& ids = f.ids;
   ASSERT_TRUE(a.ok() && b.ok());
   AcquireFuture waiting = m.engine->acquire(ids[2], Tier::kDevice, Access::kWrite);  // no room: queued
   EXPECT_FALSE(waiting.wait_for(50ms).ok());
@@ -196,11 +206,12 @@ TEST(EngineCancel, GivenUpRoomWaiterLeavesTheQueue) {
 // that needed that host room timed out: found by fuzz_engine_ops.) A load another acquire still
 // waits for goes on.
 TEST(EngineCancel, GivenUpReadLeavesTheRoomQueueUnlessAnotherAcquireWaits) {
-  const std::size_t n = 64 * kKiB;
-  auto m = make(512 * kKiB, 2048 * kKiB, 16 << 20, config(60000));
-  const auto ids = register_six(*m.engine, n);
-  auto a = m.engine->acquire_now(ids[0], Tier::kDevice, Access::kRead);
-  auto b = m.engine->acquire_now(ids[1], Tier::kDevice, Access::kRead);
+  FullDevice f;
+  auto& m = f.m;
+  auto& a = f.a;
+  auto& b = f.b;
+  const auto& ids = f.ids;
+  const std::size_t n = FullDevice::n;
   ASSERT_TRUE(a.ok() && b.ok());
   AcquireFuture alone = m.engine->acquire(ids[2], Tier::kDevice, Access::kRead);  // no room: queued
   EXPECT_FALSE(alone.wait_for(50ms).ok());

@@ -14,17 +14,21 @@ import tier.hf  # noqa: E402
 VOCAB = 128
 
 
+# The small decoder every test here builds (Qwen2, and Phi-3 below, take these as they are).
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
 def make_model():
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    cfg = transformers.Qwen2Config(**SMALL)
     torch.manual_seed(0)
     return transformers.Qwen2ForCausalLM(cfg)
 
@@ -168,18 +172,7 @@ def other_family(name):
     query_key_value)."""
     torch.manual_seed(0)
     if name == "phi3":
-        cfg = transformers.Phi3Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            pad_token_id=0,
-            tie_word_embeddings=False,
-        )
-        return transformers.Phi3ForCausalLM(cfg)
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**SMALL, pad_token_id=0))
     if name == "gptj":
         cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4)
         return transformers.GPTJForCausalLM(cfg)
