@@ -243,17 +243,16 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   // extents on their first write); then I/O passes and steps alternate in the order io, step,
   // step, io, io, step, ... so that neither always runs right after the other.
   TIER_RETURN_IF_ERROR(io_pass(false));
+  // Outside reference for the mixed pass, on a sample of the state (now fully written) of at most
+  // 1 GiB each way: the best over request shapes around the engine's (read_reference.hpp), so that
+  // it is the disk's rate for these bytes and not one shape's.
+  const std::uint64_t sample = std::min<std::uint64_t>(res.state_bytes, 1ull << 30);
   if (!spec.host) {
-    // Outside reference for the mixed pass, on a sample of the state (now fully written) of at
-    // most 1 GiB each way: the best over request shapes around the engine's (its block size and
-    // requests in flight, 1 and 4 MiB blocks, 4x and 16x the depth), so that it is the disk's
-    // rate for these bytes and not one shape's.
-    const std::uint64_t sample = std::min<std::uint64_t>(res.state_bytes, 1ull << 30);
     const int depth = static_cast<int>(std::clamp(spec.queue_depth * spec.parallelism, 1u, 64u));
     const ReferenceShapes shapes = reference_shapes(spec.block_size, depth);
     if (spec.progress) {
       std::fprintf(stderr, "outside reference (read + write %s each, %zu request shapes x %d) ...\n",
-                   format_bytes(sample).c_str(), shapes.blocks.size() * shapes.depths.size(), shapes.passes);
+                   format_bytes(sample).c_str(), shapes.count(), shapes.passes);
     }
     TIER_ASSIGN_OR_RETURN(res.io_reference,
                           best_mixed_read_write(spec.paths, sample, shapes, spec.progress ? print_reference : nullptr));
@@ -262,7 +261,6 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   // it, or before, alternating as the I/O passes do), and the best of all is the reference.
   auto reference_again = [&]() -> Status {
     if (spec.host) return Status::Ok();
-    const std::uint64_t sample = std::min<std::uint64_t>(res.state_bytes, 1ull << 30);
     TIER_ASSIGN_OR_RETURN(res.io_reference, measure_again(res.io_reference, spec.paths, sample));
     return Status::Ok();
   };

@@ -14,7 +14,6 @@
 #include <cstring>
 #include <filesystem>
 #include <thread>
-#include <utility>
 
 #include "cli.hpp"
 #include "tier/units.hpp"
@@ -92,11 +91,9 @@ Status open_for_reading(const std::vector<std::string>& dirs, std::uint64_t byte
   return {};
 }
 
-// Runs `requests` with `depth` threads, each taking the next request: a sequential stream (or two,
-// interleaved) with `depth` blocks in flight. Returns the wall time.
-// A request's buffer: anonymous memory in 2 MiB huge pages where the kernel gives them
-// (MADV_HUGEPAGE, as `fio --mem=mmaphuge` asks), so that pinning the pages of an O_DIRECT request
-// costs what it costs the engine, whose arena is in huge pages; 4 KiB pages otherwise.
+// A request's buffer: anonymous memory in 2 MiB transparent huge pages where the kernel gives them
+// (MADV_HUGEPAGE, as the engine's arena asks), so that pinning the pages of an O_DIRECT request
+// costs what it costs the engine; 4 KiB pages otherwise.
 class PageBuffer {
  public:
   explicit PageBuffer(std::uint64_t bytes) : bytes_((bytes + (2u << 20) - 1) & ~std::uint64_t{(2u << 20) - 1}) {
@@ -106,10 +103,8 @@ class PageBuffer {
     std::memset(p, 0x5a, bytes_);
     data_ = p;
   }
-  PageBuffer(PageBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), bytes_(o.bytes_) {}
   PageBuffer(const PageBuffer&) = delete;
   PageBuffer& operator=(const PageBuffer&) = delete;
-  PageBuffer& operator=(PageBuffer&&) = delete;
   ~PageBuffer() {
     if (data_ != nullptr) ::munmap(data_, bytes_);
   }
@@ -136,6 +131,8 @@ void stamp(void* buf, std::uint64_t block, std::uint64_t nonce, std::size_t requ
   }
 }
 
+// Runs `requests` with `depth` threads, each taking the next request, so `depth` blocks are in
+// flight. Returns the wall time.
 Result<double> run_threads(const std::vector<OpenFile>& files, const std::vector<Request>& requests,
                            std::uint64_t block, int depth) {
   std::atomic<std::size_t> next{0};

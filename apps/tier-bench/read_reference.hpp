@@ -56,6 +56,7 @@ struct ReferenceShapes {
   std::vector<int> depths;
   std::vector<int> streams = {1};
   int passes = 2;  // per shape; the best pass counts (the disk's rate, not its worst moment)
+  std::size_t count() const { return methods.size() * blocks.size() * depths.size() * streams.size(); }
 };
 
 // The shapes a benchmark's reference tries around the engine's own request shape: its block and

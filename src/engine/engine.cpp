@@ -550,8 +550,6 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
     TensorRec& t2 = tensors[id];
     Copy& d = t2.copies[static_cast<int>(to)];
     Copy& s2 = t2.copies[static_cast<int>(from)];
-    d.wanted_by.clear();  // the move starts: it is not given up from here on
-    d.wanted_unowned = 0;
     if (b) {
       d.buf = std::move(b);
       note_cached(id, to);
@@ -573,8 +571,6 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   const bool home_storage = dst.state == CopyState::kStale;  // write into the existing home storage
   dst.state = CopyState::kLoading;                           // later ensure_copy calls queue on on_ready from now on
   dst.on_ready.push_back(std::move(done));
-  dst.wanted_by.clear();
-  dst.wanted_unowned = 0;
   want(dst, horizon, owner);
   if (home_storage) {
     start(Buffer{});
@@ -593,8 +589,7 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
             --t2.readers;
             --t2.transfers;
             d.state = CopyState::kAbsent;
-            d.wanted_by.clear();
-            d.wanted_unowned = 0;
+            d.forget_wanted();
             auto waiters = std::move(d.on_ready);
             d.on_ready.clear();
             for (auto& w : waiters) w(s);
@@ -615,8 +610,7 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
   if (t.generation != gen) return;
   Copy& d = t.copies[static_cast<int>(to)];
   Copy& src = t.copies[static_cast<int>(from)];
-  d.wanted_by.clear();
-  d.wanted_unowned = 0;
+  d.forget_wanted();
   --src.pins;
   --t.readers;
   --t.transfers;
@@ -706,8 +700,7 @@ void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
   c.state = CopyState::kAbsent;
   c.prefetched = false;
   c.writing_back = false;
-  c.wanted_by.clear();
-  c.wanted_unowned = 0;
+  c.forget_wanted();
 }
 
 void Engine::Impl::note_cached(TensorId id, Tier tier) {

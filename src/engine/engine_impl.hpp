@@ -113,6 +113,11 @@ struct Engine::Impl {
     // of its source copy, which a flush may need room for).
     std::vector<std::shared_ptr<detail::AcquireState>> wanted_by;
     std::uint32_t wanted_unowned = 0;
+    // The load ended (done, failed or dropped): nobody waits for it any more.
+    void forget_wanted() {
+      wanted_by.clear();
+      wanted_unowned = 0;
+    }
   };
 
   struct Pending;  // an acquire waiting for a reader/writer conflict to clear

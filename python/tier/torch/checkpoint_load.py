@@ -338,12 +338,7 @@ def load(engine, load_dir, tag):
                 t = torch.frombuffer(bytearray(raw), dtype=engine.compute_dtype).reshape(s.shape)
                 engine.native.write(s.tid, t)
     engine.native.flush()
-    engine.global_steps = plan["global_steps"]
-    engine.micro_steps = plan["micro_steps"]
-    engine.skipped_steps = plan["skipped_steps"]
-    if plan["scheduler"] is not None:
-        engine.scheduler.load_state_dict(plan["scheduler"])
-    engine._apply_lr()
+    restore_progress(engine, plan)
     torch.set_rng_state(plan["rng_cpu"])
     if plan["rng_cuda"]:
         torch.cuda.set_rng_state_all(plan["rng_cuda"])
@@ -452,3 +447,14 @@ def consolidate(path):
         else:
             out[name] = values[name].view(shape) if numel else torch.empty(shape, dtype=torch.float32)
     return out
+
+
+def restore_progress(engine, plan):
+    """The step counters and the LR schedule of a verified checkpoint's plan, and the lr they give
+    (after its state and params are in place; one process or across ranks alike)."""
+    engine.global_steps = plan["global_steps"]
+    engine.micro_steps = plan["micro_steps"]
+    engine.skipped_steps = plan["skipped_steps"]
+    if plan["scheduler"] is not None:
+        engine.scheduler.load_state_dict(plan["scheduler"])
+    engine._apply_lr()

@@ -363,12 +363,7 @@ def load(engine, load_dir, tag):
     if engine._zero is not None and not stage3:
         engine._gather_updated_params()
     engine.native.flush()
-    engine.global_steps = plan["global_steps"]
-    engine.micro_steps = plan["micro_steps"]
-    engine.skipped_steps = plan["skipped_steps"]
-    if plan["scheduler"] is not None:
-        engine.scheduler.load_state_dict(plan["scheduler"])
-    engine._apply_lr()
+    _load.restore_progress(engine, plan)
     torch.set_rng_state(rng_cpu)
     return path, meta["client_state"]
 
