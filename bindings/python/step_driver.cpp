@@ -1,9 +1,10 @@
-// tier._tier.StepDriver: the step driver (tier/step_driver.hpp) for Python frameworks other than
-// torch (tier.jax). Arrays come in as anything nanobind takes as a C-contiguous CPU ndarray (numpy,
-// or an object with __dlpack__ such as a jax CPU array), read in place; updated params are
-// written into the caller's numpy arrays. A bf16/fp16 parameter's output may also be a uint16
-// array of its shape (the raw bits), for numpy without a bfloat16 dtype. Every call releases
-// the GIL while the driver runs.
+// tier._tier.StepDriver: the step driver (tier/step_driver.hpp) for Python: tier.jax,
+// tier.torch.OffloadedAdamW and tier.torch's engine. Arrays come in as anything nanobind takes as
+// a C-contiguous CPU ndarray (numpy, a torch CPU tensor, or an object with __dlpack__ such as a
+// jax CPU array), read in place; updated params are written into the caller's arrays, or into
+// engine tensors (the engine's steps). A bf16/fp16 parameter's output may also be a uint16 array
+// of its shape (the raw bits), for numpy without a bfloat16 dtype. Every call releases the GIL
+// while the driver runs.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -17,6 +18,8 @@
 #include <vector>
 
 #include "binding_util.hpp"
+#include "tier/engine.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
 #include "tier/step_driver.hpp"
 
 namespace nb = nanobind;
@@ -102,34 +105,113 @@ nb::object parse_json(const std::string& text) {
   return nb::module_::import_("json").attr("loads")(text);
 }
 
+// The gradient norm across ranks through a Python callable (float -> float: this rank's sum of
+// squares -> the global one), e.g. a torch.distributed all-reduce. Called without the GIL held.
+class PyNormReducer final : public optim::NormReducer {
+ public:
+  explicit PyNormReducer(nb::object fn) : fn_(std::move(fn)) {}
+  ~PyNormReducer() override {
+    nb::gil_scoped_acquire locked;  // (dropped where the GIL may be released)
+    fn_ = nb::object();
+  }
+  Status all_reduce_sumsq(double& sumsq) override {
+    nb::gil_scoped_acquire locked;
+    try {
+      sumsq = nb::cast<double>(fn_(sumsq));
+      return Status::Ok();
+    } catch (nb::python_error& e) {
+      std::string what = e.what();
+      e.restore();
+      PyErr_Clear();
+      return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq raised: ", what));
+    } catch (std::exception& e) {
+      return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq: ", e.what()));
+    }
+  }
+
+ private:
+  nb::object fn_;
+};
+
 }  // namespace
 
 // The Python object: owns the driver (which is neither copyable nor movable), and the arrays a
 // step reads or writes in place until it is done with them: borrowed gradients, and the outputs
 // of an overlapped step.
+// With an engine (tier.torch's), the engine object is held too, and the driver goes first: its
+// optimizer reports into the engine's counters and its buffers are the engine's host memory.
 struct PyStepDriver {
-  std::vector<nb::object> held;  // (declared first: destroyed after the driver)
+  // (Declared before the driver: destroyed after it.)
+  nb::object engine_ref;
+  std::vector<nb::object> held;
+  std::unique_ptr<PyNormReducer> norm;  // the running overlapped step's
+  // Tests only (fault_injection=True): the I/O engines of the optimizer's swap space, each wrapped
+  // in a FaultInjectingEngine; owned by the driver's optimizer and valid while it is.
+  std::shared_ptr<std::vector<nvme::FaultInjectingEngine*>> faults;
   std::unique_ptr<StepDriver> d;
+
+  PyStepDriver() = default;
+  PyStepDriver(const PyStepDriver&) = delete;
+  PyStepDriver& operator=(const PyStepDriver&) = delete;
+  ~PyStepDriver() { close(); }
+
   StepDriver& get() {
     if (!d) raise_status(failed_precondition("the step driver was closed"));
     return *d;
   }
+  // A step on the driver's thread may still run: joined (without the GIL) before anything goes.
   void close() {
     if (d) {
       nb::gil_scoped_release released;
-      d->cancel_overlap();
+      d.reset();  // joins an asynchronous step, stops an overlapped pass
     }
-    d.reset();
+    norm.reset();
     held.clear();
   }
 };
 
-// step()'s and start_overlap()'s arguments (pointers taken with the GIL held).
+// The engine a step writes into and reads declared gradients from (tier.torch's engine).
+std::optional<step::EngineTargets> engine_targets(nb::handle engine, const std::vector<std::int64_t>& tensors,
+                                                  const std::vector<std::int64_t>& grad_tensors,
+                                                  const std::vector<std::int64_t>& offsets) {
+  if (engine.is_none()) {
+    if (!tensors.empty() || !grad_tensors.empty() || !offsets.empty()) {
+      raise_status(invalid_argument("step: tensors, grad_tensors and offsets are engine tensors: give the engine"));
+    }
+    return std::nullopt;
+  }
+  step::EngineTargets t;
+  t.engine = &nb::cast<Engine&>(engine);
+  t.params = tensors;
+  t.offsets = offsets;
+  t.grads = grad_tensors;
+  return t;
+}
+
+// What step(), start_overlap() and start_async() take beyond the lr and the outputs: how a missing
+// gradient counts, and the engine's targets.
+struct Targets {
+  bool skip_missing = false;
+  bool zero_missing = false;
+  nb::object engine;
+  std::vector<std::int64_t> tensors, grad_tensors, offsets;
+  nb::object reduce_sumsq;
+};
+
+// step()'s, start_overlap()'s and start_async()'s arguments (pointers taken with the GIL held).
+// The norm reducer, when reduce_sumsq is given, goes to `norm` (held by the caller for as long as
+// the step runs).
 step::StepArgs step_args(StepDriver& d, std::optional<double> lr, const std::optional<std::vector<nb::object>>& outputs,
-                         bool skip_missing) {
+                         const Targets& t, std::unique_ptr<PyNormReducer>* norm = nullptr) {
   step::StepArgs args;
   args.lr = lr;
-  args.skip_missing = skip_missing;
+  args.skip_missing = t.skip_missing;
+  args.zero_missing = t.zero_missing;
+  args.engine = engine_targets(t.engine, t.tensors, t.grad_tensors, t.offsets);
+  if (norm != nullptr && t.reduce_sumsq.is_valid() && !t.reduce_sumsq.is_none()) {
+    *norm = std::make_unique<PyNormReducer>(t.reduce_sumsq);
+    args.norm = norm->get();
+  }
   if (outputs) {
     if (outputs->size() != d.param_count()) {
       raise_status(invalid_argument(str("step: ", outputs->size(), " outputs for ", d.param_count(),
@@ -160,32 +242,131 @@ void bind_step_driver(nb::module_& m) {
                            "(tier/step_driver.hpp): what tier.jax and the C ABI train with.")
       .def(
           "__init__",
-          [](PyStepDriver* self, const EngineConfig& cfg, std::uint64_t max_elements, std::uint64_t max_params) {
-            new (self)
-                PyStepDriver{{}, unwrap(unlocked([&] { return StepDriver::create(cfg, max_elements, max_params); }))};
+          [](PyStepDriver* self, const EngineConfig& cfg, std::uint64_t max_elements, std::uint64_t max_params,
+             nb::object engine, bool fault_injection) {
+            Engine* e = engine.is_none() ? nullptr : &nb::cast<Engine&>(engine);
+            auto options =
+                unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, e ? &e->counters() : nullptr));
+            options.max_partitions = max_params;
+            std::shared_ptr<std::vector<nvme::FaultInjectingEngine*>> faults;
+            if (fault_injection) {
+              faults = std::make_shared<std::vector<nvme::FaultInjectingEngine*>>();
+              options.swap_options.wrap_engine = [faults](std::unique_ptr<nvme::IoEngine> inner) {
+                auto wrapped = std::make_unique<nvme::FaultInjectingEngine>(std::move(inner));
+                faults->push_back(wrapped.get());
+                return std::unique_ptr<nvme::IoEngine>(std::move(wrapped));
+              };
+            }
+            if (e != nullptr) {
+              // The pipeline buffers count against the engine's host budget (the engine outlives
+              // the driver: it is held, and the driver goes first).
+              options.pinned_source = [e](std::uint64_t bytes, const std::string& name) {
+                return e->reserve_host(name, bytes);
+              };
+              // The optimizer's swap space registers the engine's arena as fixed buffers too: whole
+              // at start under an explicit budget, extent by extent as it is committed under the
+              // auto budget (a lazy arena), so its buffers' I/O is on fixed buffers either way.
+              options.arena = &e->host_arena();
+            }
+            std::unique_ptr<StepDriver> d = unwrap(unlocked([&] { return StepDriver::create(options); }));
+            new (self) PyStepDriver();
+            self->engine_ref = engine;
+            self->faults = std::move(faults);
+            self->d = std::move(d);
           },
-          "config"_a, "max_elements"_a, "max_params"_a = 0,
+          "config"_a, "max_elements"_a, "max_params"_a = 0, "engine"_a = nb::none(), "fault_injection"_a = false,
           "The optimizer of `config` (its optimizer section, offload_optimizer, clipping, accumulation); "
-          "max_elements: the parameters' elements together (sizes the swap files' cap).")
+          "max_elements: the parameters' elements together (sizes the swap files' cap). engine: a tier Engine "
+          "whose host budget holds the optimizer's buffers and whose counters it reports into (tier.torch's). "
+          "fault_injection (tests only): _inject_io_fault can make the optimizer's I/O fail.")
+      .def(
+          "_inject_io_fault",
+          [](PyStepDriver& o, const std::string& op, int err, std::uint64_t nth, std::uint64_t count,
+             std::uint64_t after_bytes) {
+            if (!o.faults) raise_status(failed_precondition("the driver was not created with fault_injection=True"));
+            if (op != "read" && op != "write" && op != "any") {
+              raise_status(invalid_argument(str("op '", op, "' is not one of: read, write, any")));
+            }
+            for (nvme::FaultInjectingEngine* f : *o.faults) {
+              if (after_bytes > 0) {
+                f->fail_writes_after_bytes(after_bytes, err);
+                continue;
+              }
+              nvme::FaultSpec spec;
+              spec.err = err;
+              spec.nth = nth;
+              spec.count = count;
+              if (op == "read") spec.op = nvme::IoOp::kRead;
+              if (op == "write") spec.op = nvme::IoOp::kWrite;
+              f->add_fault(spec);
+            }
+          },
+          "op"_a, "err"_a, "nth"_a = 1, "count"_a = 1, "after_bytes"_a = 0,
+          "Tests only: makes the optimizer's I/O fail. Each of its I/O engines fails the nth matching request "
+          "from now (and `count` after it) with -err; with after_bytes, every write once that many more bytes "
+          "were written (a disk filling up).")
+      .def(
+          "_clear_io_faults",
+          [](PyStepDriver& o) {
+            if (!o.faults) return;
+            for (nvme::FaultInjectingEngine* f : *o.faults) f->clear_faults();
+          },
+          "Tests only: removes the faults _inject_io_fault added (the disk has room again).")
       .def(
           "close", [](PyStepDriver& o) { o.close(); }, "Frees the driver's buffers and swap files now.")
       .def(
           "add_param",
-          [](PyStepDriver& o, const std::string& name, nb::handle initial, int group) {
+          [](PyStepDriver& o, const std::string& name, nb::handle initial, int group,
+             std::optional<std::string> dtype) {
             StepDriver& d = o.get();
             const InArray in = in_array(initial, str("add_param '", name, "'"));
             const DType dt = unwrap(dtype_from(in.a.dtype(), std::nullopt, str("add_param '", name, "'")));
-            return unwrap(unlocked([&] { return d.add_param(name, in.view(dt), group); }));
+            const DType param_dtype = dtype ? unwrap(parse_dtype(*dtype)) : dt;
+            return unwrap(unlocked([&] { return d.add_param(name, in.view(dt), group, param_dtype); }));
           },
-          "name"_a, "initial"_a, "group"_a = 0,
+          "name"_a, "initial"_a, "group"_a = 0, "dtype"_a = nb::none(),
           "Adds a parameter with the shape, dtype (float32, bfloat16, float16) and values of `initial` (copied); "
-          "returns its index.")
+          "returns its index. dtype ('fp32', 'bf16', 'fp16'): the parameter's, when `initial` is another (the fp32 "
+          "values a bf16 parameter was made from: the master keeps them).")
+      .def(
+          "finish_registration",
+          [](PyStepDriver& o) { check(unlocked([&] { return o.get().finish_registration(); })); },
+          "Lays the state out now (else at the first gradient, step or state access).")
       .def(
           "add_group",
-          [](PyStepDriver& o, double lr, double beta1, double beta2, double eps, double weight_decay) {
-            return unwrap(o.get().add_group(lr, beta1, beta2, eps, weight_decay));
+          [](PyStepDriver& o, double lr, double beta1, double beta2, double eps, double weight_decay,
+             std::optional<bool> decoupled, std::optional<bool> bias_correction) {
+            StepDriver& d = o.get();
+            if (!decoupled && !bias_correction) return unwrap(d.add_group(lr, beta1, beta2, eps, weight_decay));
+            const cpu::AdamHyperParams first = unwrap(d.hyper_params(0));
+            const cpu::WeightDecayMode mode =
+                decoupled ? (*decoupled ? cpu::WeightDecayMode::kDecoupled : cpu::WeightDecayMode::kL2)
+                          : first.decay_mode;
+            return unwrap(d.add_group(lr, beta1, beta2, eps, weight_decay, mode,
+                                      bias_correction ? *bias_correction : first.bias_correction));
           },
-          "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8, "weight_decay"_a = 0.0)
+          "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8, "weight_decay"_a = 0.0,
+          "decoupled"_a = nb::none(), "bias_correction"_a = nb::none(),
+          "Adds a parameter group of group 0's kind (adam, adagrad, lion, lamb); decoupled (AdamW's decay, "
+          "else L2) and bias_correction default to group 0's. Returns its index.")
+      .def(
+          "kind",
+          [](PyStepDriver& o, int group) { return cpu::optimizer_kind_name(unwrap(o.get().hyper_params(group)).kind); },
+          "group"_a = 0, "The update rule of a group: 'adam' (Adam or AdamW), 'adagrad', 'lion' or 'lamb'.")
+      .def(
+          "lr", [](PyStepDriver& o, int group) { return unwrap(o.get().hyper_params(group)).lr; }, "group"_a = 0)
+      .def(
+          "set_lr", [](PyStepDriver& o, int group, double lr) { check(o.get().set_lr(group, lr)); }, "group"_a, "lr"_a,
+          "A group's learning rate from the next step on.")
+      .def(
+          "declare_grad",
+          [](PyStepDriver& o, std::size_t index, double sumsq) {
+            StepDriver& d = o.get();
+            check(unlocked([&] { return d.declare_grad(index, sumsq); }));
+          },
+          "index"_a, "sumsq"_a,
+          "The parameter's final gradient of this step is in its engine tensor (the step's grad_tensors), with "
+          "sum of squares `sumsq`.")
       .def(
           "add_grad",
           [](PyStepDriver& o, std::size_t index, nb::handle grad, bool borrow) {
@@ -205,6 +386,9 @@ void bind_step_driver(nb::module_& m) {
           "clear_grads",
           [](PyStepDriver& o) {
             StepDriver& d = o.get();
+            if (d.async_running()) {
+              raise_status(failed_precondition("clear_grads: an asynchronous step is running; finish_async() first"));
+            }
             unlocked([&] { d.clear_grads(); });
             o.held.clear();
           },
@@ -212,29 +396,47 @@ void bind_step_driver(nb::module_& m) {
       .def(
           "step",
           [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs,
-             bool skip_missing) {
+             bool skip_missing, bool zero_missing, nb::object engine, std::vector<std::int64_t> tensors,
+             std::vector<std::int64_t> grad_tensors, std::vector<std::int64_t> offsets, nb::object reduce_sumsq) {
             StepDriver& d = o.get();
-            const step::StepArgs args = step_args(d, lr, outputs, skip_missing);
+            std::unique_ptr<PyNormReducer> norm;
+            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, reduce_sumsq};
+            const step::StepArgs args = step_args(d, lr, outputs, t, &norm);
             Result<optim::StepReport> r = unlocked([&] { return d.step(args); });
             if (r.ok()) o.held.clear();  // (a refused or failed step keeps its gradients for a retry)
             return report_dict(unwrap(std::move(r)));
           },
-          "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false,
+          "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false, "zero_missing"_a = false,
+          "engine"_a = nb::none(), "tensors"_a = std::vector<std::int64_t>{},
+          "grad_tensors"_a = std::vector<std::int64_t>{}, "offsets"_a = std::vector<std::int64_t>{},
+          "reduce_sumsq"_a = nb::none(),
           "One optimizer step; checks every gradient is in, the lr and the outputs first (nothing is applied "
           "on an error). outputs: None or one array (or None) per parameter, written with the updated values. "
-          "skip_missing: a parameter without a gradient is left as it is (as torch skips grad None).")
+          "skip_missing: a parameter without a gradient is left as it is (as torch skips grad None); "
+          "zero_missing: it is updated with a zero gradient (as DeepSpeed does). engine: the updated values of "
+          "parameter i go into engine tensor tensors[i] (-1: none) from element offsets[i], and a declared "
+          "gradient is read from grad_tensors[i]. reduce_sumsq (data-parallel ranks): a callable taking this "
+          "rank's sum of squares and returning the sum over all ranks, called once per step on every rank.")
       .def(
           "start_overlap",
           [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs,
-             bool skip_missing) {
+             bool skip_missing, bool zero_missing, nb::object engine, std::vector<std::int64_t> tensors,
+             std::vector<std::int64_t> grad_tensors, std::vector<std::int64_t> offsets, nb::object reduce_sumsq) {
             StepDriver& d = o.get();
-            const step::StepArgs args = step_args(d, lr, outputs, skip_missing);
+            std::unique_ptr<PyNormReducer> norm;
+            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, reduce_sumsq};
+            const step::StepArgs args = step_args(d, lr, outputs, t, &norm);
             check(unlocked([&] { return d.start_overlap(args); }));
+            o.norm = std::move(norm);  // (the last one's pass has stopped: start refuses while one runs)
             if (outputs) o.held.insert(o.held.end(), outputs->begin(), outputs->end());
           },
-          "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false,
-          "Starts the step's update before its gradients are all in (step()'s arguments); add_grad hands them in "
-          "as they become final, finish_overlap() validates and commits (or redoes the step), bit for bit step().")
+          "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false, "zero_missing"_a = false,
+          "engine"_a = nb::none(), "tensors"_a = std::vector<std::int64_t>{},
+          "grad_tensors"_a = std::vector<std::int64_t>{}, "offsets"_a = std::vector<std::int64_t>{},
+          "reduce_sumsq"_a = nb::none(),
+          "Starts the step's update before its gradients are all in (step()'s arguments); add_grad or "
+          "declare_grad hand them in as they become final, finish_overlap() validates and commits (or redoes "
+          "the step), bit for bit step().")
       .def(
           "finish_overlap",
           [](PyStepDriver& o) {
@@ -245,6 +447,39 @@ void bind_step_driver(nb::module_& m) {
           },
           "Every gradient is in: validates the overlapped step and returns its report (redone: it ran again "
           "serially, e.g. clipped). A missing gradient is refused with the pass still running.")
+      .def(
+          "start_async",
+          [](PyStepDriver& o, std::optional<double> lr, bool skip_missing, bool zero_missing, nb::object engine,
+             std::vector<std::int64_t> tensors, std::vector<std::int64_t> grad_tensors,
+             std::vector<std::int64_t> offsets) {
+            StepDriver& d = o.get();
+            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, nb::none()};
+            const step::StepArgs args = step_args(d, lr, std::nullopt, t);
+            check(unlocked([&] { return d.start_async(args); }));
+          },
+          "lr"_a = nb::none(), "skip_missing"_a = false, "zero_missing"_a = false, "engine"_a = nb::none(),
+          "tensors"_a = std::vector<std::int64_t>{}, "grad_tensors"_a = std::vector<std::int64_t>{},
+          "offsets"_a = std::vector<std::int64_t>{},
+          "step() on a thread of the driver's, returning at once (its arguments checked first): nothing else may "
+          "use the driver (nor change the gradients it reads) until finish_async() returns its report.")
+      .def(
+          "finish_async",
+          [](PyStepDriver& o) {
+            StepDriver& d = o.get();
+            Result<optim::StepReport> r = unlocked([&] { return d.finish_async(); });
+            if (r.ok()) o.held.clear();
+            return report_dict(unwrap(std::move(r)));
+          },
+          "Waits for the step start_async() began and returns its report (or raises its error: the state is as "
+          "before and its gradients are kept, so start_async() may run it again).")
+      .def_prop_ro("async_running", [](PyStepDriver& o) { return o.d != nullptr && o.d->async_running(); })
+      .def_prop_ro(
+          "outputs_stale", [](PyStepDriver& o) { return o.get().outputs_stale(); },
+          "Whether params a step delivered may be ahead of the committed state (a failed step could not put "
+          "them back, or an applied step's outputs failed): read_param() has the committed ones.")
+      .def(
+          "outputs_rewritten", [](PyStepDriver& o) { o.get().outputs_rewritten(); },
+          "Every parameter was rewritten from read_param(): outputs_stale is false again.")
       .def(
           "cancel_overlap",
           [](PyStepDriver& o) {

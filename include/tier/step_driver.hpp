@@ -3,10 +3,9 @@
 // checks everything it was given before it touches the state, and the updated parameters written
 // straight into the caller's tensors.
 //
-// The C ABI's tier_optimizer_* functions (include/tier/tier.h), tier.jax and
-// tier.torch.OffloadedAdamW are this class; tier.torch's engine (initialize) still drives
-// tier::optim::OffloadedOptimizer itself (its engine tensors), see docs/design.md "The step
-// driver".
+// The C ABI's tier_optimizer_* functions (include/tier/tier.h), tier.jax,
+// tier.torch.OffloadedAdamW and tier.torch's engine (initialize) are this class; see
+// docs/design.md "The step driver".
 //
 // What it adds to OffloadedOptimizer (which it owns, built from a DeepSpeed/tier config):
 //  - Parameters by name, each with a shape and a dtype (fp32, bf16 or fp16). The fp32 master is
@@ -19,7 +18,12 @@
 //    for a name, kFailedPrecondition for a missing gradient) with a message naming the parameter,
 //    and the state, the gradients taken so far and the step counters are unchanged.
 //  - The updated params are written by the update kernel itself into the caller's memory (one
-//    pass: no staging copy).
+//    pass: no staging copy), or into the caller's engine tensors (EngineTargets: a framework whose
+//    params and gradients live in a tier::Engine, as tier.torch's engine's do).
+//  - The step's three forms: serial (step), overlapped with backward (start_overlap ..
+//    finish_overlap: "exact"), and on a thread of its own while the caller computes the next
+//    step's gradients (start_async .. finish_async: "delayed"). What a step reads and writes is
+//    held by the driver from its start to its end, whichever form it takes.
 //
 // Per gradient element on the host, a step costs two passes over host memory: the intake (the
 // gradient is read and added into the fp32 accumulator, its sum of squares computed in the same
@@ -39,6 +43,8 @@
 #include <vector>
 
 #include "tier/config.hpp"
+#include "tier/engine.hpp"
+#include "tier/norm_reducer.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/status.hpp"
 #include "tier/types.hpp"
@@ -66,17 +72,39 @@ struct ParamInfo {
 // per step).
 enum class GradIntake : std::uint8_t { kCopy, kBorrow };
 
+// A step over engine tensors: where each parameter's updated values go and where its declared
+// gradient (declare_grad) is read from. Per parameter, in the order they were added; an empty
+// list means none.
+struct EngineTargets {
+  Engine* engine = nullptr;  // must outlive the step
+  // The tensor the updated values are written into (-1: not written), from element offsets[i]
+  // (empty: 0; a rank's shard of a whole parameter sits at its offset in the tensor), in the
+  // parameter's dtype.
+  std::vector<std::int64_t> params;
+  std::vector<std::int64_t> offsets;
+  // The tensor a declared gradient is read from (fp32, the parameter's numel).
+  std::vector<std::int64_t> grads;
+};
+
 struct StepArgs {
   // The learning rate of every group for this step and after (a scheduler's value); none: keep.
   std::optional<double> lr;
   // A parameter that got no gradient this step is left as it is (values, moments; no weight
   // decay), as torch's optimizers skip a parameter whose grad is None. Off: such a step is
-  // refused (kFailedPrecondition naming the parameter).
+  // refused (kFailedPrecondition naming the parameter), unless zero_missing.
   bool skip_missing = false;
+  // A parameter that got no gradient is updated with a zero one (its moments decay, weight decay
+  // applies), as DeepSpeed's flat gradient buffers do. Not with skip_missing.
+  bool zero_missing = false;
   // Where each parameter's updated values go: empty, or one pointer per parameter (in the order
   // they were added; null skips that parameter), each to numel elements of the parameter's dtype
   // in host memory that stays valid until step() returns.
   std::vector<void*> outputs;
+  // Or into engine tensors (parameters without an output), and declared gradients from them.
+  std::optional<EngineTargets> engine;
+  // (optional) The gradient norm across data-parallel ranks (each rank's driver holds its
+  // shards); must outlive the step.
+  optim::NormReducer* norm = nullptr;
 };
 
 class StepDriver {
@@ -89,6 +117,9 @@ class StepDriver {
   // OffloadedOptimizerOptions::from_config and OffloadedOptimizer::create.
   static Result<std::unique_ptr<StepDriver>> create(const EngineConfig& config, std::uint64_t max_elements,
                                                     std::uint64_t max_params = 0);
+  // The optimizer of prepared options: from_config's, with what a host framework adds (the
+  // engine's counters, its host budget as the pinned source, its arena, a wrapped I/O engine).
+  static Result<std::unique_ptr<StepDriver>> create(const optim::OffloadedOptimizerOptions& options);
   ~StepDriver();
   StepDriver(const StepDriver&) = delete;
   StepDriver& operator=(const StepDriver&) = delete;
@@ -98,16 +129,33 @@ class StepDriver {
   // (empty name, a dtype other than those, a negative dimension, no elements, an unknown group),
   // kFailedPrecondition after the first gradient or step, and the optimizer's (a chunk write).
   Result<std::size_t> add_param(const std::string& name, const HostTensor& initial, int group = 0);
+  // The same, for a parameter of dtype `dtype` whose initial values are given in another one
+  // (typically the fp32 values a bf16 parameter was made from: the master keeps them exactly).
+  Result<std::size_t> add_param(const std::string& name, const HostTensor& initial, int group, DType dtype);
+  // Lays the state out now (writes the last chunk) instead of at the first gradient, step or
+  // state access, so that its I/O error is met here. Parameters cannot be added afterwards.
+  Status finish_registration();
   // A parameter group of the same kind as group 0 (the config's optimizer type), with these
   // hyper-parameters; returns its index.
   Result<int> add_group(double lr, double beta1, double beta2, double eps, double weight_decay);
+  // The same with the weight decay's form and bias correction given (the kind and its clamps are
+  // group 0's; Adagrad's decay is always L2, Lion's always decoupled).
+  Result<int> add_group(double lr, double beta1, double beta2, double eps, double weight_decay,
+                        cpu::WeightDecayMode decay, bool bias_correction);
 
   // One micro-step's gradient of parameter `index`: the parameter's shape, fp32/bf16/fp16,
   // host memory; copied (added to the accumulator) at once, or borrowed (see GradIntake). Errors: kInvalidArgument
   // naming the parameter (shape, dtype, an unknown index), kFailedPrecondition (more micro-steps than
   // gradient_accumulation_steps).
   Status add_grad(std::size_t index, const HostTensor& grad, GradIntake intake = GradIntake::kCopy);
+  // The final gradient of parameter `index` for this step is in its engine tensor
+  // (EngineTargets::grads, given to the step), with sum of squares `sumsq` (of the values as they
+  // are, loss scale included; inf or nan mark an overflow). The step reads it from there: the
+  // host memory it takes does not grow with the model. Errors: kInvalidArgument (index, a
+  // negative sumsq), kFailedPrecondition (the parameter already has its gradients this step).
+  Status declare_grad(std::size_t index, double sumsq);
   // Forgets the gradients taken since the last step (and drops an overlapped step in flight).
+  // Does nothing while an asynchronous step runs (its gradients are its own).
   void clear_grads() noexcept;
 
   // One optimizer step (see the header comment for what is checked first). The report says
@@ -129,8 +177,24 @@ class StepDriver {
   void cancel_overlap() noexcept;
   bool overlap_running() const noexcept;
 
+  // step(args) on a thread of the driver's, returning once it has started (the arguments checked
+  // as step() checks them): the "delayed" update, which runs while the caller computes the next
+  // step's gradients. Until finish_async() returns its report (or its error, with the state as
+  // before, for a retry), every other call that touches the state or the gradients is refused
+  // with kFailedPrecondition; the gradients it reads must stay as they are.
+  Status start_async(const StepArgs& args);
+  Result<optim::StepReport> finish_async();
+  bool async_running() const noexcept { return async_ != nullptr; }
+
+  // Whether params a step delivered may be ahead of the committed state (a failed step could not
+  // put them back, or an applied step's outputs failed): read_param() has the committed ones.
+  bool outputs_stale() const noexcept;
+  // The caller has rewritten every parameter from read_param(): outputs_stale() is false again.
+  void outputs_rewritten() noexcept;
+
   // A group's hyper-parameters (from this step on) and their current values.
   Status set_hyper_params(int group, double lr, double beta1, double beta2, double eps, double weight_decay);
+  Status set_lr(int group, double lr);
   Result<cpu::AdamHyperParams> hyper_params(int group) const;
   std::size_t group_count() const noexcept;
 
@@ -164,12 +228,21 @@ class StepDriver {
   optim::OffloadedOptimizer& optimizer() noexcept { return *opt_; }
 
  private:
+  // What a step reads and writes, held from its start to its end (the engine targets' sink and
+  // gradient source, the outputs).
+  struct Session;
+  struct Async;
+
   explicit StepDriver(std::unique_ptr<optim::OffloadedOptimizer> opt);
+  // kFailedPrecondition while an asynchronous step runs.
+  Status idle(const char* what) const;
+  // The step of `session`: the optimizer's, then its sink closed (the step's error first).
+  Result<optim::StepReport> run_step(Session& session);
   // The optimizer's finish_registration, once: parameters are all in at the first gradient, step,
   // state access or checkpoint.
   Status ensure_registered();
   Status check_index(std::size_t index, const char* what) const;
-  Status check_grads_complete(bool skip_missing) const;
+  Status check_grads_complete(const StepArgs& args) const;
   Status check_step_args(const StepArgs& args) const;
   // Registration done, and args.lr (if any) set on every group: what a step does first.
   Status apply_lr(const StepArgs& args);
@@ -182,9 +255,10 @@ class StepDriver {
   std::unordered_map<std::string, std::size_t> by_name_;
   std::vector<int> grads_in_;  // micro-steps of gradient taken per parameter this step
   bool registered_ = false;    // finish_registration done
-  // The running overlapped step's arguments (the outputs it writes).
-  StepArgs overlap_args_;
+  // The running overlapped step's arguments and what it writes to.
+  std::unique_ptr<Session> overlap_;
   bool overlap_started_ = false;
+  std::unique_ptr<Async> async_;  // a step on its own thread (start_async .. finish_async)
   // Gradient traffic over host memory of the steps applied, in elements: gradients taken, and
   // the passes over them (intakes and update reads); intakes of the step being gathered.
   std::uint64_t grad_elements_ = 0;

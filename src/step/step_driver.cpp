@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <thread>
 #include <utility>
 
 #include "tier/cpu_kernels.hpp"
+#include "tier/engine_step_io.hpp"
 #include "tier/log.hpp"
 
 namespace tier::step {
@@ -46,17 +48,64 @@ Result<std::uint64_t> numel_of(std::span<const std::int64_t> shape, const std::s
 
 }  // namespace
 
+struct StepDriver::Session {
+  StepArgs args;
+  std::unique_ptr<EngineParamSink> sink;
+  std::unique_ptr<EngineGradSource> grads;
+
+  Session(StepArgs a, const optim::OffloadedOptimizer& opt) : args(std::move(a)) {
+    if (args.engine) {
+      sink = std::make_unique<EngineParamSink>(*args.engine->engine, args.engine->params, args.engine->offsets, opt);
+      grads = std::make_unique<EngineGradSource>(*args.engine->engine, args.engine->grads);
+    }
+  }
+  optim::StepOptions options() const {
+    optim::StepOptions so;
+    so.skip_missing_grads = args.skip_missing;
+    so.destinations = args.outputs;
+    so.sink = sink.get();
+    so.grads = grads.get();
+    so.norm = args.norm;
+    return so;
+  }
+  // Releases the engine tensors a step left open (one that failed part way); the first error.
+  Status close() { return sink ? sink->close() : Status::Ok(); }
+};
+
+struct StepDriver::Async {
+  std::thread thread;
+  std::unique_ptr<Session> session;
+  Result<optim::StepReport> result{Status(StatusCode::kInternal, "no step")};
+  Status closed;
+  std::uint64_t applied_before = 0;  // the optimizer's steps applied when it started
+  ~Async() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
 StepDriver::StepDriver(std::unique_ptr<optim::OffloadedOptimizer> opt) : opt_(std::move(opt)) {
   accumulation_steps_ = std::max(1, opt_->options().gradient_accumulation_steps);
 }
 
-StepDriver::~StepDriver() = default;
+StepDriver::~StepDriver() {
+  async_.reset();    // joins a step on its thread
+  cancel_overlap();  // stops a pass before what it writes to goes
+}
+
+Status StepDriver::idle(const char* what) const {
+  if (async_) return failed_precondition(str(what, ": an asynchronous step is running; finish_async() first"));
+  return Status::Ok();
+}
 
 Result<std::unique_ptr<StepDriver>> StepDriver::create(const EngineConfig& config, std::uint64_t max_elements,
                                                        std::uint64_t max_params) {
   TIER_ASSIGN_OR_RETURN(optim::OffloadedOptimizerOptions options,
                         optim::OffloadedOptimizerOptions::from_config(config, max_elements));
   options.max_partitions = max_params;
+  return create(options);
+}
+
+Result<std::unique_ptr<StepDriver>> StepDriver::create(const optim::OffloadedOptimizerOptions& options) {
   TIER_ASSIGN_OR_RETURN(std::unique_ptr<optim::OffloadedOptimizer> opt, optim::OffloadedOptimizer::create(options));
   return std::unique_ptr<StepDriver>(new StepDriver(std::move(opt)));
 }
@@ -68,6 +117,11 @@ Status StepDriver::ensure_registered() {
   return Status::Ok();
 }
 
+Status StepDriver::finish_registration() {
+  TIER_RETURN_IF_ERROR(idle("finish_registration"));
+  return ensure_registered();
+}
+
 Status StepDriver::check_index(std::size_t index, const char* what) const {
   if (index >= params_.size()) {
     return invalid_argument(
@@ -77,6 +131,11 @@ Status StepDriver::check_index(std::size_t index, const char* what) const {
 }
 
 Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTensor& initial, int group) {
+  return add_param(name, initial, group, initial.dtype);
+}
+
+Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTensor& initial, int group, DType dtype) {
+  TIER_RETURN_IF_ERROR(idle("add_param"));
   if (name.empty()) return invalid_argument("add_param: the name is empty");
   if (registered_) {
     return failed_precondition(str("add_param '", name,
@@ -86,9 +145,11 @@ Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTen
   if (by_name_.count(name) != 0) {
     return Status(StatusCode::kAlreadyExists, str("add_param: a parameter named '", name, "' was already added"));
   }
-  if (!is_param_dtype(initial.dtype)) {
-    return invalid_argument(str("add_param '", name, "': dtype ", dtype_name(initial.dtype),
-                                "; parameters are float32, bfloat16 or float16"));
+  for (DType d : {initial.dtype, dtype}) {
+    if (!is_param_dtype(d)) {
+      return invalid_argument(
+          str("add_param '", name, "': dtype ", dtype_name(d), "; parameters are float32, bfloat16 or float16"));
+    }
   }
   TIER_ASSIGN_OR_RETURN(std::uint64_t numel, numel_of(initial.shape, str("add_param '", name, "'")));
   if (numel == 0)
@@ -109,25 +170,36 @@ Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTen
   optim::PartitionSpec spec;
   spec.numel = numel;
   spec.group = group;
-  spec.output = output_for(initial.dtype);
+  spec.output = output_for(dtype);
   spec.initial = values;
   spec.name = name;
   TIER_ASSIGN_OR_RETURN(optim::PartitionId id, opt_->add_partition(spec));
   if (id != params_.size()) return internal_error(str("add_param '", name, "': partition id ", id, " out of order"));
-  params_.push_back(ParamInfo{name, std::vector<std::int64_t>(initial.shape.begin(), initial.shape.end()),
-                              initial.dtype, numel, group});
+  params_.push_back(
+      ParamInfo{name, std::vector<std::int64_t>(initial.shape.begin(), initial.shape.end()), dtype, numel, group});
   by_name_.emplace(name, params_.size() - 1);
   grads_in_.push_back(0);
   return params_.size() - 1;
 }
 
 Result<int> StepDriver::add_group(double lr, double beta1, double beta2, double eps, double weight_decay) {
-  TIER_ASSIGN_OR_RETURN(cpu::AdamHyperParams hp, opt_->hyper_params(0));
+  TIER_ASSIGN_OR_RETURN(cpu::AdamHyperParams first, opt_->hyper_params(0));
+  return add_group(lr, beta1, beta2, eps, weight_decay, first.decay_mode, first.bias_correction);
+}
+
+Result<int> StepDriver::add_group(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                  cpu::WeightDecayMode decay, bool bias_correction) {
+  TIER_RETURN_IF_ERROR(idle("add_group"));
+  TIER_ASSIGN_OR_RETURN(cpu::AdamHyperParams hp, opt_->hyper_params(0));  // the kind and its clamps
   hp.lr = lr;
   hp.beta1 = beta1;
   hp.beta2 = beta2;
   hp.eps = eps;
   hp.weight_decay = weight_decay;
+  hp.decay_mode = decay;
+  hp.bias_correction = bias_correction;
+  if (hp.kind == cpu::OptimizerKind::kAdagrad) hp.decay_mode = cpu::WeightDecayMode::kL2;
+  if (hp.kind == cpu::OptimizerKind::kLion) hp.decay_mode = cpu::WeightDecayMode::kDecoupled;
   TIER_RETURN_IF_ERROR(hp.validate());
   return opt_->add_group(hp);
 }
@@ -139,6 +211,7 @@ Result<std::size_t> StepDriver::find(const std::string& name) const {
 }
 
 Status StepDriver::add_grad(std::size_t index, const HostTensor& grad, GradIntake intake) {
+  TIER_RETURN_IF_ERROR(idle("add_grad"));
   TIER_RETURN_IF_ERROR(check_index(index, "add_grad"));
   const ParamInfo& p = params_[index];
   if (!is_param_dtype(grad.dtype)) {
@@ -175,18 +248,37 @@ Status StepDriver::add_grad(std::size_t index, const HostTensor& grad, GradIntak
   return Status::Ok();
 }
 
+Status StepDriver::declare_grad(std::size_t index, double sumsq) {
+  TIER_RETURN_IF_ERROR(idle("declare_grad"));
+  TIER_RETURN_IF_ERROR(check_index(index, "declare_grad"));
+  const ParamInfo& p = params_[index];
+  if (grads_in_[index] != 0) {
+    return failed_precondition(str("declare_grad '", p.name, "': the parameter already has ", grads_in_[index],
+                                   " gradient(s) this step; step() or clear_grads() first"));
+  }
+  TIER_RETURN_IF_ERROR(ensure_registered());
+  TIER_RETURN_IF_ERROR(
+      opt_->declare_grad(static_cast<optim::PartitionId>(index), sumsq).with_context(str("parameter '", p.name, "'")));
+  // Its accumulation was the caller's: the whole step's worth at once, read once by the update.
+  grads_in_[index] = accumulation_steps_;
+  pending_grad_elements_ += p.numel;
+  return Status::Ok();
+}
+
 void StepDriver::clear_grads() noexcept {
-  opt_->clear_grads();  // (cancels an overlapped step)
+  if (async_) return;   // (the asynchronous step's gradients are its own)
+  opt_->clear_grads();  // (cancels an overlapped step: its pass stops before what it writes to goes)
   overlap_started_ = false;
-  overlap_args_ = {};
+  overlap_.reset();
   pending_intake_elements_ = 0;
   pending_grad_elements_ = 0;
   std::fill(grads_in_.begin(), grads_in_.end(), 0);
 }
 
-Status StepDriver::check_grads_complete(bool skip_missing) const {
+Status StepDriver::check_grads_complete(const StepArgs& args) const {
+  const bool none_is_fine = args.skip_missing || args.zero_missing;
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (grads_in_[i] == accumulation_steps_ || (skip_missing && grads_in_[i] == 0)) continue;
+    if (grads_in_[i] == accumulation_steps_ || (none_is_fine && grads_in_[i] == 0)) continue;
     return failed_precondition(str("step: parameter '", params_[i].name, "' has ", grads_in_[i], " gradient(s) of the ",
                                    accumulation_steps_,
                                    " this step needs (gradient_accumulation_steps); nothing was applied"));
@@ -203,6 +295,21 @@ Status StepDriver::check_step_args(const StepArgs& args) const {
     return invalid_argument(str("step: ", args.outputs.size(), " outputs for ", params_.size(),
                                 " parameters (give one per parameter, null to skip one, or none)"));
   }
+  if (args.skip_missing && args.zero_missing) {
+    return invalid_argument("step: skip_missing and zero_missing together (a missing gradient is one or the other)");
+  }
+  if (args.engine) {
+    const EngineTargets& t = *args.engine;
+    if (t.engine == nullptr) return invalid_argument("step: engine targets without an engine");
+    const std::pair<const char*, std::size_t> lists[] = {
+        {"params", t.params.size()}, {"offsets", t.offsets.size()}, {"grads", t.grads.size()}};
+    for (const auto& [what, n] : lists) {
+      if (n != 0 && n != params_.size()) {
+        return invalid_argument(str("step: engine targets: ", n, " ", what, " for ", params_.size(),
+                                    " parameters (one per parameter, or none)"));
+      }
+    }
+  }
   return Status::Ok();
 }
 
@@ -215,19 +322,27 @@ Status StepDriver::apply_lr(const StepArgs& args) {
   return Status::Ok();
 }
 
+Result<optim::StepReport> StepDriver::run_step(Session& session) {
+  Result<optim::StepReport> r = opt_->step(session.options());
+  Status closed = session.close();
+  if (!r.ok()) return r;
+  if (!closed.ok()) return closed;  // (applied, its outputs not all delivered: outputs_stale says so)
+  return r;
+}
+
 Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
+  TIER_RETURN_IF_ERROR(idle("step"));
   if (overlap_started_ && opt_->overlapped_step_running()) {
     return failed_precondition("step: an overlapped step is running; finish_overlap() or cancel_overlap() first");
   }
   TIER_RETURN_IF_ERROR(check_step_args(args));
-  TIER_RETURN_IF_ERROR(check_grads_complete(args.skip_missing));
+  TIER_RETURN_IF_ERROR(check_grads_complete(args));
   TIER_RETURN_IF_ERROR(apply_lr(args));
-  optim::StepOptions so;
-  so.skip_missing_grads = args.skip_missing;
-  so.destinations = args.outputs;
-  TIER_ASSIGN_OR_RETURN(optim::StepReport report, opt_->step(so));
-  after_step(report);
-  return report;
+  Session session(args, *opt_);
+  const std::uint64_t applied_before = opt_->stats().steps_applied;
+  Result<optim::StepReport> r = run_step(session);
+  if (r.ok() || opt_->stats().steps_applied != applied_before) after_step(r.ok() ? *r : optim::StepReport{});
+  return r;
 }
 
 void StepDriver::after_step(const optim::StepReport& report) {
@@ -246,42 +361,91 @@ void StepDriver::after_step(const optim::StepReport& report) {
 }
 
 Status StepDriver::start_overlap(const StepArgs& args) {
+  TIER_RETURN_IF_ERROR(idle("start_overlap"));
   if (overlap_started_ && opt_->overlapped_step_running()) {
     return failed_precondition("start_overlap: an overlapped step is already running");
   }
   TIER_RETURN_IF_ERROR(check_step_args(args));
   TIER_RETURN_IF_ERROR(apply_lr(args));
-  overlap_args_ = args;
-  optim::StepOptions so;
-  so.skip_missing_grads = args.skip_missing;
-  so.redeliver_abandoned_outputs = false;   // the outputs of a dropped pass are the caller's staging
-  so.destinations = overlap_args_.outputs;  // (kept until the pass is finished or cancelled)
-  if (Status s = opt_->start_overlapped_step(so); !s.ok()) {
-    overlap_args_ = {};
-    return s;
-  }
+  overlap_.reset();  // one that clear_grads() or an error stopped
+  auto session = std::make_unique<Session>(args, *opt_);
+  optim::StepOptions so = session->options();
+  // Host outputs of a dropped pass are the caller's staging, which it discards with the pass;
+  // engine tensors are where the training reads its params, so the committed ones go back.
+  so.redeliver_abandoned_outputs = args.engine.has_value();
+  TIER_RETURN_IF_ERROR(opt_->start_overlapped_step(so));
+  overlap_ = std::move(session);  // (kept until the pass is finished or cancelled)
   overlap_started_ = true;
   return Status::Ok();
 }
 
 Result<optim::StepReport> StepDriver::finish_overlap() {
+  TIER_RETURN_IF_ERROR(idle("finish_overlap"));
   if (!overlap_started_ || !opt_->overlapped_step_running()) {
     overlap_started_ = false;
+    overlap_.reset();
     return failed_precondition("finish_overlap: no overlapped step is running");
   }
-  TIER_RETURN_IF_ERROR(check_grads_complete(overlap_args_.skip_missing));
+  TIER_RETURN_IF_ERROR(check_grads_complete(overlap_->args));
+  const std::uint64_t applied_before = opt_->stats().steps_applied;
   Result<optim::StepReport> r = opt_->finish_overlapped_step();
+  std::unique_ptr<Session> session = std::move(overlap_);
   overlap_started_ = false;
-  overlap_args_ = {};
-  if (r.ok()) after_step(*r);
+  const Status closed = session->close();
+  if (r.ok() || opt_->stats().steps_applied != applied_before) after_step(r.ok() ? *r : optim::StepReport{});
+  if (r.ok() && !closed.ok()) return closed;
   return r;
 }
 
 void StepDriver::cancel_overlap() noexcept {
-  if (!overlap_started_) return;
-  opt_->cancel_overlapped_step();
+  if (!overlap_started_ || async_) return;
+  opt_->cancel_overlapped_step();  // (its pass has stopped when this returns)
   overlap_started_ = false;
-  overlap_args_ = {};
+  if (overlap_) overlap_->close().ignore();
+  overlap_.reset();
+}
+
+Status StepDriver::start_async(const StepArgs& args) {
+  TIER_RETURN_IF_ERROR(idle("start_async"));
+  if (overlap_started_ && opt_->overlapped_step_running()) {
+    return failed_precondition(
+        "start_async: an overlapped step is running; finish_overlap() or cancel_overlap() first");
+  }
+  TIER_RETURN_IF_ERROR(check_step_args(args));
+  TIER_RETURN_IF_ERROR(check_grads_complete(args));
+  TIER_RETURN_IF_ERROR(apply_lr(args));
+  auto a = std::make_unique<Async>();
+  a->session = std::make_unique<Session>(args, *opt_);
+  a->applied_before = opt_->stats().steps_applied;
+  Async* raw = a.get();
+  optim::OffloadedOptimizer* opt = opt_.get();
+  // The thread runs the optimizer's step alone: the driver's own books are kept by
+  // finish_async, on the caller's thread.
+  raw->thread = std::thread([raw, opt] {
+    raw->result = opt->step(raw->session->options());
+    raw->closed = raw->session->close();
+  });
+  async_ = std::move(a);
+  return Status::Ok();
+}
+
+Result<optim::StepReport> StepDriver::finish_async() {
+  if (!async_) return failed_precondition("finish_async: no asynchronous step is running");
+  std::unique_ptr<Async> a = std::move(async_);
+  a->thread.join();
+  if (a->result.ok() || opt_->stats().steps_applied != a->applied_before) {
+    after_step(a->result.ok() ? *a->result : optim::StepReport{});
+  }
+  if (a->result.ok() && !a->closed.ok()) return a->closed;
+  return std::move(a->result);
+}
+
+bool StepDriver::outputs_stale() const noexcept {
+  return opt_->outputs_stale();
+}
+
+void StepDriver::outputs_rewritten() noexcept {
+  if (!async_) opt_->outputs_rewritten();
 }
 
 bool StepDriver::overlap_running() const noexcept {
@@ -289,6 +453,7 @@ bool StepDriver::overlap_running() const noexcept {
 }
 
 Status StepDriver::set_hyper_params(int group, double lr, double beta1, double beta2, double eps, double weight_decay) {
+  TIER_RETURN_IF_ERROR(idle("set_hyper_params"));
   TIER_ASSIGN_OR_RETURN(cpu::AdamHyperParams hp, opt_->hyper_params(group));
   hp.lr = lr;
   hp.beta1 = beta1;
@@ -297,6 +462,11 @@ Status StepDriver::set_hyper_params(int group, double lr, double beta1, double b
   hp.weight_decay = weight_decay;
   TIER_RETURN_IF_ERROR(hp.validate().with_context(str("optimizer group ", group)));
   return opt_->set_hyper_params(group, hp);
+}
+
+Status StepDriver::set_lr(int group, double lr) {
+  TIER_RETURN_IF_ERROR(idle("set_lr"));
+  return opt_->set_lr(group, lr);
 }
 
 Result<cpu::AdamHyperParams> StepDriver::hyper_params(int group) const {
@@ -308,6 +478,7 @@ std::size_t StepDriver::group_count() const noexcept {
 }
 
 Status StepDriver::read_param(std::size_t index, DType dtype, void* dst) {
+  TIER_RETURN_IF_ERROR(idle("read_param"));
   TIER_RETURN_IF_ERROR(check_index(index, "read_param"));
   if (!is_param_dtype(dtype)) {
     return invalid_argument(
@@ -318,31 +489,37 @@ Status StepDriver::read_param(std::size_t index, DType dtype, void* dst) {
 }
 
 Status StepDriver::read_state(std::size_t index, optim::StateKind kind, float* dst) {
+  TIER_RETURN_IF_ERROR(idle("read_state"));
   TIER_RETURN_IF_ERROR(check_index(index, "read_state"));
   TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->read_state(static_cast<optim::PartitionId>(index), kind, dst, 0, params_[index].numel);
 }
 
 Status StepDriver::write_state(std::size_t index, optim::StateKind kind, const float* src) {
+  TIER_RETURN_IF_ERROR(idle("write_state"));
   TIER_RETURN_IF_ERROR(check_index(index, "write_state"));
   TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->write_state(static_cast<optim::PartitionId>(index), kind, src, 0, params_[index].numel);
 }
 
 Result<std::int64_t> StepDriver::group_step(int group) const {
+  TIER_RETURN_IF_ERROR(idle("group_step"));
   return opt_->group_step(group);
 }
 
 Status StepDriver::set_group_step(int group, std::int64_t step) {
+  TIER_RETURN_IF_ERROR(idle("set_group_step"));
   return opt_->set_group_step(group, step);
 }
 
 Status StepDriver::save(const std::string& path) {
+  TIER_RETURN_IF_ERROR(idle("save"));
   TIER_RETURN_IF_ERROR(ensure_registered());
   return opt_->save_checkpoint(path);
 }
 
 Status StepDriver::load(const std::string& path) {
+  TIER_RETURN_IF_ERROR(idle("load"));
   TIER_RETURN_IF_ERROR(ensure_registered());
   TIER_RETURN_IF_ERROR(opt_->load_checkpoint(path));
   clear_grads();  // a load drops the gradients taken so far

@@ -87,12 +87,12 @@ def test_delayed_is_not_serial(swap_dir, tmp_path):
 def test_a_checkpoint_waits_for_the_update_and_resumes_identically(swap_dir, tmp_path):
     engine, *_ = tier.torch.initialize(make_model(), delayed_config(swap_dir))
     train(engine, 2)
-    assert engine.optimizer.step_async_running
+    assert engine.optimizer.async_running
     # The main job reads the stats every step: they come (as the update found them), without waiting.
     s = engine.stats()
-    assert s["optimizer"]["update_running"] and engine.optimizer.step_async_running
+    assert s["optimizer"]["update_running"] and engine.optimizer.async_running
     engine.save_checkpoint(tmp_path / "ckpt")  # completes the pending update first
-    assert not engine.optimizer.step_async_running and engine.global_steps == 2
+    assert not engine.optimizer.async_running and engine.global_steps == 2
     rest = train(engine, 4, start=2)
     engine.destroy()
 

@@ -257,9 +257,9 @@ class RecordingOptimizer:
         self._inner = inner
         self.used = []
 
-    def step_into(self, *args):
+    def step(self, *args, **kwargs):
         self.used.append(self._inner.lr(0))
-        return self._inner.step_into(*args)
+        return self._inner.step(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

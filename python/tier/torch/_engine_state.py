@@ -51,7 +51,7 @@ class StateMixin:
         """The engine's snapshot (tiers, links, metrics) with the optimizer's figures."""
         s = json.loads(self.native.stats_json())
         if self.native_optimizer is not None:
-            if self.native_optimizer.step_async_running:
+            if self.native_optimizer.async_running:
                 # A delayed update is running: the figures as it found them (it owns the optimizer).
                 s["optimizer"] = dict(self.__dict__.get("_optimizer_stats") or {}, update_running=True)
             else:
@@ -98,7 +98,7 @@ class StateMixin:
         def master(s):
             m = torch.zeros(s.zero_shard, dtype=torch.float32)
             if s.pid is not None:
-                self.native_optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
+                self.native_optimizer.read_param(s.pid, m[: s.zero_count])
             return m.to(self._zero.device)
 
         return _zero.gather_full(self._zero, [slot], master)[id(slot)].view(slot.shape).to("cpu", copy=True)
@@ -112,7 +112,7 @@ class StateMixin:
             def master(s):
                 m = torch.zeros(s.zero_shard, dtype=torch.float32)
                 if s.pid is not None:
-                    self.native_optimizer.read_params(s.pid, "fp32", m[: s.zero_count])
+                    self.native_optimizer.read_param(s.pid, m[: s.zero_count])
                 return m.to(self._zero.device)
 
             trainable = [s for s in self._slots if s.trainable]
@@ -129,7 +129,7 @@ class StateMixin:
                 out[slot.name] = self.parameter(slot.name).float()
                 continue
             t = torch.empty(slot.shape, dtype=torch.float32)
-            self.native_optimizer.read_params(slot.pid, "fp32", t)
+            self.native_optimizer.read_param(slot.pid, t.view(-1))
             out[slot.name] = t
         return out
 

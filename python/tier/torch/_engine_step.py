@@ -52,12 +52,13 @@ class StepMixin:
             # The step's update starts now and takes each chunk of the state as backward finishes
             # its gradients; step() validates it (and redoes it when clipping or an overflow says so).
             self._apply_lr()
-            self.native_optimizer.start_overlap_into(
-                self.native,
-                self._tensor_of_partition,
-                self._grads.tensors,
-                self._partition_offsets,
-                self._reduce_sumsq,
+            self.native_optimizer.start_overlap(
+                zero_missing=True,
+                engine=self.native,
+                tensors=self._tensor_of_partition,
+                grad_tensors=self._grads.tensors,
+                offsets=self._partition_offsets,
+                reduce_sumsq=self._reduce_sumsq,
             )
         self._in_backward = True
         self._engine_backward = True  # until its gradients are all handed over (drain, reduce)
@@ -178,12 +179,13 @@ class StepMixin:
             else:
                 self._apply_lr()
                 grad_tensors = self._grads.tensors if self._grads_in_engine else []
-                report = self.native_optimizer.step_into(
-                    self.native,
-                    self._tensor_of_partition,
-                    grad_tensors,
-                    self._partition_offsets,
-                    self._reduce_sumsq,
+                report = self.native_optimizer.step(
+                    zero_missing=True,
+                    engine=self.native,
+                    tensors=self._tensor_of_partition,
+                    grad_tensors=grad_tensors,
+                    offsets=self._partition_offsets,
+                    reduce_sumsq=self._reduce_sumsq,
                 )
         except BaseException:
             self._grads.after_step(False)
@@ -251,7 +253,9 @@ class StepMixin:
         grad_tensors = self._grads.tensors if self._grads_in_engine else []
         self._apply_lr()
         self._optimizer_stats = self.native_optimizer.stats()
-        self.native_optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
+        # The update writes the masters only (the params are in use meanwhile; _join_delayed
+        # derives them).
+        self.native_optimizer.start_async(zero_missing=True, engine=self.native, grad_tensors=grad_tensors)
         self._delayed_pending = (self._grads, lr_kwargs)
         if self._grads_in_engine:
             spare = self._spare_grads
@@ -277,7 +281,7 @@ class StepMixin:
                 f"beside the {held} bytes of tensors there; tier.budgets.nvme is {nvme['budget_bytes']}: "
                 f"raise it to at least {held + need} (plus room to stage transfers)"
             )
-        spare = _EngineGrads(self, self.native_optimizer.partition_count)
+        spare = _EngineGrads(self, self.native_optimizer.param_count)
         for slot in self._slots:
             if slot.pid is not None:
                 spare.tensors[slot.pid] = self.native.register(
@@ -300,10 +304,10 @@ class StepMixin:
         if self.__dict__.get("_delayed_retry"):
             self._apply_lr()  # the scheduler has not moved since the update first started
             grad_tensors = grads.tensors if self._grads_in_engine else []
-            self.native_optimizer.start_step_async(self.native, [-1] * len(self._tensor_of_partition), grad_tensors)
+            self.native_optimizer.start_async(zero_missing=True, engine=self.native, grad_tensors=grad_tensors)
             self._delayed_retry = False
         try:
-            report = self.native_optimizer.finish_step_async()
+            report = self.native_optimizer.finish_async()
         except BaseException:
             grads.after_step(False)
             self._delayed_retry = True
@@ -333,7 +337,7 @@ class StepMixin:
             if slot.pid is None:
                 continue
             low = torch.empty(slot.shape, dtype=self.compute_dtype)
-            self.native_optimizer.read_params(slot.pid, self.compute_dtype_name, low)
+            self.native_optimizer.read_param(slot.pid, low.view(-1))
             self.native.write(slot.tid, low)
 
     def _settle(self):
@@ -384,7 +388,7 @@ class StepMixin:
         if self.native_optimizer is not None:
             self.native_optimizer.cancel_overlap()
             # (A delayed update, running or failed and pending a retry, reads its own gradients.)
-            if not self.native_optimizer.step_async_running and not self.__dict__.get("_delayed_retry"):
+            if not self.native_optimizer.async_running and not self.__dict__.get("_delayed_retry"):
                 self.native_optimizer.clear_grads()
         for slot in self._slots:
             slot.param.grad = None

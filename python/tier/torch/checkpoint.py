@@ -285,7 +285,7 @@ def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
     _fs.mkdir(vdir, 0o700)
     try:
         opt = os.path.join(vdir, "optimizer.bin")
-        engine.native_optimizer.save_checkpoint(opt)  # fsyncs the file and the directory entry itself
+        engine.native_optimizer.save(opt)  # fsyncs the file and the directory entry itself
         _fs.chmod(opt, 0o600)
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:

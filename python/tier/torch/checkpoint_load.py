@@ -327,7 +327,7 @@ def load(engine, load_dir, tag):
 
     # Everything is checked; from here on the engine changes. The optimizer's reader checks its
     # records before it replaces any state, so a failure there still leaves the engine as it was.
-    engine.native_optimizer.load_checkpoint(os.path.join(path, "optimizer.bin"))
+    engine.native_optimizer.load(os.path.join(path, "optimizer.bin"))
     engine._params_from_masters()
     if plan["frozen"]:
         with open(plan["frozen_path"], "rb") as f:

@@ -402,11 +402,13 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             opt_cfg = dict(cfg, gradient_accumulation_steps=1)
             opt_cfg.pop("train_batch_size", None)
             opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
-            self.native_optimizer = _tier.Optimizer.create(
+            # The step driver (include/tier/step_driver.hpp): the step over the engine's tensors,
+            # its buffers in the engine's host budget.
+            self.native_optimizer = _tier.StepDriver(
                 opt_config,
                 trainable_numel,
-                self.native,
-                max_partitions=sum(1 for s in self._slots if s.trainable and s.zero_count > 0),
+                max_params=sum(1 for s in self._slots if s.trainable and s.zero_count > 0),
+                engine=self.native,
                 # Tests only: TIER_FAULT_INJECTION=1 lets optimizer._inject_io_fault fail its I/O.
                 fault_injection=os.environ.get("TIER_FAULT_INJECTION") == "1",
             )
@@ -436,8 +438,8 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                     master = torch.empty(slot.numel, dtype=self.compute_dtype)
                     self.native.read(slot.tid, master)
                     group = groups.get(id(slot.param), 0)
-                    slot.pid = self.native_optimizer.add_partition(
-                        slot.zero_count, group, self.compute_dtype_name, master.float(), slot.name
+                    slot.pid = self.native_optimizer.add_param(
+                        slot.name, master.float(), group, dtype=self.compute_dtype_name
                     )
                     del master
                 _zero_init.swap_data(slot.param, torch.empty(0, dtype=self.compute_dtype, device=self.device))
@@ -456,9 +458,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             if slot.trainable and slot.zero_count > 0:
                 master = owned.float().contiguous()
                 group = groups.get(id(slot.param), 0)
-                slot.pid = self.native_optimizer.add_partition(
-                    slot.zero_count, group, self.compute_dtype_name, master, slot.name
-                )
+                slot.pid = self.native_optimizer.add_param(slot.name, master, group, dtype=self.compute_dtype_name)
             placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
             if slot.param.device.type == "meta":
                 _zero_init.swap_data(slot.param, placeholder)
@@ -483,7 +483,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             # otherwise (host-resident state) in host memory beside it.
             self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
             if self._grads_in_engine:
-                self._grads = _EngineGrads(self, self.native_optimizer.partition_count)
+                self._grads = _EngineGrads(self, self.native_optimizer.param_count)
                 for slot in self._slots:
                     if slot.pid is not None:
                         self._grads.register(self.native, slot.pid, slot.name, slot.zero_count, "nvme")
@@ -514,10 +514,10 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 if self._grads_in_engine:
                     self._spare_grads = self._register_spare_grads()
             self._overlap = overlap == "exact" and self._grads_in_engine and opt_type != "lamb"
-            self._tensor_of_partition = [-1] * self.native_optimizer.partition_count
+            self._tensor_of_partition = [-1] * self.native_optimizer.param_count
             # Where each partition's updated params go in its tensor: a rank's shard of a whole
             # parameter (stages 1 and 2) sits at its offset; a stage-3 shard is its own tensor.
-            self._partition_offsets = [0] * self.native_optimizer.partition_count
+            self._partition_offsets = [0] * self.native_optimizer.param_count
             for slot in self._slots:
                 if slot.pid is not None:
                     self._tensor_of_partition[slot.pid] = slot.tid

@@ -105,7 +105,7 @@ class MicroStepGrads:
         # step; a backward of the caller's own may be one of several before the step.
         direct = engine._gas == 1 and engine._boundary is None and not engine._delayed and engine._engine_backward
         if acc is None and direct:
-            engine.native_optimizer.add_grad(pid, grad)
+            engine.native_optimizer.add_grad(pid, grad.reshape(-1))
         elif acc is None:
             self.held[pid] = grad.detach().reshape(-1).to(torch.float32, copy=True)
         else:
@@ -141,7 +141,7 @@ class EngineGrads:
     (read, add, write back, as the engine decides). On the boundary micro-step each partition's
     sum of squares is taken as its gradient is added; ``flush`` declares the gradients to the
     native optimizer, which reads them from the engine chunk by chunk during its step
-    (``step_into``'s ``grad_tensors``)."""
+    (the step's ``grad_tensors``)."""
 
     _SUMSQ_PIECE = 1 << 20
 

@@ -328,7 +328,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype=None, save_
                 return engine.parameter(slot.name).to(want)
             if want == torch.float32 and slot.pid is not None:
                 t = torch.empty(slot.shape, dtype=torch.float32)
-                engine.native_optimizer.read_params(slot.pid, "fp32", t)
+                engine.native_optimizer.read_param(slot.pid, t.view(-1))
                 return t
             t = torch.empty(slot.shape, dtype=engine.compute_dtype)
             engine.native.read(slot.tid, t)

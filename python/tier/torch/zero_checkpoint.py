@@ -159,7 +159,7 @@ def _write_rank(engine, vdir, rank, world):
             buf = torch.empty(s.zero_count, dtype=torch.float32)
             for kind in _KINDS:
                 if kind == "master":
-                    engine.native_optimizer.read_params(s.pid, "fp32", buf)
+                    engine.native_optimizer.read_param(s.pid, buf)
                 else:
                     engine.native_optimizer.read_state(s.pid, kind, buf)
                 f.write(buf.numpy().tobytes())
@@ -339,7 +339,7 @@ def load(engine, load_dir, tag):
         if s.pid is None:
             continue
         low = torch.empty(s.zero_count, dtype=engine.compute_dtype)
-        engine.native_optimizer.read_params(s.pid, engine.compute_dtype_name, low)
+        engine.native_optimizer.read_param(s.pid, low)
         lease = engine.native.acquire(s.tid, "host", "read_write")
         flat = torch.from_dlpack(lease.as_tensor())
         at = 0 if stage3 else s.zero_start

@@ -1,0 +1,313 @@
+// The step driver over engine tensors (StepArgs::engine), as tier.torch's engine steps: params
+// that live in an Engine get their updated values written into their tensors, gradients declared
+// with declare_grad are read from theirs; the serial, overlapped ("exact") and asynchronous
+// ("delayed") forms give the same bits; an asynchronous step refuses every other call until it is
+// finished; a parameter without a gradient is refused, skipped or updated with zeros as asked;
+// bad targets are refused with nothing applied.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "nvme/nvme_test_util.hpp"
+#include "tier/cpu_kernels.hpp"
+#include "tier/engine.hpp"
+#include "tier/step_driver.hpp"
+
+namespace tier::step {
+namespace {
+
+using nvme::test::ScratchDir;
+
+constexpr double kLr = 1e-2, kB1 = 0.9, kB2 = 0.999, kEps = 1e-8, kWd = 0.01;
+
+std::unique_ptr<StepDriver> make_driver(const std::string& nvme_dir, std::uint64_t elements) {
+  const std::string offload =
+      nvme_dir.empty() ? R"({"device": "cpu"})" : R"({"device": "nvme", "nvme_path": ")" + nvme_dir + R"("})";
+  auto cfg = EngineConfig::from_json(
+      R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
+          "weight_decay": 0.01}}, "zero_optimization": {"stage": 3, "offload_optimizer": )" +
+      offload + R"(}, "tier": {"io": {"use_direct": false}, "optimizer": {"chunk_elements": 1024}}})");
+  EXPECT_TRUE(cfg.ok()) << cfg.status().to_string();
+  auto d = StepDriver::create(*cfg, elements);
+  EXPECT_TRUE(d.ok()) << d.status().to_string();
+  return d.ok() ? std::move(d).value() : nullptr;
+}
+
+std::unique_ptr<Engine> make_engine() {
+  EngineConfig c;
+  c.tier.device = DeviceKind::kEmulated;
+  c.tier.device_budget = 1u << 20;
+  c.tier.host_budget = 16u << 20;
+  c.tier.debug_checks = true;
+  auto e = Engine::create(c);
+  EXPECT_TRUE(e.ok()) << e.status().to_string();
+  return e.ok() ? std::move(e).value() : nullptr;
+}
+
+std::vector<float> values(std::size_t n, float scale, float phase) {
+  std::vector<float> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = scale * std::sin(0.37f * float(i) + phase);
+  return out;
+}
+
+// torch.optim.AdamW on one parameter, in double.
+struct RefAdamW {
+  std::vector<double> p, m, v;
+  int t = 0;
+  explicit RefAdamW(const std::vector<float>& init) : p(init.begin(), init.end()), m(init.size()), v(init.size()) {}
+  void step(const std::vector<float>& g) {
+    ++t;
+    const double bc1 = 1 - std::pow(kB1, t), bc2 = 1 - std::pow(kB2, t);
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      p[i] *= 1 - kLr * kWd;
+      m[i] = kB1 * m[i] + (1 - kB1) * g[i];
+      v[i] = kB2 * v[i] + (1 - kB2) * double(g[i]) * g[i];
+      p[i] -= kLr * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + kEps);
+    }
+  }
+};
+
+// Three bf16 parameters (flat, as a framework's shards) in an engine, their fp32 gradient sums in
+// engine tensors beside them, and a driver whose masters are the fp32 values they were made from.
+struct Rig {
+  std::vector<std::uint64_t> numels{2000, 370, 1300};  // 4 chunks of 1024: parameters span them
+  std::vector<std::vector<float>> init;
+  std::vector<std::vector<std::int64_t>> shapes;
+  Engine* engine = nullptr;
+  std::unique_ptr<StepDriver> driver;
+  std::vector<std::int64_t> param_tensors, grad_tensors;
+
+  Rig(Engine& e, const std::string& nvme_dir, const std::string& tag) : engine(&e) {
+    std::uint64_t total = 0;
+    for (auto n : numels) total += n;
+    driver = make_driver(nvme_dir, total);
+    for (std::size_t k = 0; k < numels.size(); ++k) {
+      init.push_back(values(numels[k], 0.5f, float(k)));
+      shapes.push_back({static_cast<std::int64_t>(numels[k])});
+      std::vector<std::uint16_t> low(numels[k]);
+      EXPECT_TRUE(cpu::convert(cpu::ConstTensorRef(init[k].data(), DType::kF32, numels[k]),
+                               cpu::TensorRef{low.data(), DType::kBF16, numels[k]})
+                      .ok());
+      const std::string name = tag + "/p" + std::to_string(k);
+      auto p = e.register_tensor(TensorDesc{name, DType::kBF16, numels[k], Role::kParam}, Tier::kHost, low.data());
+      auto g = e.register_tensor(TensorDesc{"grad/" + name, DType::kF32, numels[k], Role::kGrad}, Tier::kHost);
+      EXPECT_TRUE(p.ok() && g.ok());
+      param_tensors.push_back(*p);
+      grad_tensors.push_back(*g);
+      auto idx = driver->add_param(name, HostTensor{init[k].data(), DType::kF32, shapes[k]}, 0, DType::kBF16);
+      EXPECT_TRUE(idx.ok()) << idx.status().to_string();
+    }
+  }
+
+  StepArgs args() const {
+    StepArgs a;
+    a.engine = EngineTargets{engine, param_tensors, {}, grad_tensors};
+    return a;
+  }
+
+  // Writes parameter k's gradient into its engine tensor; returns its sum of squares.
+  double put_grad(std::size_t k, const std::vector<float>& g) {
+    EXPECT_TRUE(engine->write(static_cast<TensorId>(grad_tensors[k]), g.data()).ok());
+    return cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), DType::kF32, g.size())).value();
+  }
+
+  std::vector<std::uint16_t> engine_param(std::size_t k) const {
+    std::vector<std::uint16_t> out(numels[k]);
+    EXPECT_TRUE(engine->read(static_cast<TensorId>(param_tensors[k]), out.data()).ok());
+    return out;
+  }
+  std::vector<float> state(std::size_t k, optim::StateKind kind) const {
+    std::vector<float> out(numels[k]);
+    EXPECT_TRUE(driver->read_state(k, kind, out.data()).ok());
+    return out;
+  }
+};
+
+std::vector<float> grad_of(std::size_t k, std::uint64_t n, int step) {
+  return values(n, 0.01f * float(k + 1), 0.5f * float(step));
+}
+
+TEST(StepDriverEngine, ASerialStepReadsDeclaredGradientsAndWritesTheParamsIntoTheirTensors) {
+  ScratchDir dir(nvme::test::shm_base(), "driver-engine");
+  auto engine = make_engine();
+  ASSERT_NE(engine, nullptr);
+  Rig rig(*engine, dir.path(), "serial");
+  ASSERT_NE(rig.driver, nullptr);
+  std::vector<RefAdamW> ref;
+  for (const auto& v : rig.init) ref.emplace_back(v);
+  for (int step = 1; step <= 3; ++step) {
+    for (std::size_t k = 0; k < rig.numels.size(); ++k) {
+      const auto g = grad_of(k, rig.numels[k], step);
+      ASSERT_TRUE(rig.driver->declare_grad(k, rig.put_grad(k, g)).ok());
+      ref[k].step(g);
+    }
+    auto r = rig.driver->step(rig.args());
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_TRUE(r->applied);
+    EXPECT_EQ(r->step, step);
+  }
+  for (std::size_t k = 0; k < rig.numels.size(); ++k) {
+    const auto master = rig.state(k, optim::StateKind::kMaster);
+    for (std::size_t i = 0; i < master.size(); ++i) {
+      ASSERT_NEAR(master[i], ref[k].p[i], 1e-6 + 1e-5 * std::abs(ref[k].p[i])) << "param " << k << " [" << i << "]";
+    }
+    // The tensor holds the master in bf16, as read_param converts it.
+    std::vector<std::uint16_t> want(rig.numels[k]);
+    ASSERT_TRUE(rig.driver->read_param(k, DType::kBF16, want.data()).ok());
+    EXPECT_EQ(rig.engine_param(k), want) << "param " << k;
+  }
+  // Declared gradients are read by the update alone: one host pass per element.
+  EXPECT_DOUBLE_EQ(rig.driver->host_passes_per_grad_element(), 1.0);
+}
+
+TEST(StepDriverEngine, OverlappedAndAsynchronousStepsGiveTheSerialStepsBits) {
+  const std::string base = nvme::test::shm_base();
+  ScratchDir dir_a(base, "driver-serial"), dir_b(base, "driver-overlap"), dir_c(base, "driver-async");
+  auto engine = make_engine();
+  ASSERT_NE(engine, nullptr);
+  Rig serial(*engine, dir_a.path(), "serial");
+  Rig overlapped(*engine, dir_b.path(), "overlapped");
+  Rig async(*engine, dir_c.path(), "async");
+  ASSERT_TRUE(serial.driver && overlapped.driver && async.driver);
+  for (int step = 1; step <= 3; ++step) {
+    // Serial.
+    for (std::size_t k = 0; k < serial.numels.size(); ++k) {
+      ASSERT_TRUE(serial.driver->declare_grad(k, serial.put_grad(k, grad_of(k, serial.numels[k], step))).ok());
+    }
+    auto rs = serial.driver->step(serial.args());
+    ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+
+    // Overlapped: the pass starts first, the gradients come in reverse order, as backward makes them.
+    ASSERT_TRUE(overlapped.driver->start_overlap(overlapped.args()).ok());
+    EXPECT_TRUE(overlapped.driver->overlap_running());
+    for (std::size_t k = overlapped.numels.size(); k-- > 0;) {
+      const auto g = grad_of(k, overlapped.numels[k], step);
+      ASSERT_TRUE(overlapped.driver->declare_grad(k, overlapped.put_grad(k, g)).ok());
+    }
+    auto ro = overlapped.driver->finish_overlap();
+    ASSERT_TRUE(ro.ok()) << ro.status().to_string();
+    EXPECT_TRUE(ro->overlapped);
+    EXPECT_FALSE(overlapped.driver->overlap_running());
+
+    // Asynchronous: while it runs, everything else is refused and nothing changes.
+    for (std::size_t k = 0; k < async.numels.size(); ++k) {
+      ASSERT_TRUE(async.driver->declare_grad(k, async.put_grad(k, grad_of(k, async.numels[k], step))).ok());
+    }
+    StepArgs a = async.args();
+    a.engine->params.clear();  // "delayed": the masters only; the params are derived afterwards
+    ASSERT_TRUE(async.driver->start_async(a).ok());
+    EXPECT_TRUE(async.driver->async_running());
+    std::vector<float> scratch(async.numels[0]);
+    EXPECT_EQ(async.driver->step(a).status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(async.driver->start_async(a).code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(async.driver->declare_grad(0, 1.0).code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(async.driver->read_state(0, optim::StateKind::kMaster, scratch.data()).code(),
+              StatusCode::kFailedPrecondition);
+    EXPECT_EQ(async.driver->set_lr(0, 0.5).code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(async.driver->save(dir_c.path() + "/ckpt").code(), StatusCode::kFailedPrecondition);
+    async.driver->clear_grads();  // (a no-op: the step's gradients are its own)
+    auto ra = async.driver->finish_async();
+    ASSERT_TRUE(ra.ok()) << ra.status().to_string();
+    EXPECT_FALSE(async.driver->async_running());
+    EXPECT_EQ(async.driver->finish_async().status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(rs->grad_norm, ro->grad_norm);
+    EXPECT_EQ(rs->grad_norm, ra->grad_norm);
+    for (std::size_t k = 0; k < serial.numels.size(); ++k) {
+      std::vector<std::uint16_t> low(async.numels[k]);
+      ASSERT_TRUE(async.driver->read_param(k, DType::kBF16, low.data()).ok());
+      ASSERT_TRUE(async.engine->write(static_cast<TensorId>(async.param_tensors[k]), low.data()).ok());
+    }
+  }
+  for (std::size_t k = 0; k < serial.numels.size(); ++k) {
+    for (auto kind : {optim::StateKind::kMaster, optim::StateKind::kExpAvg, optim::StateKind::kExpAvgSq}) {
+      const auto want = serial.state(k, kind);
+      EXPECT_EQ(overlapped.state(k, kind), want) << "param " << k;
+      EXPECT_EQ(async.state(k, kind), want) << "param " << k;
+    }
+    EXPECT_EQ(overlapped.engine_param(k), serial.engine_param(k)) << "param " << k;
+    EXPECT_EQ(async.engine_param(k), serial.engine_param(k)) << "param " << k;
+  }
+}
+
+TEST(StepDriverEngine, AParameterWithoutAGradientIsRefusedSkippedOrZeroedAsAsked) {
+  auto engine = make_engine();
+  ASSERT_NE(engine, nullptr);
+  Rig rig(*engine, "", "missing");
+  ASSERT_NE(rig.driver, nullptr);
+  const std::size_t last = rig.numels.size() - 1;
+  for (std::size_t k = 0; k < last; ++k) {
+    ASSERT_TRUE(rig.driver->declare_grad(k, rig.put_grad(k, grad_of(k, rig.numels[k], 1))).ok());
+  }
+  StepArgs a = rig.args();
+  auto refused = rig.driver->step(a);
+  ASSERT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("missing/p2"), std::string::npos) << refused.status().to_string();
+  a.skip_missing = a.zero_missing = true;
+  EXPECT_EQ(rig.driver->step(a).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(*rig.driver->group_step(0), 0);
+
+  // Zeroed: the weight decay moves it, the moments stay zero.
+  a.skip_missing = false;
+  ASSERT_TRUE(rig.driver->step(a).ok());
+  const auto master = rig.state(last, optim::StateKind::kMaster);
+  const auto m = rig.state(last, optim::StateKind::kExpAvg);
+  for (std::size_t i = 0; i < master.size(); ++i) {
+    ASSERT_FLOAT_EQ(master[i], float(double(rig.init[last][i]) * (1 - kLr * kWd))) << i;
+    ASSERT_EQ(m[i], 0.0f);
+  }
+  // Skipped: untouched.
+  for (std::size_t k = 0; k < last; ++k) {
+    ASSERT_TRUE(rig.driver->declare_grad(k, rig.put_grad(k, grad_of(k, rig.numels[k], 2))).ok());
+  }
+  a.zero_missing = false;
+  a.skip_missing = true;
+  ASSERT_TRUE(rig.driver->step(a).ok());
+  EXPECT_EQ(rig.state(last, optim::StateKind::kMaster), master);
+}
+
+TEST(StepDriverEngine, BadTargetsAndDeclarationsAreRefusedWithNothingApplied) {
+  ScratchDir dir(nvme::test::shm_base(), "driver-bad");
+  auto engine = make_engine();
+  ASSERT_NE(engine, nullptr);
+  Rig rig(*engine, dir.path(), "bad");
+  ASSERT_NE(rig.driver, nullptr);
+  for (std::size_t k = 0; k < rig.numels.size(); ++k) {
+    ASSERT_TRUE(rig.driver->declare_grad(k, rig.put_grad(k, grad_of(k, rig.numels[k], 1))).ok());
+  }
+  // A parameter declared twice, an unknown one, a negative sum of squares.
+  Status twice = rig.driver->declare_grad(1, 1.0);
+  EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(twice.message().find("bad/p1"), std::string::npos) << twice.to_string();
+  EXPECT_EQ(rig.driver->declare_grad(7, 1.0).code(), StatusCode::kInvalidArgument);
+
+  const auto before = rig.state(0, optim::StateKind::kMaster);
+  const auto tensor_before = rig.engine_param(0);
+  StepArgs a = rig.args();
+  a.engine->params.pop_back();  // one target short
+  auto short_list = rig.driver->step(a);
+  EXPECT_EQ(short_list.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(short_list.status().message().find("2 params for 3 parameters"), std::string::npos)
+      << short_list.status().to_string();
+  a = rig.args();
+  a.engine->engine = nullptr;
+  EXPECT_EQ(rig.driver->step(a).status().code(), StatusCode::kInvalidArgument);
+  a = rig.args();
+  a.engine->grads.assign(rig.numels.size(), -1);  // declared, but no tensor to read them from
+  auto no_source = rig.driver->step(a);
+  EXPECT_FALSE(no_source.ok());
+  EXPECT_EQ(*rig.driver->group_step(0), 0);
+  EXPECT_EQ(rig.state(0, optim::StateKind::kMaster), before);
+  EXPECT_EQ(rig.engine_param(0), tensor_before);
+
+  // The declarations stand: the right targets step.
+  auto ok = rig.driver->step(rig.args());
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ(*rig.driver->group_step(0), 1);
+  EXPECT_NE(rig.engine_param(0), tensor_before);
+}
+
+}  // namespace
+}  // namespace tier::step
