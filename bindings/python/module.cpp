@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "binding_util.hpp"
+#include "tier/comm.hpp"
 #include "tier/config.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/ext/device.hpp"
@@ -174,6 +175,19 @@ NB_MODULE(_tier, m) {
   m.def(
       "format_bytes", [](std::uint64_t n) { return format_bytes(n); }, "n"_a,
       "A byte count as tier's messages write it: \"1.50 GiB\".");
+  m.def(
+      "shard_range",
+      [](std::uint64_t numel, int world, int rank) {
+        const ShardMap map = unwrap(ShardMap::create(numel, world));
+        if (rank < 0 || rank >= world) {
+          raise(invalid_argument(str("shard_range: rank ", rank, " is not in [0, ", world, ")")));
+        }
+        return nb::make_tuple(map.shard_size(), map.offset(rank), map.count(rank));
+      },
+      "numel"_a, "world"_a, "rank"_a,
+      "(shard, start, count): the ZeRO layout of a flat tensor of numel elements over world ranks "
+      "(tier::ShardMap, the C ABI's tier_shard_range): shards of ceil(numel / world) elements, rank `rank` "
+      "owning [start, start + count).");
 
   nb::module_ builtins = nb::module_::import_("builtins");
   nb::object base = nb::steal(PyErr_NewException("tier.TierError", PyExc_RuntimeError, nullptr));

@@ -79,3 +79,27 @@ def test_stats_has_links_and_engine_metrics(swap_dir):
     assert s["links"]["host_to_device"]["bytes"] == 4096 * 4
     assert s["metrics"]["engine.acquires"] >= 1
     assert s["info"]["device"] == "emulated"
+
+
+def test_the_zero_shard_layout_is_shard_maps():
+    """tier.torch's ZeRO shards are tier::ShardMap's (the C ABI's tier_shard_range): ceil(numel / world)
+    per rank, tiling the tensor in rank order, the last ranks owning less or nothing; an empty
+    parameter keeps a one-element shard for the engine."""
+    from tier import _tier
+    from tier.torch.zero import shard_range
+
+    for numel in (0, 1, 5, 7, 8, 9, 1000, 1001):
+        for world in (1, 2, 3, 8):
+            want = -(-numel // world)
+            covered = 0
+            for rank in range(world):
+                shard, start, count = shard_range(numel, world, rank)
+                assert (shard, start, count) == (max(1, want), *_tier.shard_range(numel, world, rank)[1:])
+                assert _tier.shard_range(numel, world, rank)[0] == want
+                assert start == min(numel, covered) and 0 <= count <= want
+                covered += count
+            assert covered == numel
+    with pytest.raises(tier.InvalidArgument, match="rank 2 is not in"):
+        _tier.shard_range(10, 2, 2)
+    with pytest.raises(tier.InvalidArgument, match="world 0"):
+        _tier.shard_range(10, 0, 0)

@@ -26,12 +26,13 @@ order (the order backward finishes them), each bucket as soon as all its gradien
 import collections
 import hashlib
 import json
-import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from .. import _tier
 
 _RANK_NEUTRAL_KEYS = (("zero_optimization", "offload_param", "nvme_path"), ("zero_optimization", "offload_optimizer", "nvme_path"))
 
@@ -41,11 +42,11 @@ def default_group_active():
 
 
 def shard_range(numel, world, rank):
-    """(shard, start, count): the padded shard size and the elements rank ``rank`` owns."""
-    shard = max(1, math.ceil(numel / world))
-    start = min(numel, rank * shard)
-    count = max(0, min(numel, start + shard) - start)
-    return shard, start, count
+    """(shard, start, count): the padded shard size and the elements rank ``rank`` owns, as
+    tier::ShardMap lays them out (one definition for the C++ side, the C ABI and this). An empty
+    parameter still gets a one-element shard: the engine holds no empty tensors."""
+    shard, start, count = _tier.shard_range(numel, world, rank)
+    return max(1, shard), start, count
 
 
 def rank_paths(cfg, rank):
