@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "nvme/nvme_test_util.hpp"
+#include "optim/step_driver_test_util.hpp"
 #include "tier/cpu_kernels.hpp"
 
 namespace tier::step {
@@ -21,7 +22,10 @@ namespace {
 
 using nvme::test::ScratchDir;
 
-constexpr double kLr = 1e-2, kB1 = 0.9, kB2 = 0.999, kEps = 1e-8, kWd = 0.01;
+using test::kLr;
+using test::kWd;
+using test::RefAdamW;
+using test::values;
 
 std::string config_json(const std::string& nvme_dir, int accumulation = 1, const std::string& tier_extra = "") {
   std::string offload =
@@ -39,29 +43,6 @@ std::unique_ptr<StepDriver> make_driver(const std::string& nvme_dir, std::uint64
   auto d = StepDriver::create(*cfg, elements);
   EXPECT_TRUE(d.ok()) << d.status().to_string();
   return d.ok() ? std::move(d).value() : nullptr;
-}
-
-// torch.optim.AdamW on one parameter, in double.
-struct RefAdamW {
-  std::vector<double> p, m, v;
-  int t = 0;
-  explicit RefAdamW(const std::vector<float>& init) : p(init.begin(), init.end()), m(init.size()), v(init.size()) {}
-  void step(const std::vector<float>& g, double lr = kLr) {
-    ++t;
-    const double bc1 = 1 - std::pow(kB1, t), bc2 = 1 - std::pow(kB2, t);
-    for (std::size_t i = 0; i < p.size(); ++i) {
-      p[i] *= 1 - lr * kWd;
-      m[i] = kB1 * m[i] + (1 - kB1) * g[i];
-      v[i] = kB2 * v[i] + (1 - kB2) * double(g[i]) * g[i];
-      p[i] -= lr * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + kEps);
-    }
-  }
-};
-
-std::vector<float> values(std::size_t n, float scale, float phase) {
-  std::vector<float> out(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = scale * std::sin(0.37f * float(i) + phase);
-  return out;
 }
 
 struct Model {
