@@ -207,6 +207,65 @@ def test_damaged_file_is_refused_before_anything_is_applied(engine, tmp_path, na
     assert_same(before, snapshot(engine))
 
 
+def test_optimizer_bin_is_checked_by_its_reader_not_hashed_again(engine, tmp_path, monkeypatch):
+    """Each byte is checked once per save and once per load: the manifest lists optimizer.bin (the
+    largest file) by its size and its trailer, which chains the CRCs of its header and of every
+    record, and the optimizer's reader checks every byte against it as it loads; Python never
+    reads it to hash it."""
+    from tier.torch import checkpoint as ck
+    from tier.torch import checkpoint_load as ckl
+
+    hashed = []
+    real = ck._sha256_file
+
+    def spy(p):
+        hashed.append(os.path.basename(p))
+        return real(p)
+
+    monkeypatch.setattr(ck, "_sha256_file", spy)
+    monkeypatch.setattr(ckl, "_sha256_file", spy)
+    ckpt = str(tmp_path / "ckpt")
+    path = saved_then_moved_on(engine, ckpt)
+    with open(os.path.join(path, "manifest.json")) as f:
+        entry = json.load(f)["files"]["optimizer.bin"]
+    opt = os.path.join(path, "optimizer.bin")
+    with open(opt, "rb") as f:
+        f.seek(-32, os.SEEK_END)
+        tail = f.read()
+    assert tail.startswith(b"TIERTAIL")
+    assert entry == {"bytes": os.path.getsize(opt), "trailer": tail.hex()}
+    steps = engine.global_steps
+    engine.load_checkpoint(ckpt)
+    assert engine.global_steps == steps - 1
+    assert "optimizer.bin" not in hashed, hashed
+
+
+def test_without_its_tag_link_a_damaged_newest_version_gives_way_to_an_older_one(engine, tmp_path):
+    """A process that died before it linked the tag leaves versions only: the newest whose files
+    all check out is used, optimizer.bin's every record included (its reader's checks are made
+    while choosing), so one damaged inside, with its trailer intact, is passed over."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    first = os.path.realpath(saved_then_moved_on(engine, str(ckpt), tag="t"))
+    first_steps = engine.global_steps - 1
+    kept = tmp_path / "kept"
+    shutil.copytree(first, kept)
+    second = os.path.realpath(engine.save_checkpoint(str(ckpt), tag="t"))
+    assert not os.path.exists(first)  # collected by the second save
+    shutil.copytree(kept, first)  # an older version of the tag, as a killed save leaves it
+    os.unlink(ckpt / "t")
+    opt = os.path.join(second, "optimizer.bin")
+    os.chmod(opt, 0o600)
+    with open(opt, "r+b") as f:
+        f.seek(os.path.getsize(opt) // 2)
+        b = f.read(1)
+        f.seek(os.path.getsize(opt) // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    engine.load_checkpoint(str(ckpt), tag="t")
+    assert engine.global_steps == first_steps
+
+
 @pytest.mark.parametrize("edit", ["steps-not-int", "no-scheduler-step", "short-rng", "rng-not-base64",
                                   "frozen-short", "other-model", "no-client-state"])
 def test_consistent_but_invalid_metadata_changes_nothing(engine, tmp_path, edit):

@@ -211,7 +211,8 @@ def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
 
 
 def _resign(path):
-    """Rewrites path's manifest for its files as they are now: damage only a file's own reader sees."""
+    """Rewrites path's manifest for its files as they are now, every one by its SHA-256 (as manifests
+    were before optimizer.bin was listed by its trailer): damage only a file's own reader sees."""
     from tier.torch import checkpoint as ck
 
     files = {}
@@ -281,21 +282,28 @@ def test_zero_to_fp32_consolidates_a_checkpoint_saved_by_one_process(tmp_path, s
             assert got[name].dtype == torch.float32 and got[name].shape == want.shape, name
             assert torch.equal(got[name], want), name
 
-    # One flipped bit in optimizer.bin: the manifest finds it; rewritten to match, the reader does.
+    # One flipped bit in optimizer.bin: the manifest lists its trailer, so its reader finds it (each
+    # byte is checked once). A manifest of before the trailer was listed (SHA-256s) finds it itself.
     opt = os.path.join(saved, "optimizer.bin")
     size = os.path.getsize(opt)
-    with open(opt, "r+b") as f:
-        f.seek(size // 2)
-        b = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([b[0] ^ 0x10]))
+
+    def flip():
+        with open(opt, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0x10]))
+
+    flip()
     out = tmp_path / "damaged.pt"
-    done = consolidate(out)
-    assert done.returncode == 2 and "optimizer.bin does not match the manifest" in done.stderr, done.stderr
-    _resign(saved)
     done = consolidate(out)
     assert done.returncode == 2, done.stderr
     assert "optimizer.bin" in done.stderr and "the file is corrupt" in done.stderr, done.stderr
+    flip()  # (back as saved)
+    _resign(saved)
+    flip()
+    done = consolidate(out)
+    assert done.returncode == 2 and "optimizer.bin does not match the manifest" in done.stderr, done.stderr
     assert not out.exists()
 
 

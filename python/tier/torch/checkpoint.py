@@ -11,9 +11,13 @@ Layout of ``<dir>`` (format ``tier-checkpoint-2``)::
 step counters, hyper-parameters and loss scale, with per-record checksums); ``frozen.bin`` holds
 the parameters without gradients; ``meta.json`` holds parameter names and shapes, the engine's
 counters, the scheduler state, the RNG states (base64 of the raw generator bytes: no pickle
-anywhere) and the client state. ``manifest.json`` is written last: the size and SHA-256 of every
-other file, plus a SHA-256 of the manifest's own body. A version directory without a manifest
-that verifies is not a checkpoint. The trainable parameters come back from their fp32 masters, so
+anywhere) and the client state. ``manifest.json`` is written last: the size of every other file,
+its SHA-256 (``frozen.bin`` and ``meta.json``, taken as they are written) or, for
+``optimizer.bin``, its 32-byte trailer, plus a SHA-256 of the manifest's own body. A version
+directory without a manifest that verifies is not a checkpoint. Each byte is checked once per
+save and once per load: the trailer chains the CRCs of the file's header and of every record
+(docs/optimizer.md), and the optimizer's reader checks every byte against them as it loads, so
+``optimizer.bin`` (the largest file) is not read a second time to hash it. The trainable parameters come back from their fp32 masters, so
 they are not stored twice.
 
 Save protocol. Each save writes a new, uniquely named version directory, so nothing that a reader
@@ -203,6 +207,22 @@ def _sha256_file(path):
     return n, h.hexdigest()
 
 
+TRAILER_BYTES = 32  # optimizer.bin's trailer (docs/optimizer.md)
+
+
+def reader_checked_entry(path):
+    """The manifest entry of a file the optimizer's reader checks byte by byte as it loads
+    (optimizer.bin): its size and its trailer, which chains the CRCs of the file's header and of
+    every record, so that a file with other contents has another trailer. Reads 32 bytes."""
+    with open(path, "rb") as f:
+        n = f.seek(0, os.SEEK_END)
+        if n < TRAILER_BYTES:
+            raise _tier.DataLoss(f"{path}: {n} bytes, shorter than its trailer")
+        f.seek(n - TRAILER_BYTES)
+        tail = f.read(TRAILER_BYTES)
+    return {"bytes": n, "trailer": tail.hex()}
+
+
 def _manifest_body_digest(body):
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -287,19 +307,22 @@ def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):
         opt = os.path.join(vdir, "optimizer.bin")
         engine.native_optimizer.save(opt)  # fsyncs the file and the directory entry itself
         _fs.chmod(opt, 0o600)
+        files = {"optimizer.bin": reader_checked_entry(opt)}
         frozen = [s for s in engine._slots if s.pid is None]
         if frozen:
             # One parameter at a time: a frozen base model may not fit in host memory at once.
             with _fs.create_new(os.path.join(vdir, "frozen.bin")) as f:
+                h, n = hashlib.sha256(), 0
                 for s in frozen:
-                    f.write(engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes())
+                    raw = engine.parameter(s.name).contiguous().view(torch.uint8).numpy().tobytes()
+                    h.update(raw)
+                    n += len(raw)
+                    f.write(raw)
                 f.sync()
+            files["frozen.bin"] = {"bytes": n, "sha256": h.hexdigest()}
         _write_new(os.path.join(vdir, "meta.json"), meta_bytes)
-        files = {}
-        for name in sorted(os.listdir(vdir)):
-            n, digest = _sha256_file(os.path.join(vdir, name))
-            files[name] = {"bytes": n, "sha256": digest}
-        body = {"format": FORMAT, "files": files}
+        files["meta.json"] = {"bytes": len(meta_bytes), "sha256": hashlib.sha256(meta_bytes).hexdigest()}
+        body = {"format": FORMAT, "files": dict(sorted(files.items()))}
         manifest = dict(body, sha256=_manifest_body_digest(body))
         _write_new(os.path.join(vdir, MANIFEST), json.dumps(manifest, indent=1).encode())
         _fsync_dir(vdir)

@@ -26,6 +26,7 @@ from .checkpoint import (  # the layout and helpers of the write side
     _link_target,
     _manifest_body_digest,
     _sha256_file,
+    reader_checked_entry,
     _short,
     _tags,
     _version_time,
@@ -59,7 +60,10 @@ def _resolve(load_dir, tag):
             versions.append(n)
     for n in sorted(versions, key=_version_time, reverse=True):
         try:
-            _verified_files(os.path.join(load_dir, n))
+            # Picking among versions, the reader's checks are made now too (a pass over
+            # optimizer.bin that a load through the tag's link does not make): a damaged newer
+            # version gives way to an older one.
+            _verified_files(os.path.join(load_dir, n), read_all=True)
         except (ValueError, _tier.DataLoss, OSError):
             continue
         return os.path.join(load_dir, n)
@@ -68,11 +72,14 @@ def _resolve(load_dir, tag):
     )
 
 
-def _verified_files(path):
+def _verified_files(path, read_all=False):
     """Checks every file of the checkpoint in ``path`` against its manifest. Returns the bytes of
-    meta.json as read for the check and the names the manifest lists. The large files are hashed
-    as they stream by and read again when applied: versions are never written in place, and
-    optimizer.bin's reader checks each record again."""
+    meta.json as read for the check and the names the manifest lists. optimizer.bin (listed with
+    its trailer) is checked here by its size and trailer only: the optimizer's reader checks every
+    byte against the trailer's chain of CRCs as it loads, before it replaces any state (with
+    ``read_all``, that reading is done here too). The other files are hashed as they stream by
+    and read again when applied: versions are never written in place. Checkpoints from before
+    the trailer was listed have optimizer.bin's SHA-256 instead, checked as the others."""
     mpath = os.path.join(path, MANIFEST)
     try:
         with open(mpath, "rb") as f:
@@ -93,6 +100,16 @@ def _verified_files(path):
         fpath = os.path.join(path, name)
         if os.path.basename(name) != name or not os.path.isfile(fpath) or os.path.islink(fpath):
             raise _tier.DataLoss(f"checkpoint {path}: {name} is missing (listed in {MANIFEST})")
+        if "trailer" in entry:
+            got = reader_checked_entry(fpath)
+            if got != {"bytes": entry.get("bytes"), "trailer": entry.get("trailer")}:
+                raise _tier.DataLoss(
+                    f"checkpoint {path}: {name} does not match the manifest ({got['bytes']} bytes, trailer "
+                    f"{got['trailer'][:16]}..., expected {entry.get('bytes')} bytes, {str(entry.get('trailer'))[:16]}...)"
+                )
+            if read_all:
+                _tier.read_checkpoint_masters(fpath, [None] * len(_tier.checkpoint_partitions(fpath)))
+            continue
         if name != "meta.json":
             n, digest = _sha256_file(fpath)
         else:
@@ -386,8 +403,9 @@ def consolidate(path):
     one state dict of fp32 CPU tensors, in the model's order: each trainable parameter's fp32
     master from optimizer.bin (meta.json's ``partition`` names its partition there), each frozen
     one from frozen.bin, widened from the compute dtype. Every file is checked against the
-    manifest first, and optimizer.bin's reader checks each record and the trailer again
-    (``tier.DataLoss`` when anything is damaged; ValueError when the files disagree)."""
+    manifest first (optimizer.bin by its size and trailer), and optimizer.bin's reader checks each
+    record against the trailer as it reads (``tier.DataLoss`` when anything is damaged; ValueError
+    when the files disagree)."""
     meta, listed = _verified_meta(path)
     dtype = _COMPUTE_DTYPES.get(meta.get("compute_dtype"))
     if dtype is None:
