@@ -213,6 +213,10 @@ struct EngineConfig {
   Fp16Config fp16;
   bool bf16 = false;
   std::uint64_t sub_group_size = 1'000'000'000;  // elements per optimizer chunk, at most
+  // Across ranks (tier.torch): elements per gradient reduce-scatter bucket, and of params
+  // all-gathered ahead of use at stage 3 (zero_optimization.stage3_prefetch_bucket_size).
+  std::uint64_t reduce_bucket_size = 500'000'000;
+  std::uint64_t prefetch_bucket_size = 50'000'000;
   TierConfig tier;
 
   // One line per key accepted but not acted on, per unknown key, per environment override.

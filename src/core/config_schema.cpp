@@ -412,7 +412,11 @@ std::vector<KeySpec> build_schema() {
   }
   // Across ranks (tier.torch): elements per gradient reduce-scatter and per all-gather of the
   // updated shards.
-  add(K("zero_optimization.reduce_bucket_size", VK::kInt).range(0, kBig).auto_is(500000000).sample(5e8, "huge"));
+  add(K("zero_optimization.reduce_bucket_size", VK::kInt)
+          .range(0, kBig)
+          .auto_is(500000000)
+          .TIER_FIELD(reduce_bucket_size)
+          .sample(5e8, "huge"));
   // stage3_* knobs and their newer names without the prefix.
   struct Stage3 {
     const char* name;
@@ -435,7 +439,15 @@ std::vector<KeySpec> build_schema() {
       K key("zero_optimization." + name, VK::kInt);
       key.range(0, kBig).sample(1000000, "many");
       if (k3.note) key.noted(k3.note);
-      if (k3.auto_ok) key.auto_is(k3.auto_value);
+      if (k3.auto_ok) key.auto_is(static_cast<std::int64_t>(k3.auto_value));
+      if (std::string(k3.name) == "prefetch_bucket_size") {
+        // Both names set it; the resolved config writes the stage3_ one.
+        if (name.rfind("stage3_", 0) == 0) {
+          key.TIER_FIELD(prefetch_bucket_size);
+        } else {
+          key.set([](EngineConfig& c, const json& v) { c.prefetch_bucket_size = v.get<std::uint64_t>(); });
+        }
+      }
       add(std::move(key));
     }
   }

@@ -66,7 +66,7 @@ class SetupMixin:
                 f"zero_optimization.stage: {stage} across {world} ranks is not supported; tier partitions with "
                 "stage 1 (optimizer state), 2 (also gradients) or 3 (also parameters): set one of them"
             )
-        bucket = zero.get("reduce_bucket_size", 500_000_000)
+        bucket = zero["reduce_bucket_size"]  # (the resolved config's: its default is the C++ schema's)
         group = _zero.ZeroGroup(pg, stage, bucket, self.device)
         digest = [(n, tuple(p.shape), bool(p.requires_grad), str(p.dtype)) for n, p in model.named_parameters()]
         group.check_same_config(self._raw_config, digest)

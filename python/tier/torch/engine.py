@@ -491,7 +491,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 self._grads = _MicroStepGrads(self)
             # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary
             # micro-step's backward (NVMe-resident state; see docs/optimizer.md), "serial" after it.
-            overlap = resolved.get("tier", {}).get("optimizer", {}).get("overlap", "exact")
+            overlap = resolved["tier"]["optimizer"]["overlap"]
             opt_type = str(resolved.get("optimizer", {}).get("type", "")).lower()
             # "delayed": the update of step k runs while step k+1's forward and backward compute
             # on the params of step k (ZeRO-Offload's delayed parameter update; docs/optimizer.md).
@@ -534,7 +534,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 )
                 if self._zero.stage == 3:
                     # stage3_prefetch_bucket_size: elements of params gathered ahead of use.
-                    budget = zero.get("stage3_prefetch_bucket_size", zero.get("prefetch_bucket_size", 50_000_000))
+                    budget = zero["stage3_prefetch_bucket_size"]
                     self._prefetcher = _zero.GatherPrefetcher(
                         self._zero, budget, lambda s, r=ref: r()._shard_of(s, r()._zero.device)
                     )
