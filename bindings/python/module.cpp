@@ -327,7 +327,7 @@ NB_MODULE(_tier, m) {
           [](Engine& e, TensorId id, nb::handle out) {
             auto info = unwrap(e.info(id));
             nb::ndarray<nb::c_contig, nb::device::cpu> a;
-            if (!nb::try_cast(out, a) || a.nbytes() != info.desc.bytes()) {
+            if (!nb::try_cast(out, a, /*convert=*/false) || a.nbytes() != info.desc.bytes()) {
               raise(
                   invalid_argument(str("read '", info.desc.name, "': out must be a writable C-contiguous CPU array of ",
                                        info.desc.bytes(), " bytes")));
@@ -476,7 +476,7 @@ NB_MODULE(_tier, m) {
         std::vector<float*> dst(out.size(), nullptr);
         for (std::size_t i = 0; i < out.size(); ++i) {
           if (out[i].is_none()) continue;
-          if (!nb::try_cast(out[i], arrays[i]) || arrays[i].dtype() != nb::dtype<float>() ||
+          if (!nb::try_cast(out[i], arrays[i], /*convert=*/false) || arrays[i].dtype() != nb::dtype<float>() ||
               arrays[i].nbytes() != parts[i].numel * sizeof(float)) {
             raise(invalid_argument(str("read_checkpoint_masters: out[", i, "] must be None or a writable C-contiguous ",
                                        "CPU float32 array of ", parts[i].numel, " elements (partition '", parts[i].name,

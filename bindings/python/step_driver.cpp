@@ -66,7 +66,7 @@ void* out_array(StepDriver& d, std::size_t index, nb::handle obj, std::optional<
                 DType* got = nullptr) {
   const step::ParamInfo& p = d.param(index);
   nb::ndarray<nb::c_contig, nb::device::cpu> a;
-  if (!nb::try_cast(obj, a)) {
+  if (!nb::try_cast(obj, a, /*convert=*/false)) {  // (a converted copy would take the values, not `obj`)
     raise_status(invalid_argument(str(what, " of '", p.name, "': expected a writable C-contiguous CPU numpy array")));
   }
   std::vector<std::int64_t> shape;
@@ -518,7 +518,7 @@ void bind_step_driver(nb::module_& m) {
             checked(d, index);
             const optim::StateKind k = kind_of(kind);
             nb::ndarray<float, nb::c_contig, nb::device::cpu> a;
-            if (!nb::try_cast(out, a) || a.size() != d.param(index).numel) {
+            if (!nb::try_cast(out, a, /*convert=*/false) || a.size() != d.param(index).numel) {
               raise_status(invalid_argument(str("read_state '", d.param(index).name, "': expected a writable float32 ",
                                                 "array of ", d.param(index).numel, " elements")));
             }

@@ -103,3 +103,19 @@ def test_the_zero_shard_layout_is_shard_maps():
         _tier.shard_range(10, 2, 2)
     with pytest.raises(tier.InvalidArgument, match="world 0"):
         _tier.shard_range(10, 0, 0)
+
+
+def test_outputs_that_would_need_a_copy_are_refused_not_filled_in_a_copy(swap_dir):
+    """An output array the binding would have to convert (another dtype, not C-contiguous) is
+    refused: before, nanobind made a converted copy, the call filled that and returned, and the
+    caller's array kept its old values."""
+    torch = pytest.importorskip("torch")
+
+    e = tier.Engine.create(engine_config(swap_dir))
+    tid = e.register("x", "fp32", 12, "param", 0, "host", torch.arange(12, dtype=torch.float32))
+    for out in (torch.zeros(4, 3).t(), torch.zeros(12, dtype=torch.float64)):
+        with pytest.raises(tier.InvalidArgument):
+            e.read(tid, out)
+    out = torch.zeros(12)
+    e.read(tid, out)
+    assert torch.equal(out, torch.arange(12, dtype=torch.float32))
