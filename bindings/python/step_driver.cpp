@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "binding_util.hpp"
+#include "tier/cpu_kernels.hpp"
 #include "tier/engine.hpp"
 #include "tier/ext/fault_injecting_engine.hpp"
 #include "tier/step_driver.hpp"
@@ -237,6 +238,35 @@ nb::dict hyper_dict(const cpu::AdamHyperParams& hp) {
 }
 
 void bind_step_driver(nb::module_& m) {
+  m.def(
+      "accumulate_grad",
+      [](nb::handle acc, nb::handle grad, bool first) {
+        nb::ndarray<float, nb::c_contig, nb::device::cpu> a;
+        if (!nb::try_cast(acc, a, /*convert=*/false)) {  // (not a converted copy: it is written)
+          raise_status(invalid_argument("accumulate_grad: acc must be a writable C-contiguous CPU float32 array"));
+        }
+        const InArray g = in_array(grad, "accumulate_grad");
+        const DType dt = unwrap(dtype_from(g.a.dtype(), std::nullopt, "accumulate_grad"));
+        if (g.a.size() != a.size()) {
+          raise_status(
+              invalid_argument(str("accumulate_grad: the gradient has ", g.a.size(), " elements, the sum ", a.size())));
+        }
+        float* dst = a.data();
+        const std::uint64_t n = a.size();
+        return unwrap(unlocked([&] { return step::accumulate_grad(dst, g.view(dt), n, first); }));
+      },
+      "acc"_a, "grad"_a, "first"_a,
+      "acc = grad (first) or acc + grad, in float32, in one pass that also returns the float64 sum of squares "
+      "of the result (the intake of a gradient summed outside the driver, then declared).");
+  m.def(
+      "sum_of_squares",
+      [](nb::handle x) {
+        const InArray in = in_array(x, "sum_of_squares");
+        const DType dt = unwrap(dtype_from(in.a.dtype(), std::nullopt, "sum_of_squares"));
+        const cpu::ConstTensorRef ref(in.a.data(), dt, in.a.size());
+        return unwrap(unlocked([&] { return cpu::sum_of_squares(ref); }));
+      },
+      "x"_a, "The float64 sum of squares of a float32/bfloat16/float16 CPU array (accumulate_grad's).");
   nb::class_<PyStepDriver>(m, "StepDriver",
                            "One training step over offloaded optimizer state, by parameter name "
                            "(tier/step_driver.hpp): what tier.jax and the C ABI train with.")

@@ -107,6 +107,12 @@ struct StepArgs {
   optim::NormReducer* norm = nullptr;
 };
 
+// The intake of a gradient the caller sums itself (then hands in with declare_grad), e.g. in an
+// engine tensor: acc = grad (`first`) or acc + grad, in fp32, for `numel` elements of grad (fp32,
+// bf16 or fp16 host memory), returning the fp64 sum of squares of the result. One pass over host
+// memory: the sum comes with the addition (the same value cpu::sum_of_squares gives for acc).
+Result<double> accumulate_grad(float* acc, const HostTensor& grad, std::uint64_t numel, bool first);
+
 class StepDriver {
  public:
   // The optimizer from `config` (its "optimizer" section, zero_optimization.offload_optimizer for

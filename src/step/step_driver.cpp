@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "optim/grad_accumulate.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/engine_step_io.hpp"
 #include "tier/log.hpp"
@@ -82,6 +83,17 @@ struct StepDriver::Async {
     if (thread.joinable()) thread.join();
   }
 };
+
+Result<double> accumulate_grad(float* acc, const HostTensor& grad, std::uint64_t numel, bool first) {
+  if (!is_param_dtype(grad.dtype)) {
+    return invalid_argument(
+        str("accumulate_grad: dtype ", dtype_name(grad.dtype), "; gradients are float32, bfloat16 or float16"));
+  }
+  double sumsq = 0;
+  TIER_RETURN_IF_ERROR(
+      optim::detail::accumulate_grad(acc, cpu::ConstTensorRef(grad.data, grad.dtype, numel), first, &sumsq, nullptr));
+  return sumsq;
+}
 
 StepDriver::StepDriver(std::unique_ptr<optim::OffloadedOptimizer> opt) : opt_(std::move(opt)) {
   accumulation_steps_ = std::max(1, opt_->options().gradient_accumulation_steps);

@@ -86,3 +86,29 @@ def test_the_optimizers_io_is_on_the_engines_registered_arena(swap_dir, host_bud
     optimizer = engine.native_optimizer.stats()
     assert optimizer["io_registered_bytes"] >= optimizer["pinned_bytes"] > 0
     engine.destroy()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_gradient_is_summed_with_its_sum_of_squares_in_one_pass(dtype):
+    """The intake of a gradient into its engine tensor (tier.torch's, for declared gradients): the
+    addition in fp32 and the sum of squares of the result come from one pass, and the sum is the one
+    a separate pass gives, bit for bit."""
+    from tier import _tier
+
+    g = torch.Generator().manual_seed(3)
+    n = 300_001  # several of the kernel's blocks, and a tail
+    a = torch.randn(n, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    acc = torch.full((n,), 7.0)
+    first = _tier.accumulate_grad(acc, a, True)
+    assert torch.equal(acc, a.float())
+    assert first == _tier.sum_of_squares(acc)
+    second = _tier.accumulate_grad(acc, b, False)
+    assert torch.equal(acc, a.float() + b.float())
+    assert second == _tier.sum_of_squares(acc)
+    assert second == pytest.approx(float(acc.double().pow(2).sum()), rel=1e-12)
+    with pytest.raises(tier.InvalidArgument, match="299999 elements, the sum 300001"):
+        _tier.accumulate_grad(acc, b[:299_999], False)
+    assert torch.equal(acc, a.float() + b.float())  # refused: nothing added
+    with pytest.raises(tier.InvalidArgument):
+        _tier.accumulate_grad(acc.double(), b, False)

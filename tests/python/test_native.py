@@ -110,6 +110,7 @@ def test_outputs_that_would_need_a_copy_are_refused_not_filled_in_a_copy(swap_di
     refused: before, nanobind made a converted copy, the call filled that and returned, and the
     caller's array kept its old values."""
     torch = pytest.importorskip("torch")
+    from tier import _tier
 
     e = tier.Engine.create(engine_config(swap_dir))
     tid = e.register("x", "fp32", 12, "param", 0, "host", torch.arange(12, dtype=torch.float32))
@@ -119,3 +120,5 @@ def test_outputs_that_would_need_a_copy_are_refused_not_filled_in_a_copy(swap_di
     out = torch.zeros(12)
     e.read(tid, out)
     assert torch.equal(out, torch.arange(12, dtype=torch.float32))
+    with pytest.raises(tier.InvalidArgument):
+        _tier.accumulate_grad(torch.zeros(4, 3).t(), torch.ones(12), True)

@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from .. import _tier
+
 
 class GradStaging:
     """Copies CUDA gradients into pinned host buffers asynchronously, then hands them to the optimizer.
@@ -143,7 +145,6 @@ class EngineGrads:
     native optimizer, which reads them from the engine chunk by chunk during its step
     (the step's ``grad_tensors``)."""
 
-    _SUMSQ_PIECE = 1 << 20
 
     def __init__(self, engine, partition_count):
         self._engine = weakref.ref(engine)
@@ -155,12 +156,9 @@ class EngineGrads:
     def register(self, native, pid, name, numel, home):
         self.tensors[pid] = native.register(f"grad/{name}", "fp32", numel, "grad", 0, home)
 
-    def _sum_of_squares(self, flat):
-        total = 0.0
-        for s in range(0, flat.numel(), self._SUMSQ_PIECE):
-            piece = flat[s : s + self._SUMSQ_PIECE]
-            total += float(torch.dot(piece, piece))
-        return total
+    @staticmethod
+    def _sum_of_squares(flat):
+        return _tier.sum_of_squares(flat)  # (accumulate_grad's sum, bit for bit)
 
     def add_grad(self, pid, grad):
         engine = self._engine()
@@ -173,14 +171,11 @@ class EngineGrads:
             self.tensors[pid], "host", "write" if first else "read_write", traced=not engine._delayed
         )
         flat = torch.from_dlpack(lease.as_tensor())
-        g = grad.detach().reshape(-1)
-        if first:
-            flat.copy_(g)
-        else:
-            flat.add_(g)  # in fp32, whatever the gradient's dtype
+        # Added in fp32 (whatever the gradient's dtype) with its sum of squares in the same pass.
+        sumsq = _tier.accumulate_grad(flat, grad.detach().reshape(-1).contiguous(), first)
         self.held.add(pid)
         if engine.is_gradient_accumulation_boundary():
-            self.sumsq[pid] = self._sum_of_squares(flat)
+            self.sumsq[pid] = sumsq
         else:
             self.sumsq.pop(pid, None)  # (one kept from a failed step is stale now)
         del flat  # ends the lease
