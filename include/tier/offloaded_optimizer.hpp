@@ -429,6 +429,8 @@ class OffloadedOptimizer {
   // and this is set only when that failed too, or when an applied step's outputs failed. Cleared
   // by the next step that delivers every output; meanwhile read_params() has the committed ones.
   bool outputs_stale() const noexcept;
+  // OptimizerStats::steps_applied, without the rest of stats()' walk over the chunks.
+  std::uint64_t steps_applied() const noexcept;
   // The caller has rewritten every partition's params from read_params(): outputs_stale() is false.
   void outputs_rewritten() noexcept;
   // Chunks the running overlapped pass has taken up so far (0 without one).

@@ -254,6 +254,9 @@ class StepDriver {
   Status apply_lr(const StepArgs& args);
   // Books the gradient traffic of an applied step and resets the per-step gradient counts.
   void after_step(const optim::StepReport& report);
+  // after_step for a step that was applied: one that succeeded, or failed after it was committed
+  // (the optimizer's applied count moved past `applied_before`).
+  void book(const Result<optim::StepReport>& r, std::uint64_t applied_before);
 
   std::unique_ptr<optim::OffloadedOptimizer> opt_;
   int accumulation_steps_ = 1;

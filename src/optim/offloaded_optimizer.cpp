@@ -1399,6 +1399,10 @@ bool OffloadedOptimizer::outputs_stale() const noexcept {
   return impl_->outputs_stale;
 }
 
+std::uint64_t OffloadedOptimizer::steps_applied() const noexcept {
+  return impl_->steps_applied.load(std::memory_order_relaxed);
+}
+
 void OffloadedOptimizer::outputs_rewritten() noexcept {
   impl_->outputs_stale = false;
 }

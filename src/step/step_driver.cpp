@@ -351,10 +351,16 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
   TIER_RETURN_IF_ERROR(check_grads_complete(args));
   TIER_RETURN_IF_ERROR(apply_lr(args));
   Session session(args, *opt_);
-  const std::uint64_t applied_before = opt_->stats().steps_applied;
+  const std::uint64_t applied_before = opt_->steps_applied();
   Result<optim::StepReport> r = run_step(session);
-  if (r.ok() || opt_->stats().steps_applied != applied_before) after_step(r.ok() ? *r : optim::StepReport{});
+  book(r, applied_before);
   return r;
+}
+
+void StepDriver::book(const Result<optim::StepReport>& r, std::uint64_t applied_before) {
+  // An error after the update was committed (its outputs not all delivered) consumed the
+  // gradients all the same.
+  if (r.ok() || opt_->steps_applied() != applied_before) after_step(r.ok() ? *r : optim::StepReport{});
 }
 
 void StepDriver::after_step(const optim::StepReport& report) {
@@ -399,12 +405,12 @@ Result<optim::StepReport> StepDriver::finish_overlap() {
     return failed_precondition("finish_overlap: no overlapped step is running");
   }
   TIER_RETURN_IF_ERROR(check_grads_complete(overlap_->args));
-  const std::uint64_t applied_before = opt_->stats().steps_applied;
+  const std::uint64_t applied_before = opt_->steps_applied();
   Result<optim::StepReport> r = opt_->finish_overlapped_step();
   std::unique_ptr<Session> session = std::move(overlap_);
   overlap_started_ = false;
   const Status closed = session->close();
-  if (r.ok() || opt_->stats().steps_applied != applied_before) after_step(r.ok() ? *r : optim::StepReport{});
+  book(r, applied_before);
   if (r.ok() && !closed.ok()) return closed;
   return r;
 }
@@ -428,7 +434,7 @@ Status StepDriver::start_async(const StepArgs& args) {
   TIER_RETURN_IF_ERROR(apply_lr(args));
   auto a = std::make_unique<Async>();
   a->session = std::make_unique<Session>(args, *opt_);
-  a->applied_before = opt_->stats().steps_applied;
+  a->applied_before = opt_->steps_applied();
   Async* raw = a.get();
   optim::OffloadedOptimizer* opt = opt_.get();
   // The thread runs the optimizer's step alone: the driver's own books are kept by
@@ -445,9 +451,7 @@ Result<optim::StepReport> StepDriver::finish_async() {
   if (!async_) return failed_precondition("finish_async: no asynchronous step is running");
   std::unique_ptr<Async> a = std::move(async_);
   a->thread.join();
-  if (a->result.ok() || opt_->stats().steps_applied != a->applied_before) {
-    after_step(a->result.ok() ? *a->result : optim::StepReport{});
-  }
+  book(a->result, a->applied_before);
   if (a->result.ok() && !a->closed.ok()) return a->closed;
   return std::move(a->result);
 }
