@@ -10,6 +10,8 @@
 #include <memory>
 #include <mutex>
 
+#include "core/tsan_edges.hpp"
+
 namespace tier::cpu::detail {
 
 namespace {
@@ -42,16 +44,20 @@ void parallel_ranges(std::uint64_t n, int threads, std::uint64_t granule,
     fn(0, n);
     return;
   }
+  tier::detail::ForkJoinEdges edges;
   arena_for(threads).execute([&] {
     oneapi::tbb::parallel_for(
         oneapi::tbb::blocked_range<std::uint64_t>(0, pieces, 1),
         [&](const oneapi::tbb::blocked_range<std::uint64_t>& r) {
+          edges.enter();
           const std::uint64_t begin = r.begin() * granule;
           const std::uint64_t end = std::min(n, r.end() * granule);
           fn(begin, end);
+          edges.leave();
         },
         oneapi::tbb::static_partitioner());
   });
+  edges.finish();
 }
 
 Status check_tensor(const ConstTensorRef& t, const char* what) {

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include "core/tsan_edges.hpp"
+
 namespace tier::optim::detail {
 
 struct Workers::Arena {
@@ -33,18 +35,22 @@ void Workers::for_ranges(std::uint64_t n, std::uint64_t granule,
   }
   // One contiguous run per thread: split the pieces into threads_ runs.
   const std::uint64_t runs = std::min<std::uint64_t>(pieces, static_cast<std::uint64_t>(threads_));
+  tier::detail::ForkJoinEdges edges;
   arena_->arena.execute([&] {
     oneapi::tbb::parallel_for(
         oneapi::tbb::blocked_range<std::uint64_t>(0, runs, 1),
         [&](const oneapi::tbb::blocked_range<std::uint64_t>& r) {
+          edges.enter();
           for (std::uint64_t k = r.begin(); k != r.end(); ++k) {
             const std::uint64_t b = pieces * k / runs * granule;
             const std::uint64_t e = std::min(n, pieces * (k + 1) / runs * granule);
             if (b < e) fn(b, e);
           }
+          edges.leave();
         },
         oneapi::tbb::static_partitioner());
   });
+  edges.finish();
 }
 
 }  // namespace tier::optim::detail
