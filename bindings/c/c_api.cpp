@@ -1210,6 +1210,7 @@ Result<tier::step::StepArgs> step_args(tier::step::StepDriver& d, const tier_ste
   tier::step::StepArgs args;
   if (o.set_lr != 0) args.lr = o.lr;
   args.skip_missing = o.skip_missing != 0;
+  if (o.comm != nullptr) args.comm = o.comm->comm.get();
   if (o.params_out != nullptr) {
     if (o.num_params_out != d.param_count()) {
       return tier::invalid_argument(str("options->num_params_out is ", o.num_params_out, " but ", d.param_count(),

@@ -49,6 +49,10 @@
 #include "tier/status.hpp"
 #include "tier/types.hpp"
 
+namespace tier {
+class Communicator;  // tier/comm.hpp
+}  // namespace tier
+
 namespace tier::step {
 
 // A view of a row-major, contiguous tensor in host memory.
@@ -102,8 +106,14 @@ struct StepArgs {
   std::vector<void*> outputs;
   // Or into engine tensors (parameters without an output), and declared gradients from them.
   std::optional<EngineTargets> engine;
-  // (optional) The gradient norm across data-parallel ranks (each rank's driver holds its
-  // shards); must outlive the step.
+  // (optional) The data-parallel ranks, each rank's driver holding its shards of the parameters:
+  // the gradient's sum of squares is all-reduced over them (CommunicatorNorm, one fp64 per step),
+  // so every rank clips by the global norm and skips the step when any rank overflowed. Every
+  // rank steps with it, in the same order. Must outlive the step (an overlapped or asynchronous
+  // one: until it is finished).
+  Communicator* comm = nullptr;
+  // (optional) Or any other reduction of the sum of squares across ranks (not with comm); must
+  // outlive the step.
   optim::NormReducer* norm = nullptr;
 };
 

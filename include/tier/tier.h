@@ -591,9 +591,16 @@ typedef struct tier_step_options {
    * weight decay), as torch.optim skips a parameter whose grad is None; 0: such a step is refused
    * (TIER_ERROR_FAILED_PRECONDITION naming the parameter). */
   int32_t skip_missing;
+  /* NULL, or the data-parallel ranks when each rank's optimizer holds its shards of the model
+   * (tier_shard_range): the gradient's sum of squares is all-reduced over `comm` (one fp64 per
+   * step), so every rank clips by the global norm, reports it, and skips the step when any rank
+   * saw an inf/nan. Every rank steps with it, in the same order. It must stay valid until the step
+   * returns (an overlapped step: until finish_overlap or cancel_overlap returns); its failure fails
+   * the step with nothing applied and the gradients kept. */
+  tier_comm_t* comm;
 } tier_step_options_t;
 #define TIER_STEP_OPTIONS_INIT \
-  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0 }
+  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0, NULL }
 
 typedef struct tier_step_report {
   size_t struct_size; /* sizeof(tier_step_report_t); set by TIER_STEP_REPORT_INIT */

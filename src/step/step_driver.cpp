@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "optim/grad_accumulate.hpp"
+#include "tier/comm.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/engine_step_io.hpp"
 #include "tier/log.hpp"
@@ -54,7 +55,10 @@ struct StepDriver::Session {
   std::unique_ptr<EngineParamSink> sink;
   std::unique_ptr<EngineGradSource> grads;
 
+  std::unique_ptr<CommunicatorNorm> comm_norm;
+
   Session(StepArgs a, const optim::OffloadedOptimizer& opt) : args(std::move(a)) {
+    if (args.comm) comm_norm = std::make_unique<CommunicatorNorm>(*args.comm);
     if (args.engine) {
       sink = std::make_unique<EngineParamSink>(*args.engine->engine, args.engine->params, args.engine->offsets, opt);
       grads = std::make_unique<EngineGradSource>(*args.engine->engine, args.engine->grads);
@@ -66,7 +70,7 @@ struct StepDriver::Session {
     so.destinations = args.outputs;
     so.sink = sink.get();
     so.grads = grads.get();
-    so.norm = args.norm;
+    so.norm = args.norm ? args.norm : comm_norm.get();
     return so;
   }
   // Releases the engine tensors a step left open (one that failed part way); the first error.
@@ -306,6 +310,9 @@ Status StepDriver::check_step_args(const StepArgs& args) const {
   if (!args.outputs.empty() && args.outputs.size() != params_.size()) {
     return invalid_argument(str("step: ", args.outputs.size(), " outputs for ", params_.size(),
                                 " parameters (give one per parameter, null to skip one, or none)"));
+  }
+  if (args.comm && args.norm) {
+    return invalid_argument("step: comm and norm together (the norm across ranks is reduced one way)");
   }
   if (args.skip_missing && args.zero_missing) {
     return invalid_argument("step: skip_missing and zero_missing together (a missing gradient is one or the other)");

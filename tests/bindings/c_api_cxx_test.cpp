@@ -5,10 +5,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -344,5 +348,220 @@ TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
   GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// The optimizer across data-parallel ranks through the C ABI: two ranks (threads), each holding
+// one parameter, step with a callback communicator in tier_step_options_t::comm and match, bit
+// for bit, one optimizer holding both (the global norm clips them alike); a failing all-reduce
+// fails the step with nothing applied and the gradients kept.
+
+// An in-process all-reduce (fp64 sums only, as the norm needs) over `world` threads.
+struct Rendezvous {
+  explicit Rendezvous(int w) : world(w) {}
+  const int world;
+  std::mutex mu;
+  std::condition_variable cv;
+  double acc = 0;
+  double result = 0;
+  int arrived = 0;
+  int left = 0;  // ranks still to read the previous round's result
+  std::uint64_t round = 0;
+  std::atomic<int> calls{0};
+
+  int all_reduce_f64(double* v) {
+    // A rank that gave up (a failed check) leaves the other waiting: time out rather than hang.
+    constexpr auto kPatience = std::chrono::seconds(60);
+    std::unique_lock<std::mutex> lk(mu);
+    if (!cv.wait_for(lk, kPatience, [&] { return left == 0; })) return TIER_ERROR_TIMED_OUT;
+    acc += *v;
+    const std::uint64_t mine = round;
+    if (++arrived == world) {
+      result = acc;
+      acc = 0;
+      arrived = 0;
+      left = world;
+      ++round;
+      cv.notify_all();
+    } else {
+      if (!cv.wait_for(lk, kPatience, [&] { return round != mine; })) return TIER_ERROR_TIMED_OUT;
+    }
+    *v = result;
+    if (--left == 0) cv.notify_all();
+    ++calls;
+    return TIER_OK;
+  }
+};
+
+struct RankComm {
+  Rendezvous* rv;
+  bool fail = false;
+};
+
+int rank_all_reduce(void* user, void* buf, uint64_t count, tier_dtype_t dtype, tier_reduce_op_t op) {
+  auto* rc = static_cast<RankComm*>(user);
+  if (rc->fail) return TIER_ERROR_TIMED_OUT;
+  if (dtype != TIER_DTYPE_F64 || count != 1 || op != TIER_REDUCE_SUM) return TIER_ERROR_UNSUPPORTED;
+  return rc->rv->all_reduce_f64(static_cast<double*>(buf));
+}
+
+tier_comm_t* rank_comm(RankComm* rc, int rank, int world) {
+  tier_comm_callbacks_t cb = TIER_COMM_CALLBACKS_INIT;
+  cb.user = rc;
+  cb.rank = rank;
+  cb.world = world;
+  cb.all_reduce = rank_all_reduce;
+  tier_comm_t* comm = nullptr;
+  EXPECT_EQ(tier_comm_create_callbacks(&cb, &comm), TIER_OK) << tier_last_error();
+  return comm;
+}
+
+constexpr std::int64_t kRankNumel[2] = {3000, 1000};
+
+// (GCC 12 warns wrongly (-Wrestrict) on a literal + std::to_string: built with a stream instead.)
+template <class... A>
+std::string text(const A&... a) {
+  std::ostringstream os;
+  (os << ... << a);
+  return os.str();
+}
+
+DLTensor host_f32(float* data, const std::int64_t* shape) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = 1;
+  t.dtype = {kDLFloat, 32, 1};
+  t.shape = const_cast<std::int64_t*>(shape);
+  return t;
+}
+
+float init_value(int k, std::int64_t i) {
+  return 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(k));
+}
+
+// Step 2's gradients are large (clipped at 1.0), the others small.
+float grad_value(int step, int k, std::int64_t i) {
+  const float scale = step == 2 ? 40.0f : 0.004f;
+  return scale * std::sin(0.11f * static_cast<float>(i) + static_cast<float>(step * 3 + k));
+}
+
+// An optimizer holding parameters `ks` (their names w<k>), state on NVMe under dir/sub.
+tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::vector<int> ks) {
+  const std::string json =
+      R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 1.0,)"
+      R"( "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+      (dir / sub).string() + R"("}}, "tier": {"io": {"use_direct": false}, "optimizer": {"chunk_elements": 1024}}})";
+  tier_optimizer_config_t c = TIER_OPTIMIZER_CONFIG_INIT;
+  c.json = json.c_str();
+  c.ignore_env = 1;
+  c.max_elements = 4096;
+  tier_optimizer_t* o = nullptr;
+  EXPECT_EQ(tier_optimizer_create(&c, &o), TIER_OK) << tier_last_error();
+  if (o == nullptr) return nullptr;
+  for (int k : ks) {
+    std::vector<float> init(static_cast<std::size_t>(kRankNumel[k]));
+    for (std::int64_t i = 0; i < kRankNumel[k]; ++i) init[static_cast<std::size_t>(i)] = init_value(k, i);
+    DLTensor t = host_f32(init.data(), &kRankNumel[k]);
+    const std::string name = text("w", k);
+    EXPECT_EQ(tier_optimizer_add_param(o, name.c_str(), &t, 0, nullptr), TIER_OK) << tier_last_error();
+  }
+  return o;
+}
+
+TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
+  TempDir dir;
+  constexpr int kSteps = 3;
+  // The reference: one optimizer with both parameters, no communicator.
+  std::vector<float> ref_out[kSteps + 1][2];
+  tier_step_report_t ref_rep[kSteps + 1];
+  {
+    tier_optimizer_t* ref = ranked_optimizer(dir.path, "ref", {0, 1});
+    ASSERT_NE(ref, nullptr);
+    for (int step = 1; step <= kSteps; ++step) {
+      DLTensor outs[2];
+      DLTensor* out_p[2];
+      for (int k = 0; k < 2; ++k) {
+        std::vector<float> g(static_cast<std::size_t>(kRankNumel[k]));
+        for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[static_cast<std::size_t>(i)] = grad_value(step, k, i);
+        DLTensor gt = host_f32(g.data(), &kRankNumel[k]);
+        ASSERT_EQ(tier_optimizer_add_grad(ref, static_cast<uint32_t>(k), &gt), TIER_OK) << tier_last_error();
+        ref_out[step][k].assign(static_cast<std::size_t>(kRankNumel[k]), 0.0f);
+        outs[k] = host_f32(ref_out[step][k].data(), &kRankNumel[k]);
+        out_p[k] = &outs[k];
+      }
+      tier_step_options_t so = TIER_STEP_OPTIONS_INIT;
+      so.params_out = out_p;
+      so.num_params_out = 2;
+      ref_rep[step] = TIER_STEP_REPORT_INIT;
+      ASSERT_EQ(tier_optimizer_step(ref, &so, &ref_rep[step]), TIER_OK) << tier_last_error();
+    }
+    EXPECT_LT(ref_rep[2].clip_coefficient, 1.0);
+    EXPECT_EQ(ref_rep[1].clip_coefficient, 1.0);
+    tier_optimizer_destroy(ref);
+  }
+
+  Rendezvous rv(2);
+  std::vector<std::string> failures[2];
+  auto rank_main = [&](int rank) {
+    auto fail = [&](const std::string& what) { failures[rank].push_back(text(what, ": ", tier_last_error())); };
+    RankComm good{&rv}, bad{&rv, true};
+    tier_comm_t* comm = rank_comm(&good, rank, 2);
+    tier_comm_t* broken = rank_comm(&bad, rank, 2);
+    tier_optimizer_t* o = ranked_optimizer(dir.path, rank == 0 ? "r0" : "r1", {rank});
+    if (comm == nullptr || broken == nullptr || o == nullptr) return fail("setup");
+    std::vector<float> out(static_cast<std::size_t>(kRankNumel[rank]));
+    DLTensor ot = host_f32(out.data(), &kRankNumel[rank]);
+    DLTensor* out_p[1] = {&ot};
+    for (int step = 1; step <= kSteps; ++step) {
+      std::vector<float> g(static_cast<std::size_t>(kRankNumel[rank]));
+      for (std::int64_t i = 0; i < kRankNumel[rank]; ++i) g[static_cast<std::size_t>(i)] = grad_value(step, rank, i);
+      DLTensor gt = host_f32(g.data(), &kRankNumel[rank]);
+      if (tier_optimizer_add_grad(o, 0, &gt) != TIER_OK) return fail("add_grad");
+      tier_step_options_t so = TIER_STEP_OPTIONS_INIT;
+      so.params_out = out_p;
+      so.num_params_out = 1;
+      tier_step_report_t rep = TIER_STEP_REPORT_INIT;
+      if (step == 2) {
+        // The framework's all-reduce fails (on every rank): nothing applied, the gradient kept.
+        so.comm = broken;
+        const std::vector<float> before = out;
+        if (tier_optimizer_step(o, &so, &rep) != TIER_ERROR_TIMED_OUT) return fail("step with a failing comm");
+        if (std::string(tier_last_error()).find("gradient norm across 2 ranks") == std::string::npos) {
+          return fail("the failing comm's message");
+        }
+        int64_t at = -1;
+        if (tier_optimizer_group_step(o, 0, &at) != TIER_OK || at != 1) return fail("step counter after the failure");
+        if (out != before) return fail("outputs written by the failed step");
+      }
+      so.comm = comm;
+      if (step == 3) {
+        // Overlapped: the gradient in after the start, the norm combined at finish.
+        if (tier_optimizer_clear_grads(o) != TIER_OK) return fail("clear_grads");
+        if (tier_optimizer_start_overlap(o, &so) != TIER_OK) return fail("start_overlap");
+        if (tier_optimizer_add_grad(o, 0, &gt) != TIER_OK) return fail("add_grad (overlapped)");
+        if (tier_optimizer_finish_overlap(o, &rep) != TIER_OK) return fail("finish_overlap");
+      } else if (tier_optimizer_step(o, &so, &rep) != TIER_OK) {
+        return fail(text("step ", step));
+      }
+      if (rep.grad_norm != ref_rep[step].grad_norm || rep.clip_coefficient != ref_rep[step].clip_coefficient ||
+          rep.step != ref_rep[step].step) {
+        failures[rank].push_back(text("step ", step, ": norm ", rep.grad_norm, " clip ", rep.clip_coefficient,
+                                      ", the reference's ", ref_rep[step].grad_norm, " clip ",
+                                      ref_rep[step].clip_coefficient));
+      }
+      if (out != ref_out[step][rank]) failures[rank].push_back(text("step ", step, ": params differ"));
+    }
+    tier_optimizer_destroy(o);
+    tier_comm_destroy(comm);
+    tier_comm_destroy(broken);
+  };
+  std::thread r1(rank_main, 1);
+  rank_main(0);
+  r1.join();
+  for (int r = 0; r < 2; ++r) {
+    for (const auto& f : failures[r]) ADD_FAILURE() << "rank " << r << ": " << f;
+  }
+  EXPECT_EQ(rv.calls.load(), 2 * kSteps);  // one fp64 all-reduce per rank and step
+}
 
 }  // namespace

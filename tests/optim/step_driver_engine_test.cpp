@@ -13,6 +13,7 @@
 
 #include "nvme/nvme_test_util.hpp"
 #include "optim/step_driver_test_util.hpp"
+#include "tier/comm.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/engine.hpp"
 #include "tier/step_driver.hpp"
@@ -229,6 +230,22 @@ TEST(StepDriverEngine, AParameterWithoutAGradientIsRefusedSkippedOrZeroedAsAsked
   a.skip_missing = a.zero_missing = true;
   EXPECT_EQ(rig.driver->step(a).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(*rig.driver->group_step(0), 0);
+  {
+    // The norm across ranks is reduced one way: a communicator and a reducer together are refused.
+    CommCallbacks cb;
+    cb.all_reduce = [](void*, std::uint64_t, DType, ReduceOp) { return Status::Ok(); };
+    auto comm = make_callback_communicator(cb);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    CommunicatorNorm norm(**comm);
+    StepArgs both = a;
+    both.skip_missing = false;
+    both.comm = comm->get();
+    both.norm = &norm;
+    auto r = rig.driver->step(both);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("comm and norm together"), std::string::npos) << r.status();
+    EXPECT_EQ(*rig.driver->group_step(0), 0);
+  }
 
   // Zeroed: the weight decay moves it, the moments stay zero.
   a.skip_missing = false;
