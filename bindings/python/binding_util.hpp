@@ -9,6 +9,9 @@
 
 #include "tier/status.hpp"
 
+namespace tier {
+class Communicator;
+}
 namespace tier::optim {
 struct StepReport;
 }
@@ -16,6 +19,9 @@ struct StepReport;
 namespace tier::python {
 
 [[noreturn]] void raise_status(const Status& s);  // module.cpp
+
+// The tier::Communicator of a _tier.Communicator (comm.cpp); nullptr for None.
+Communicator* communicator_of(nanobind::handle h);
 
 // An optimizer step's report (tier::optim::StepReport) as a dict (module.cpp).
 nanobind::dict report_dict(const optim::StepReport& r);

@@ -169,6 +169,7 @@ nb::dict report_dict(const optim::StepReport& r) {
 
 void bind_file_layer(nb::module_& m);   // file_layer.cpp
 void bind_step_driver(nb::module_& m);  // step_driver.cpp
+void bind_comm(nb::module_& m);         // comm.cpp
 
 NB_MODULE(_tier, m) {
   m.doc() = "tier: memory-tiering and offload engine (native module)";
@@ -222,6 +223,7 @@ NB_MODULE(_tier, m) {
     g_errors[static_cast<int>(d.code)] = cls;
   }
   bind_file_layer(m);
+  bind_comm(m);
   bind_step_driver(m);
 
   nb::class_<EngineConfig>(m, "Config", "An engine configuration (DeepSpeed JSON plus tier's own section).")

@@ -106,34 +106,6 @@ nb::object parse_json(const std::string& text) {
   return nb::module_::import_("json").attr("loads")(text);
 }
 
-// The gradient norm across ranks through a Python callable (float -> float: this rank's sum of
-// squares -> the global one), e.g. a torch.distributed all-reduce. Called without the GIL held.
-class PyNormReducer final : public optim::NormReducer {
- public:
-  explicit PyNormReducer(nb::object fn) : fn_(std::move(fn)) {}
-  ~PyNormReducer() override {
-    nb::gil_scoped_acquire locked;  // (dropped where the GIL may be released)
-    fn_ = nb::object();
-  }
-  Status all_reduce_sumsq(double& sumsq) override {
-    nb::gil_scoped_acquire locked;
-    try {
-      sumsq = nb::cast<double>(fn_(sumsq));
-      return Status::Ok();
-    } catch (nb::python_error& e) {
-      std::string what = e.what();
-      e.restore();
-      PyErr_Clear();
-      return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq raised: ", what));
-    } catch (std::exception& e) {
-      return Status(StatusCode::kFailedPrecondition, str("reduce_sumsq: ", e.what()));
-    }
-  }
-
- private:
-  nb::object fn_;
-};
-
 }  // namespace
 
 // The Python object: owns the driver (which is neither copyable nor movable), and the arrays a
@@ -145,7 +117,7 @@ struct PyStepDriver {
   // (Declared before the driver: destroyed after it.)
   nb::object engine_ref;
   std::vector<nb::object> held;
-  std::unique_ptr<PyNormReducer> norm;  // the running overlapped step's
+  nb::object comm;  // the running overlapped step's communicator
   // Tests only (fault_injection=True): the I/O engines of the optimizer's swap space, each wrapped
   // in a FaultInjectingEngine; owned by the driver's optimizer and valid while it is.
   std::shared_ptr<std::vector<nvme::FaultInjectingEngine*>> faults;
@@ -166,7 +138,7 @@ struct PyStepDriver {
       nb::gil_scoped_release released;
       d.reset();  // joins an asynchronous step, stops an overlapped pass
     }
-    norm.reset();
+    comm = nb::object();
     held.clear();
   }
 };
@@ -196,23 +168,19 @@ struct Targets {
   bool zero_missing = false;
   nb::object engine;
   std::vector<std::int64_t> tensors, grad_tensors, offsets;
-  nb::object reduce_sumsq;
+  nb::object comm;  // a _tier.Communicator, or None
 };
 
-// step()'s, start_overlap()'s and start_async()'s arguments (pointers taken with the GIL held).
-// The norm reducer, when reduce_sumsq is given, goes to `norm` (held by the caller for as long as
-// the step runs).
+// step()'s, start_overlap()'s and start_async()'s arguments (pointers taken with the GIL held; the
+// caller holds t.comm for as long as the step runs).
 step::StepArgs step_args(StepDriver& d, std::optional<double> lr, const std::optional<std::vector<nb::object>>& outputs,
-                         const Targets& t, std::unique_ptr<PyNormReducer>* norm = nullptr) {
+                         const Targets& t) {
   step::StepArgs args;
   args.lr = lr;
   args.skip_missing = t.skip_missing;
   args.zero_missing = t.zero_missing;
   args.engine = engine_targets(t.engine, t.tensors, t.grad_tensors, t.offsets);
-  if (norm != nullptr && t.reduce_sumsq.is_valid() && !t.reduce_sumsq.is_none()) {
-    *norm = std::make_unique<PyNormReducer>(t.reduce_sumsq);
-    args.norm = norm->get();
-  }
+  args.comm = communicator_of(t.comm);
   if (outputs) {
     if (outputs->size() != d.param_count()) {
       raise_status(invalid_argument(str("step: ", outputs->size(), " outputs for ", d.param_count(),
@@ -427,11 +395,10 @@ void bind_step_driver(nb::module_& m) {
           "step",
           [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs,
              bool skip_missing, bool zero_missing, nb::object engine, std::vector<std::int64_t> tensors,
-             std::vector<std::int64_t> grad_tensors, std::vector<std::int64_t> offsets, nb::object reduce_sumsq) {
+             std::vector<std::int64_t> grad_tensors, std::vector<std::int64_t> offsets, nb::object comm) {
             StepDriver& d = o.get();
-            std::unique_ptr<PyNormReducer> norm;
-            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, reduce_sumsq};
-            const step::StepArgs args = step_args(d, lr, outputs, t, &norm);
+            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, comm};
+            const step::StepArgs args = step_args(d, lr, outputs, t);
             Result<optim::StepReport> r = unlocked([&] { return d.step(args); });
             if (r.ok()) o.held.clear();  // (a refused or failed step keeps its gradients for a retry)
             return report_dict(unwrap(std::move(r)));
@@ -439,31 +406,31 @@ void bind_step_driver(nb::module_& m) {
           "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false, "zero_missing"_a = false,
           "engine"_a = nb::none(), "tensors"_a = std::vector<std::int64_t>{},
           "grad_tensors"_a = std::vector<std::int64_t>{}, "offsets"_a = std::vector<std::int64_t>{},
-          "reduce_sumsq"_a = nb::none(),
+          "comm"_a = nb::none(),
           "One optimizer step; checks every gradient is in, the lr and the outputs first (nothing is applied "
           "on an error). outputs: None or one array (or None) per parameter, written with the updated values. "
           "skip_missing: a parameter without a gradient is left as it is (as torch skips grad None); "
           "zero_missing: it is updated with a zero gradient (as DeepSpeed does). engine: the updated values of "
           "parameter i go into engine tensor tensors[i] (-1: none) from element offsets[i], and a declared "
-          "gradient is read from grad_tensors[i]. reduce_sumsq (data-parallel ranks): a callable taking this "
-          "rank's sum of squares and returning the sum over all ranks, called once per step on every rank.")
+          "gradient is read from grad_tensors[i]. comm (data-parallel ranks, each driver holding its shards): a "
+          "_tier.Communicator over which the gradient's sum of squares is all-reduced, once per step on every "
+          "rank, so that every rank clips by the global norm and skips on any rank's overflow.")
       .def(
           "start_overlap",
           [](PyStepDriver& o, std::optional<double> lr, std::optional<std::vector<nb::object>> outputs,
              bool skip_missing, bool zero_missing, nb::object engine, std::vector<std::int64_t> tensors,
-             std::vector<std::int64_t> grad_tensors, std::vector<std::int64_t> offsets, nb::object reduce_sumsq) {
+             std::vector<std::int64_t> grad_tensors, std::vector<std::int64_t> offsets, nb::object comm) {
             StepDriver& d = o.get();
-            std::unique_ptr<PyNormReducer> norm;
-            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, reduce_sumsq};
-            const step::StepArgs args = step_args(d, lr, outputs, t, &norm);
+            const Targets t{skip_missing, zero_missing, engine, tensors, grad_tensors, offsets, comm};
+            const step::StepArgs args = step_args(d, lr, outputs, t);
             check(unlocked([&] { return d.start_overlap(args); }));
-            o.norm = std::move(norm);  // (the last one's pass has stopped: start refuses while one runs)
+            o.comm = comm;  // (the last one's pass has stopped: start refuses while one runs)
             if (outputs) o.held.insert(o.held.end(), outputs->begin(), outputs->end());
           },
           "lr"_a = nb::none(), "outputs"_a = nb::none(), "skip_missing"_a = false, "zero_missing"_a = false,
           "engine"_a = nb::none(), "tensors"_a = std::vector<std::int64_t>{},
           "grad_tensors"_a = std::vector<std::int64_t>{}, "offsets"_a = std::vector<std::int64_t>{},
-          "reduce_sumsq"_a = nb::none(),
+          "comm"_a = nb::none(),
           "Starts the step's update before its gradients are all in (step()'s arguments); add_grad or "
           "declare_grad hand them in as they become final, finish_overlap() validates and commits (or redoes "
           "the step), bit for bit step().")

@@ -122,3 +122,124 @@ def test_outputs_that_would_need_a_copy_are_refused_not_filled_in_a_copy(swap_di
     assert torch.equal(out, torch.arange(12, dtype=torch.float32))
     with pytest.raises(tier.InvalidArgument):
         _tier.accumulate_grad(torch.zeros(4, 3).t(), torch.ones(12), True)
+
+
+def _ranked_driver(tmp_path, sub, arrays):
+    """A step driver with the given parameters (name -> fp32 array), state on NVMe under tmp_path/sub."""
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / sub)}},
+        "tier": {"io": {"use_direct": False}, "optimizer": {"chunk_elements": 1024}},
+    }
+    d = tier._tier.StepDriver(tier._tier.Config.from_json(json.dumps(cfg)), sum(a.size for a in arrays.values()))
+    for name, a in arrays.items():
+        d.add_param(name, a)
+    return d
+
+
+def test_step_driver_ranks_clip_by_the_global_norm_through_a_communicator(tmp_path):
+    """Two ranks (threads), each driver holding one parameter, step with a _tier.Communicator whose
+    all-reduce is Python's: their params, norms and clip coefficients equal, bit for bit, those of one
+    driver holding both. A raising all-reduce fails the step on every rank with nothing applied."""
+    import threading
+
+    sizes = {"w0": 3000, "w1": 1000}
+    init = {n: (0.5 * np.sin(0.37 * np.arange(k) + i)).astype(np.float32) for i, (n, k) in enumerate(sizes.items())}
+
+    def grad(step, i, n):
+        scale = 40.0 if step == 2 else 0.004  # step 2 is clipped at 1.0
+        return (scale * np.sin(0.11 * np.arange(n) + step * 3 + i)).astype(np.float32)
+
+    ref = _ranked_driver(tmp_path, "ref", init)
+    ref_out, ref_rep = {}, {}
+    for step in (1, 2, 3):
+        for i, (n, k) in enumerate(sizes.items()):
+            ref.add_grad(i, grad(step, i, k))
+        outs = [np.zeros(k, np.float32) for k in sizes.values()]
+        ref_rep[step] = ref.step(outputs=outs)
+        ref_out[step] = outs
+    assert ref_rep[2]["clip_coefficient"] < 1.0 and ref_rep[1]["clip_coefficient"] == 1.0
+
+    barrier = threading.Barrier(2, timeout=60)
+    slots = [None, None]
+    calls = []
+    fail = {"on": False}
+
+    def all_reduce(rank):
+        def fn(array, op):
+            assert op == "sum" and array.dtype == np.float64
+            if fail["on"]:
+                raise RuntimeError(f"rank {rank}: the peer left")
+            slots[rank] = float(array[0])
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            array[0] = total
+            calls.append(rank)
+
+        return fn
+
+    results, errors = [{}, {}], []
+
+    def rank_main(rank, name):
+        try:
+            comm = tier._tier.Communicator(rank, 2, all_reduce(rank), name="threads")
+            d = _ranked_driver(tmp_path, f"r{rank}", {name: init[name]})
+            out = np.zeros(sizes[name], np.float32)
+            for step in (1, 2, 3):
+                g = grad(step, rank, sizes[name])
+                d.add_grad(0, g)
+                if step == 2:
+                    before = out.copy()
+                    fail["on"] = True
+                    with pytest.raises(tier.TierError, match="the peer left"):
+                        d.step(outputs=[out], comm=comm)
+                    barrier.wait()  # both ranks saw it fail before the flag goes back
+                    fail["on"] = False
+                    assert d.group_step(0) == 1 and np.array_equal(out, before)
+                if step == 3:  # overlapped: the gradient comes after the start
+                    d.clear_grads()
+                    d.start_overlap(outputs=[out], comm=comm)
+                    d.add_grad(0, g)
+                    rep = d.finish_overlap()
+                else:
+                    rep = d.step(outputs=[out], comm=comm)
+                results[rank][step] = (rep, out.copy())
+        except BaseException as e:  # reported below
+            errors.append((rank, e))
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r, n)) for r, n in enumerate(sizes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for rank in (0, 1):
+        for step in (1, 2, 3):
+            rep, out = results[rank][step]
+            assert rep["grad_norm"] == ref_rep[step]["grad_norm"], (rank, step)
+            assert rep["clip_coefficient"] == ref_rep[step]["clip_coefficient"], (rank, step)
+            assert rep["applied"] and rep["step"] == ref_rep[step]["step"]
+            np.testing.assert_array_equal(out, ref_out[step][rank])
+    assert sorted(calls) == [0, 0, 0, 1, 1, 1]  # one all-reduce per rank and applied step
+
+
+def test_communicator_refuses_bad_input_and_a_step_refuses_comm_with_a_wrong_type(tmp_path):
+    with pytest.raises(tier.TierError, match="callable"):
+        tier._tier.Communicator(0, 1, 5)
+    with pytest.raises(tier.TierError, match="rank 2 is outside"):
+        tier._tier.Communicator(2, 2, lambda a, op: None)
+    comm = tier._tier.Communicator(0, 1, lambda a, op: None)
+    assert (comm.rank, comm.world, comm.name) == (0, 1, "python")
+    assert comm.all_reduce_f64(2.5) == 2.5
+    d = _ranked_driver(tmp_path, "d", {"w": np.ones(16, np.float32)})
+    d.add_grad(0, np.ones(16, np.float32))
+    with pytest.raises(TypeError):
+        d.step(comm="not a communicator")
+    with pytest.raises(TypeError, match="Communicator or None, not str"):
+        d.start_overlap(comm="no")
+    assert not d.overlap_running
+    assert d.group_step(0) == 0
+    assert d.step(comm=comm)["applied"]

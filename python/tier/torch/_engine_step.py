@@ -58,7 +58,7 @@ class StepMixin:
                 tensors=self._tensor_of_partition,
                 grad_tensors=self._grads.tensors,
                 offsets=self._partition_offsets,
-                reduce_sumsq=self._reduce_sumsq,
+                comm=self._comm,
             )
         self._in_backward = True
         self._engine_backward = True  # until its gradients are all handed over (drain, reduce)
@@ -185,7 +185,7 @@ class StepMixin:
                     tensors=self._tensor_of_partition,
                     grad_tensors=grad_tensors,
                     offsets=self._partition_offsets,
-                    reduce_sumsq=self._reduce_sumsq,
+                    comm=self._comm,
                 )
         except BaseException:
             self._grads.after_step(False)

@@ -523,7 +523,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                     self._tensor_of_partition[slot.pid] = slot.tid
                     if self._zero is not None and self._zero.stage < 3:
                         self._partition_offsets[slot.pid] = slot.zero_start
-            self._reduce_sumsq = self._zero.all_reduce_sum if self._zero is not None else None
+            self._comm = self._zero.comm if self._zero is not None else None
             if self._zero is not None:
                 ref = weakref.ref(self)
                 self._reducer = _zero.GradReducer(

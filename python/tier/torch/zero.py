@@ -15,7 +15,8 @@ offloads only what it owns:
 In stages 1 and 2 every rank keeps the whole low-precision parameters; after a step the owners'
 updated shards are all-gathered into them. Gradients are averaged over the ranks (as DeepSpeed
 does); clipping uses the global norm and the fp16 overflow check agrees across ranks (the
-optimizer all-reduces its sum of squares: ``reduce_sumsq``).
+optimizer all-reduces its sum of squares over ``ZeroGroup.comm``, a ``tier::Communicator`` whose
+all-reduce is torch.distributed's).
 
 The collectives run on a torch.distributed process group (the default one, or
 ``initialize(..., process_group=pg)``): NCCL for CUDA engines, Gloo for CPU ones. Gradients are
@@ -28,6 +29,7 @@ import hashlib
 import json
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -104,6 +106,9 @@ def _flatten(node, prefix=""):
     return {prefix[:-1]: node}
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: a peer rank died, left or timed out."""
 
@@ -128,6 +133,16 @@ class ZeroGroup:
         # gradients and parameters then go through host memory (slower, and how several ranks
         # share one GPU, which NCCL refuses).
         self.device = device if self.backend == "nccl" else torch.device("cpu")
+        # tier's collectives (the step driver's gradient norm) over this group.
+        # (Through a weak reference: the communicator is native, so the garbage collector could not
+        # break a cycle through it.)
+        ref = weakref.ref(self)
+        self.comm = _tier.Communicator(
+            self.rank,
+            self.world,
+            lambda array, op: ref()._all_reduce_array(array, op),
+            name=f"torch.distributed ({self.backend})",
+        )
         self.bytes_reduced = 0
         self.bytes_gathered = 0
 
@@ -164,10 +179,15 @@ class ZeroGroup:
                 "directories aside), but " + " | ".join(problems)
             )
 
-    def all_reduce_sum(self, value):
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(t, group=self.pg))
-        return float(t.item())
+    def _all_reduce_array(self, array, op):
+        """The all-reduce of ``comm``: ``array`` (numpy, host memory, valid during the call) is reduced
+        over the ranks in place."""
+        host = torch.from_numpy(array)
+        t = host.to(self.device) if self.device.type != "cpu" else host
+        what = f"all_reduce ({op}) of {host.numel()} {host.dtype} elements"
+        self._run(what, lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.pg))
+        if t is not host:
+            host.copy_(t)
 
     def reduce_scatter(self, flat, async_op=False):
         """``flat`` holds ``world`` equal segments, segment ``q`` for rank ``q``: returns the sum over
