@@ -12,8 +12,9 @@ Layout of a version directory (format ``tier-checkpoint-zero-1``; the directory 
                     its three arrays start in rank<N>.bin; its step counters and RNG state
     manifest.json   (rank 0, last) size and SHA-256 of every file above
 
-Every rank writes its own files in parallel into the directory rank 0 created; rank 0 writes the
-manifest once all have synced theirs, then switches the tag and ``latest``. A save killed on any
+Every rank writes its own files in parallel into the directory rank 0 created, hashing them as it
+writes; rank 0 gathers the sizes and digests and writes the manifest once all have synced theirs
+(no file is read back to hash it), then switches the tag and ``latest``. A save killed on any
 rank leaves ``latest`` on the previous complete checkpoint. The directory must be one that every
 rank sees (a shared or local file system, as DeepSpeed's checkpoints).
 
@@ -26,6 +27,7 @@ into a single fp32 state dict.
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 
@@ -53,6 +55,36 @@ def _broadcast(engine, obj):
     box = [obj]
     engine._zero._run("broadcast", lambda: dist.broadcast_object_list(box, src=0, group=engine._zero.pg))
     return box[0]
+
+
+def _entry(data):
+    """A manifest entry for bytes written."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _gather_entries(engine, entries, error):
+    """Every rank's manifest entries (name -> entry), merged, on every rank; with every rank's
+    error, as ``_all_ok``: a rank that failed sends its error instead and all raise."""
+    if engine._zero is None:
+        if error is not None:
+            raise error
+        return dict(entries)
+    import torch.distributed as dist
+
+    got = [None] * engine._zero.world
+    mine = {"error": None if error is None else f"{type(error).__name__}: {error}", "files": entries}
+    engine._zero._run(
+        "gathering the checkpoint's digests", lambda: dist.all_gather_object(got, mine, group=engine._zero.pg)
+    )
+    if error is not None:
+        raise error
+    bad = [(r, g["error"]) for r, g in enumerate(got) if g["error"] is not None]
+    if bad:
+        raise ValueError(f"checkpoint: rank {bad[0][0]} could not write its part, so none is published: {bad[0][1]}")
+    merged = {}
+    for g in got:
+        merged.update(g["files"])
+    return merged
 
 
 def _all_ok(engine, error):
@@ -104,8 +136,9 @@ def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state,
     version = _broadcast(engine, version)
     _all_ok(engine, error)
     vdir = os.path.join(save_dir, version)
+    entries = {}
     try:
-        _write_rank(engine, vdir, rank, world)
+        entries = _write_rank(engine, vdir, rank, world)
         error = None
     except Exception as e:  # noqa: BLE001
         error = e
@@ -119,22 +152,28 @@ def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state,
             try:
                 if values:
                     with _fs.create_new(os.path.join(vdir, "frozen.bin")) as f:
+                        h, n = hashlib.sha256(), 0
                         for _, v in values:
-                            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+                            raw = v.contiguous().view(torch.uint8).numpy().tobytes()
+                            h.update(raw)
+                            n += len(raw)
+                            f.write(raw)
                         f.sync()
+                    entries["frozen.bin"] = {"bytes": n, "sha256": h.hexdigest()}
                 del values
-                _write_meta(engine, vdir, world, client_state)
+                entries["meta.json"] = _write_meta(engine, vdir, world, client_state)
             except Exception as e:  # noqa: BLE001
                 error = e
-        _all_ok(engine, error)
+        files = _gather_entries(engine, entries, error)
         error = None
         if rank == 0:
             try:
-                files = {}
-                for name in sorted(os.listdir(vdir)):
-                    n, digest = _ck._sha256_file(os.path.join(vdir, name))
-                    files[name] = {"bytes": n, "sha256": digest}
-                body = {"format": FORMAT, "files": files}
+                present = sorted(os.listdir(vdir))
+                if present != sorted(files):
+                    raise _tier.DataLoss(
+                        f"checkpoint {vdir}: the files written ({sorted(files)}) are not the files there ({present})"
+                    )
+                body = {"format": FORMAT, "files": dict(sorted(files.items()))}
                 manifest = dict(body, sha256=_ck._manifest_body_digest(body))
                 _ck._write_new(os.path.join(vdir, _ck.MANIFEST), json.dumps(manifest, indent=1).encode())
                 _ck._fsync_dir(vdir)
@@ -150,8 +189,10 @@ def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state,
 
 
 def _write_rank(engine, vdir, rank, world):
+    """Writes this rank's two files; returns their manifest entries (hashed as they were written)."""
     index = []
     offset = 0
+    h = hashlib.sha256()
     with _fs.create_new(os.path.join(vdir, f"rank{rank}.bin")) as f:
         for s in engine._slots:
             if s.pid is None:
@@ -162,7 +203,9 @@ def _write_rank(engine, vdir, rank, world):
                     engine.native_optimizer.read_param(s.pid, buf)
                 else:
                     engine.native_optimizer.read_state(s.pid, kind, buf)
-                f.write(buf.numpy().tobytes())
+                raw = buf.numpy().tobytes()
+                h.update(raw)
+                f.write(raw)
             index.append({"name": s.name, "start": s.zero_start, "count": s.zero_count, "offset": offset})
             offset += 3 * 4 * s.zero_count
         f.sync()
@@ -174,7 +217,12 @@ def _write_rank(engine, vdir, rank, world):
         "group_steps": [engine.native_optimizer.group_step(g) for g in range(engine.native_optimizer.group_count)],
         "rng_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
-    _ck._write_new(os.path.join(vdir, f"rank{rank}.json"), json.dumps(part, indent=1).encode())
+    part_bytes = json.dumps(part, indent=1).encode()
+    _ck._write_new(os.path.join(vdir, f"rank{rank}.json"), part_bytes)
+    return {
+        f"rank{rank}.bin": {"bytes": offset, "sha256": h.hexdigest()},
+        f"rank{rank}.json": _entry(part_bytes),
+    }
 
 
 def _write_meta(engine, vdir, world, client_state):
@@ -190,7 +238,9 @@ def _write_meta(engine, vdir, world, client_state):
         "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
         "client_state": client_state,
     }
-    _ck._write_new(os.path.join(vdir, "meta.json"), json.dumps(meta, indent=1, allow_nan=True).encode())
+    data = json.dumps(meta, indent=1, allow_nan=True).encode()
+    _ck._write_new(os.path.join(vdir, "meta.json"), data)
+    return _entry(data)
 
 
 def is_rank_checkpoint(load_dir, tag):
