@@ -203,7 +203,10 @@ def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
         tmp_path, 2, "--stage", 2, "--steps", 4, "--start", 3, "--load", ckpt, name="damaged", expect_ok=False
     )
     assert all(c != 0 for c in codes)
-    assert all("does not match the manifest" in e or "refused it" in e for e in errs), errs
+    # Rank 1 reads rank1.bin and finds the damage; rank 0, which reads rank0.bin only, does not
+    # hash rank1.bin, and refuses because rank 1 did.
+    assert "rank1.bin does not match the manifest" in errs[1], errs[1][-2000:]
+    assert "rank 1 refused it" in errs[0], errs[0][-2000:]
     done = subprocess.run(
         [sys.executable, "-m", "tier.torch.zero_to_fp32", str(ckpt), str(out)], env=env, capture_output=True, text=True
     )

@@ -19,8 +19,9 @@ rank leaves ``latest`` on the previous complete checkpoint. The directory must b
 rank sees (a shared or local file system, as DeepSpeed's checkpoints).
 
 Loading at another world size (or in one process) reshards: each rank reads, from whichever saved
-ranks hold them, the elements of its new ranges. Every rank checks the manifest and every file
-before anything changes, and the ranks agree that all checks passed before any of them applies.
+ranks hold them, the elements of its new ranges. Every rank checks the manifest, the small files
+and every file it will read (its ranges' saved shards, frozen.bin) before anything changes, and
+the ranks agree that all checks passed before any of them applies.
 ``python -m tier.torch.zero_to_fp32 <checkpoint dir> <out.safetensors|out.pt>`` consolidates one
 into a single fp32 state dict.
 """
@@ -259,9 +260,10 @@ def resolve(load_dir, tag):
     return _load._resolve(load_dir, tag)
 
 
-def read_verified(path):
-    """The checkpoint in ``path``: its meta and rank maps, every file checked against the manifest
-    (``tier.DataLoss`` when one does not match)."""
+def read_verified(path, wanted=None):
+    """The checkpoint in ``path``: its meta and rank maps, checked against the manifest
+    (``tier.DataLoss`` when a file does not match). The small files (meta and rank maps) are
+    always checked; of the ``.bin`` files, those ``wanted(meta, parts)`` names (None: all)."""
     try:
         with open(os.path.join(path, _ck.MANIFEST), "rb") as f:
             manifest = json.loads(f.read())
@@ -273,13 +275,21 @@ def read_verified(path):
         raise _tier.DataLoss(f"checkpoint {path}: {_ck.MANIFEST} does not match its own checksum")
     if body["format"] != FORMAT:
         raise ValueError(f"checkpoint {path}: format {body['format']!r} is not {FORMAT}")
-    for name, entry in sorted(body["files"].items()):
+    for name in body["files"]:
         fpath = os.path.join(path, name)
         if os.path.basename(name) != name or not os.path.isfile(fpath):
             raise _tier.DataLoss(f"checkpoint {path}: {name} is missing (listed in {_ck.MANIFEST})")
-        n, digest = _ck._sha256_file(fpath)
+
+    def verify(name):
+        entry = body["files"][name]
+        n, digest = _ck._sha256_file(os.path.join(path, name))
         if n != entry.get("bytes") or digest != entry.get("sha256"):
             raise _tier.DataLoss(f"checkpoint {path}: {name} does not match the manifest")
+
+    bins = sorted(n for n in body["files"] if n.endswith(".bin"))
+    for name in sorted(body["files"]):
+        if name not in bins:
+            verify(name)
     with open(os.path.join(path, "meta.json"), "rb") as f:
         meta = json.loads(f.read())
     world = int(meta["world"])
@@ -289,7 +299,29 @@ def read_verified(path):
             raise _tier.DataLoss(f"checkpoint {path}: rank {r}'s files are not listed (saved at world {world})")
         with open(os.path.join(path, f"rank{r}.json"), "rb") as f:
             parts.append(json.loads(f.read()))
+    need = set(bins) if wanted is None else set(wanted(meta, parts)) & set(bins)
+    for name in bins:
+        if name in need:
+            verify(name)
     return meta, parts
+
+
+def _files_read_by(engine):
+    """``read_verified``'s ``wanted`` for a rank that loads: the saved ranks' files that hold part
+    of its ranges, and frozen.bin. Every file some rank reads is checked by that rank before any
+    rank applies anything (the ranks agree on it first), and none is hashed by every rank."""
+    ranges = {s.name: (s.zero_start, s.zero_start + s.zero_count) for s in engine._slots if s.pid is not None}
+
+    def wanted(meta, parts):
+        out = {"frozen.bin"}
+        for p in parts:
+            for e in p["params"]:
+                r = ranges.get(e["name"])
+                if r is not None and max(r[0], int(e["start"])) < min(r[1], int(e["start"]) + int(e["count"])):
+                    out.add(f"rank{int(p['rank'])}.bin")
+        return out
+
+    return wanted
 
 
 class _Pieces:
@@ -330,7 +362,7 @@ def load(engine, load_dir, tag):
     error = None
     try:
         path = resolve(load_dir, tag)
-        meta, parts = read_verified(path)
+        meta, parts = read_verified(path, _files_read_by(engine))
         mine = [(s.name, list(s.shape), s.trainable) for s in engine._slots]
         theirs = [(p["name"], list(p["shape"]), p["trainable"]) for p in meta["params"]]
         if mine != theirs:
