@@ -1199,6 +1199,52 @@ tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer) {
 
 namespace {
 
+// The engine tensors a step writes its params into (tier_step_options_t::engine), each handle
+// resolved and checked against its parameter now, before anything is applied.
+Result<tier::step::EngineTargets> engine_targets(tier::step::StepDriver& d, const tier_step_options_t& o) {
+  if (o.engine == nullptr) {
+    return tier::invalid_argument("options->param_tensors or param_offsets is set but options->engine is NULL");
+  }
+  if (o.param_tensors == nullptr || o.num_param_tensors != d.param_count()) {
+    return tier::invalid_argument(str("options->engine is set with ", o.num_param_tensors, " param_tensors but ",
+                                      d.param_count(), " parameters were added (one per parameter, id 0 to skip one)"));
+  }
+  tier::capi::EngineCore& core = *o.engine->core;
+  tier::step::EngineTargets t;
+  t.engine = &core.engine();
+  t.params.assign(d.param_count(), -1);
+  t.offsets.assign(d.param_count(), 0);
+  for (uint32_t i = 0; i < o.num_param_tensors; ++i) {
+    const uint64_t handle = o.param_tensors[i].id;
+    if (handle == 0) continue;
+    const tier::step::ParamInfo& p = d.param(i);
+    const uint64_t offset = o.param_offsets != nullptr ? o.param_offsets[i] : 0;
+    const std::string what = str("options->param_tensors[", i, "] (parameter '", p.name, "')");
+    Status s = core.with_tensor(handle, [&](tier::TensorId id, const tier::capi::TensorMeta& m) -> Status {
+      if (m.dtype != p.dtype) {
+        return tier::invalid_argument(
+            str(what, ": the tensor is ", tier::dtype_name(m.dtype), ", the parameter ", tier::dtype_name(p.dtype)));
+      }
+      uint64_t numel = 1;
+      for (int k = 0; k < m.ndim; ++k) numel *= static_cast<uint64_t>(m.shape[static_cast<std::size_t>(k)]);
+      if (offset > numel || numel - offset < p.numel) {
+        return tier::invalid_argument(
+            str(what, ": ", p.numel, " elements from offset ", offset, " do not fit the tensor's ", numel));
+      }
+      t.params[i] = static_cast<std::int64_t>(id);
+      t.offsets[i] = static_cast<std::int64_t>(offset);
+      return Status::Ok();
+    });
+    if (!s.ok()) {
+      if (s.code() == tier::StatusCode::kNotFound) {
+        return tier::invalid_argument(str(what, ": not a live tensor of options->engine (", s.message(), ")"));
+      }
+      return s;
+    }
+  }
+  return t;
+}
+
 // tier_step_options_t (NULL: the defaults) as the driver's arguments, each output checked.
 Result<tier::step::StepArgs> step_args(tier::step::StepDriver& d, const tier_step_options_t* options) {
   tier_step_options_t o = TIER_STEP_OPTIONS_INIT;
@@ -1211,6 +1257,9 @@ Result<tier::step::StepArgs> step_args(tier::step::StepDriver& d, const tier_ste
   if (o.set_lr != 0) args.lr = o.lr;
   args.skip_missing = o.skip_missing != 0;
   if (o.comm != nullptr) args.comm = o.comm->comm.get();
+  if (o.engine != nullptr || o.param_tensors != nullptr || o.param_offsets != nullptr || o.num_param_tensors != 0) {
+    TIER_ASSIGN_OR_RETURN(args.engine, engine_targets(d, o));
+  }
   if (o.params_out != nullptr) {
     if (o.num_params_out != d.param_count()) {
       return tier::invalid_argument(str("options->num_params_out is ", o.num_params_out, " but ", d.param_count(),

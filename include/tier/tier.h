@@ -598,9 +598,22 @@ typedef struct tier_step_options {
    * returns (an overlapped step: until finish_overlap or cancel_overlap returns); its failure fails
    * the step with nothing applied and the gradients kept. */
   tier_comm_t* comm;
+  /* NULL, or an engine whose tensors receive the updated params in place (the framework keeps its
+   * params in tier): parameter i's go into param_tensors[i] (id 0: not written; a parameter with
+   * a params_out entry goes there instead), from element param_offsets[i] (param_offsets NULL:
+   * all 0; a rank's shard of a whole parameter sits at its offset), in the parameter's dtype.
+   * num_param_tensors is the parameter count. Each tensor is checked before anything is applied:
+   * a live handle of `engine`, the parameter's dtype, room for its elements from the offset
+   * (TIER_ERROR_INVALID_ARGUMENT naming the parameter). The engine and its tensors must stay valid
+   * until the step (an overlapped one: finish_overlap or cancel_overlap) returns; nothing else
+   * may write those tensors meanwhile. */
+  tier_engine_t* engine;
+  const tier_tensor_t* param_tensors;
+  const uint64_t* param_offsets;
+  uint32_t num_param_tensors;
 } tier_step_options_t;
 #define TIER_STEP_OPTIONS_INIT \
-  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0, NULL }
+  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0, NULL, NULL, NULL, NULL, 0 }
 
 typedef struct tier_step_report {
   size_t struct_size; /* sizeof(tier_step_report_t); set by TIER_STEP_REPORT_INIT */

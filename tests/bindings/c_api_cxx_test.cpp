@@ -564,4 +564,112 @@ TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
   EXPECT_EQ(rv.calls.load(), 2 * kSteps);  // one fp64 all-reduce per rank and step
 }
 
+// The step writes its params straight into engine tensors (tier_step_options_t::engine): one
+// optimizer stepping into engine tensors (one homed on NVMe at an offset, one on the host) and one
+// into host arrays give the same bytes, serial and overlapped; bad targets are refused by name
+// with nothing applied.
+TEST(CApiCxx, AStepWritesItsParamsIntoEngineTensors) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  std::atomic<int> deleted{0};
+  constexpr std::uint64_t kOffset = 16;
+  tier_tensor_options_t on_nvme = TIER_TENSOR_OPTIONS_INIT;
+  on_nvme.home = TIER_TIER_NVME;
+  tier_tensor_t t0{}, t1{}, small{}, ints{};
+  ASSERT_EQ(tier_tensor_register(e, "t0", Producer::make(kRankNumel[0] + kOffset + 4, -1.0f, &deleted), &on_nvme, &t0),
+            TIER_OK)
+      << tier_last_error();
+  ASSERT_EQ(tier_tensor_register(e, "t1", Producer::make(kRankNumel[1], 0.0f, &deleted), nullptr, &t1), TIER_OK);
+  ASSERT_EQ(tier_tensor_register(e, "small", Producer::make(kRankNumel[1] - 1, 0.0f, &deleted), nullptr, &small),
+            TIER_OK);
+  DLManagedTensor* as_int = Producer::make(kRankNumel[1], 0.0f, &deleted);
+  as_int->dl_tensor.dtype = {kDLInt, 32, 1};
+  ASSERT_EQ(tier_tensor_register(e, "ints", as_int, nullptr, &ints), TIER_OK);
+  tier_tensor_t gone{};
+  ASSERT_EQ(tier_tensor_register(e, "gone", Producer::make(kRankNumel[1], 0.0f, &deleted), nullptr, &gone), TIER_OK);
+  ASSERT_EQ(tier_tensor_unregister(e, gone), TIER_OK);
+
+  tier_optimizer_t* host = ranked_optimizer(dir.path, "host", {0, 1});
+  tier_optimizer_t* eng = ranked_optimizer(dir.path, "eng", {0, 1});
+  ASSERT_TRUE(host != nullptr && eng != nullptr);
+  const tier_tensor_t targets[2] = {t0, t1};
+  const std::uint64_t offsets[2] = {kOffset, 0};
+  std::vector<float> want[2], got0(static_cast<std::size_t>(kRankNumel[0] + kOffset + 4)),
+      got1(static_cast<std::size_t>(kRankNumel[1]));
+  for (int k = 0; k < 2; ++k) want[k].assign(static_cast<std::size_t>(kRankNumel[k]), 0.0f);
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<float> g[2];
+    for (int k = 0; k < 2; ++k) {
+      g[k].resize(static_cast<std::size_t>(kRankNumel[k]));
+      for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[k][static_cast<std::size_t>(i)] = grad_value(step, k, i);
+    }
+    DLTensor gt[2] = {host_f32(g[0].data(), &kRankNumel[0]), host_f32(g[1].data(), &kRankNumel[1])};
+    DLTensor outs[2] = {host_f32(want[0].data(), &kRankNumel[0]), host_f32(want[1].data(), &kRankNumel[1])};
+    DLTensor* out_p[2] = {&outs[0], &outs[1]};
+    for (int k = 0; k < 2; ++k) ASSERT_EQ(tier_optimizer_add_grad(host, static_cast<uint32_t>(k), &gt[k]), TIER_OK);
+    tier_step_options_t ho = TIER_STEP_OPTIONS_INIT;
+    ho.params_out = out_p;
+    ho.num_params_out = 2;
+    ASSERT_EQ(tier_optimizer_step(host, &ho, nullptr), TIER_OK) << tier_last_error();
+
+    tier_step_options_t eo = TIER_STEP_OPTIONS_INIT;
+    eo.engine = e;
+    eo.param_tensors = targets;
+    eo.param_offsets = offsets;
+    eo.num_param_tensors = 2;
+    if (step == 1) {
+      // Refused, each naming its parameter, with nothing applied.
+      for (int k = 0; k < 2; ++k) ASSERT_EQ(tier_optimizer_add_grad(eng, static_cast<uint32_t>(k), &gt[k]), TIER_OK);
+      tier_step_options_t bad = eo;
+      bad.num_param_tensors = 1;
+      EXPECT_EQ(tier_optimizer_step(eng, &bad, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+      bad = eo;
+      bad.engine = nullptr;
+      EXPECT_EQ(tier_optimizer_step(eng, &bad, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(tier_last_error()).find("options->engine is NULL"), std::string::npos);
+      const tier_tensor_t too_small[2] = {t0, small}, wrong_dtype[2] = {t0, ints}, stale[2] = {t0, gone};
+      for (const tier_tensor_t* list : {too_small, wrong_dtype, stale}) {
+        bad = eo;
+        bad.param_tensors = list;
+        EXPECT_EQ(tier_optimizer_step(eng, &bad, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+        EXPECT_NE(std::string(tier_last_error()).find("parameter 'w1'"), std::string::npos) << tier_last_error();
+      }
+      EXPECT_NE(std::string(tier_last_error()).find("not a live tensor"), std::string::npos) << tier_last_error();
+      const std::uint64_t past_end[2] = {kOffset + 5, 0};
+      bad = eo;
+      bad.param_offsets = past_end;
+      EXPECT_EQ(tier_optimizer_step(eng, &bad, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(tier_last_error()).find("parameter 'w0'"), std::string::npos) << tier_last_error();
+      int64_t at = -1;
+      ASSERT_EQ(tier_optimizer_group_step(eng, 0, &at), TIER_OK);
+      EXPECT_EQ(at, 0);
+      ASSERT_EQ(tier_tensor_read(e, t1, got1.data(), got1.size() * sizeof(float)), TIER_OK);
+      EXPECT_EQ(got1[5], 5.0f);  // as registered
+      ASSERT_EQ(tier_optimizer_step(eng, &eo, nullptr), TIER_OK) << tier_last_error();
+    } else if (step == 2) {
+      for (int k = 0; k < 2; ++k) ASSERT_EQ(tier_optimizer_add_grad(eng, static_cast<uint32_t>(k), &gt[k]), TIER_OK);
+      ASSERT_EQ(tier_optimizer_step(eng, &eo, nullptr), TIER_OK) << tier_last_error();
+    } else {
+      ASSERT_EQ(tier_optimizer_start_overlap(eng, &eo), TIER_OK) << tier_last_error();
+      for (int k = 1; k >= 0; --k) ASSERT_EQ(tier_optimizer_add_grad(eng, static_cast<uint32_t>(k), &gt[k]), TIER_OK);
+      tier_step_report_t rep = TIER_STEP_REPORT_INIT;
+      ASSERT_EQ(tier_optimizer_finish_overlap(eng, &rep), TIER_OK) << tier_last_error();
+      EXPECT_EQ(rep.overlapped, 1);
+    }
+    ASSERT_EQ(tier_tensor_read(e, t0, got0.data(), got0.size() * sizeof(float)), TIER_OK) << tier_last_error();
+    ASSERT_EQ(tier_tensor_read(e, t1, got1.data(), got1.size() * sizeof(float)), TIER_OK) << tier_last_error();
+    EXPECT_EQ(std::memcmp(got0.data() + kOffset, want[0].data(), want[0].size() * sizeof(float)), 0) << "step " << step;
+    EXPECT_EQ(std::memcmp(got1.data(), want[1].data(), want[1].size() * sizeof(float)), 0) << "step " << step;
+    for (std::uint64_t i = 0; i < kOffset; ++i) EXPECT_EQ(got0[i], -1.0f + static_cast<float>(i)) << i;
+    for (std::size_t i = kOffset + want[0].size(); i < got0.size(); ++i) {
+      EXPECT_EQ(got0[i], -1.0f + static_cast<float>(i)) << i;  // past the parameter: untouched
+    }
+  }
+  tier_optimizer_destroy(host);
+  tier_optimizer_destroy(eng);
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
 }  // namespace
