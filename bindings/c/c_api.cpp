@@ -23,6 +23,7 @@
 #include "tier/config.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
+#include "tier/engine_step_io.hpp"
 #include "tier/log.hpp"
 #include "tier/step_driver.hpp"
 
@@ -89,7 +90,7 @@ constexpr std::size_t kTensorOptionsV1 = sizeof(tier_tensor_options_t);
 constexpr std::size_t kTensorInfoV1 = sizeof(tier_tensor_info_t);
 constexpr std::size_t kCommCallbacksV1 = sizeof(tier_comm_callbacks_t);
 constexpr std::size_t kCommNcclConfigV1 = sizeof(tier_comm_nccl_config_t);
-constexpr std::size_t kOptimizerConfigV1 = sizeof(tier_optimizer_config_t);
+constexpr std::size_t kOptimizerConfigV1 = offsetof(tier_optimizer_config_t, engine);
 constexpr std::size_t kParamGroupV1 = sizeof(tier_param_group_t);
 constexpr std::size_t kStepOptionsV1 = offsetof(tier_step_options_t, skip_missing);
 constexpr std::size_t kStepReportV1 = offsetof(tier_step_report_t, overlapped);
@@ -1007,6 +1008,9 @@ tier_status_t tier_shard_range(uint64_t numel, int32_t world, int32_t rank, uint
 // Training: the step driver
 
 struct tier_optimizer {
+  // The engine the optimizer serves beside (tier_optimizer_config_t::engine), if any: declared
+  // before the driver, so that it goes after it.
+  std::shared_ptr<tier::capi::EngineCore> engine;
   std::unique_ptr<tier::step::StepDriver> driver;
 };
 
@@ -1106,7 +1110,17 @@ tier_status_t tier_optimizer_create(const tier_optimizer_config_t* config, tier_
     Result<tier::EngineConfig> cfg = parse_config(c.json, c.json_path, c.strict, c.ignore_env);
     if (!cfg.ok()) return cfg.status().with_context("config");
     auto handle = std::make_unique<tier_optimizer>();
-    TIER_ASSIGN_OR_RETURN(handle->driver, tier::step::StepDriver::create(*cfg, c.max_elements, c.max_params));
+    if (c.engine == nullptr) {
+      TIER_ASSIGN_OR_RETURN(handle->driver, tier::step::StepDriver::create(*cfg, c.max_elements, c.max_params));
+    } else {
+      handle->engine = c.engine->core;
+      tier::Engine& engine = handle->engine->engine();
+      TIER_ASSIGN_OR_RETURN(
+          auto options, tier::optim::OffloadedOptimizerOptions::from_config(*cfg, c.max_elements, &engine.counters()));
+      options.max_partitions = c.max_params;
+      tier::step::serve_beside(options, engine);
+      TIER_ASSIGN_OR_RETURN(handle->driver, tier::step::StepDriver::create(options));
+    }
     *out_optimizer = handle.release();
     return Status::Ok();
   });

@@ -20,6 +20,7 @@
 #include "binding_util.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/engine.hpp"
+#include "tier/engine_step_io.hpp"
 #include "tier/ext/fault_injecting_engine.hpp"
 #include "tier/step_driver.hpp"
 
@@ -256,15 +257,10 @@ void bind_step_driver(nb::module_& m) {
               };
             }
             if (e != nullptr) {
-              // The pipeline buffers count against the engine's host budget (the engine outlives
-              // the driver: it is held, and the driver goes first).
-              options.pinned_source = [e](std::uint64_t bytes, const std::string& name) {
-                return e->reserve_host(name, bytes);
-              };
-              // The optimizer's swap space registers the engine's arena as fixed buffers too: whole
-              // at start under an explicit budget, extent by extent as it is committed under the
-              // auto budget (a lazy arena), so its buffers' I/O is on fixed buffers either way.
-              options.arena = &e->host_arena();
+              // Buffers in the engine's host budget, state in its swap space and NVMe budget (the
+              // engine outlives the driver: it is held, and the driver goes first). Fault injection
+              // wraps the optimizer's own I/O engines, so that the engine's transfers stay sound.
+              step::serve_beside(options, *e, /*share_swap=*/!fault_injection);
             }
             std::unique_ptr<StepDriver> d = unwrap(unlocked([&] { return StepDriver::create(options); }));
             new (self) PyStepDriver();
@@ -275,7 +271,8 @@ void bind_step_driver(nb::module_& m) {
           "config"_a, "max_elements"_a, "max_params"_a = 0, "engine"_a = nb::none(), "fault_injection"_a = false,
           "The optimizer of `config` (its optimizer section, offload_optimizer, clipping, accumulation); "
           "max_elements: the parameters' elements together (sizes the swap files' cap). engine: a tier Engine "
-          "whose host budget holds the optimizer's buffers and whose counters it reports into (tier.torch's). "
+          "whose host budget holds the optimizer's buffers, whose swap space (with an NVMe tier) holds its state "
+          "inside tier.budgets.nvme, and whose counters it reports into (tier.torch's). "
           "fault_injection (tests only): _inject_io_fault can make the optimizer's I/O fail.")
       .def(
           "_inject_io_fault",

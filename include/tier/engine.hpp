@@ -53,6 +53,10 @@ class Engine;
 class Device;
 class HostArena;
 
+namespace nvme {
+class SwapSpace;
+}  // namespace nvme
+
 namespace detail {
 struct LeaseState;
 struct AcquireState;
@@ -175,6 +179,17 @@ class Engine {
   // The engine must outlive the region. Errors: those of register_tensor and acquire, with a
   // message that names tier.budgets.host.
   Result<PinnedRegion> reserve_host(const std::string& name, std::uint64_t bytes);
+
+  // Room in the NVMe tier's budget (tier.budgets.nvme) for a component that allocates its own
+  // extents from swap_space() (an offloaded optimizer's state): `bytes` count in the tier's used
+  // bytes until the reservation is destroyed, so tensors get that much less room and the budget
+  // caps both together. The component reports the bytes it actually allocates in the counters'
+  // NVMe resident bytes itself. Errors: kFailedPrecondition (no NVMe tier), kResourceExhausted
+  // (the budget lacks the room, with the numbers; nothing is reserved).
+  Result<Reservation> reserve_nvme(const std::string& name, std::uint64_t bytes);
+  // The NVMe tier's swap space (its files and I/O threads), for components that share them; null
+  // when the engine has no NVMe tier. It lives as long as the engine.
+  nvme::SwapSpace* swap_space();
 
   // Bracket one training step: the access order of the first step is recorded and prefetched in
   // the following ones.

@@ -72,4 +72,14 @@ class EngineGradSource final : public optim::GradSource {
   std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;  // started by prefetch
 };
 
+// Makes an optimizer serve beside `engine` (tier.torch's and the C ABI's wiring): its pipeline
+// buffers are pinned memory inside the engine's host budget (Engine::reserve_host), its I/O
+// registers the engine's arena, and, with the state on NVMe and `share_swap`, its chunks are
+// extents of the engine's swap space with their room reserved in tier.budgets.nvme
+// (Engine::reserve_nvme) when the optimizer's swap paths are the engine's (one set of files and
+// I/O threads per set of paths; tier.torch takes both from one config); on other paths it keeps
+// files of its own. The engine must outlive the optimizer. `share_swap` false keeps swap
+// files of the optimizer's own (e.g. to inject I/O faults into the optimizer's I/O only).
+void serve_beside(optim::OffloadedOptimizerOptions& options, Engine& engine, bool share_swap = true);
+
 }  // namespace tier::step

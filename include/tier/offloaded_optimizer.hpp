@@ -117,6 +117,12 @@ struct OffloadedOptimizerOptions {
   // `max_elements`.
   nvme::SwapSpace* swap = nullptr;
   nvme::SwapSpaceOptions swap_options;
+  // With a given `swap` shared with its owner (an engine's, Engine::swap_space()): called once at
+  // creation with the most bytes the optimizer's extents will take (both slots of every chunk of
+  // `max_elements`, which must then be given), to count them in the owner's budget
+  // (Engine::reserve_nvme); held as long as the optimizer. A partition past max_elements is then
+  // refused, as with an own swap space. Empty: nothing is reserved.
+  std::function<Result<Reservation>(std::uint64_t bytes, const std::string& name)> nvme_reserve;
   // Elements the optimizer will hold at most (the sum of the partitions' numel). Needed when the
   // optimizer creates the swap space (it sizes the files: two slots of a record per chunk, 24
   // bytes per element with fp32 state); also caps chunk_elements for small models. 0: unknown.
@@ -335,11 +341,15 @@ struct OptimizerStats {
   std::uint64_t host_state_bytes = 0;   // host home: the state
   std::uint64_t nvme_bytes = 0;         // NVMe home: both slots of every chunk
   // NVMe home with swap files of its own: their capacity (what its chunks will take once every
-  // partition is added; the files grow to it) and what they reserve on disk now.
+  // partition is added; the files grow to it) and what they reserve on disk now. In a shared swap
+  // space with a reservation (options.nvme_reserve): the bytes reserved, and 0 allocated (the
+  // shared files report theirs).
   std::uint64_t nvme_capacity_bytes = 0;
+  // NVMe home: whether the extents are in a swap space the optimizer shares (options.swap).
+  bool shared_swap = false;
   std::uint64_t nvme_allocated_bytes = 0;
   // Of the host memory its swap files' I/O reads and writes (the engine's arena when it serves an
-  // engine), the bytes registered with io_uring as fixed buffers.
+  // engine), the bytes registered with io_uring as fixed buffers (a shared swap space's figure).
   std::uint64_t io_registered_bytes = 0;
   std::int64_t step = 0;  // group 0's step counter
   std::uint64_t steps_skipped = 0;

@@ -511,9 +511,16 @@ typedef struct tier_optimizer_config {
   uint64_t max_elements;
   /* The number of parameters (at most), for int8 state's alignment; 0: unknown. */
   uint64_t max_params;
+  /* An engine to serve beside, or NULL: the optimizer's pinned buffers then come out of its host
+   * budget, and with the state on NVMe its chunks go in the engine's swap files (one set of files
+   * and I/O threads for both; the engine needs an NVMe tier, else the optimizer keeps files of its
+   * own), their room reserved in tier.budgets.nvme (TIER_ERROR_RESOURCE_EXHAUSTED when it lacks
+   * it). The optimizer holds the engine: tier_engine_destroy may come first, the engine goes with
+   * the optimizer. */
+  tier_engine_t* engine;
 } tier_optimizer_config_t;
 #define TIER_OPTIMIZER_CONFIG_INIT \
-  { sizeof(tier_optimizer_config_t), NULL, NULL, 0, 0, 0, 0 }
+  { sizeof(tier_optimizer_config_t), NULL, NULL, 0, 0, 0, 0, NULL }
 
 /* Builds an optimizer from the config's "optimizer" section (Adam, AdamW, Adagrad, Lion, Lamb),
  * zero_optimization.offload_optimizer, gradient_clipping, fp16 loss scaling,

@@ -81,4 +81,12 @@ struct PinnedRegion {
   std::shared_ptr<void> keep;
 };
 
+// Room in a budget held for another component (Engine::reserve_nvme: an offloaded optimizer's
+// extents in the engine's swap space, inside tier.budgets.nvme): `bytes` count until `keep` (and
+// every copy of it) is gone.
+struct Reservation {
+  std::uint64_t bytes = 0;
+  std::shared_ptr<void> keep;
+};
+
 }  // namespace tier

@@ -14,6 +14,7 @@
 
 namespace tier::nvme {
 class IoEngine;
+class SwapSpace;
 }  // namespace tier::nvme
 
 namespace tier {
@@ -70,8 +71,9 @@ struct Backends {
   std::shared_ptr<void> owner;  // keeps device, arena and swap space alive: declared first, destroyed last
   std::unique_ptr<TierStore> stores[kNumTiers];  // a null store: tier not configured
   std::unique_ptr<Mover> mover;
-  Device* device = nullptr;    // owned by `owner` when set
-  HostArena* arena = nullptr;  // owned by `owner` when set
+  Device* device = nullptr;         // owned by `owner` when set
+  HostArena* arena = nullptr;       // owned by `owner` when set
+  nvme::SwapSpace* swap = nullptr;  // the NVMe store's swap space, owned by `owner`; null: none
   // (optional) Fills the host tier's pinned and registered bytes for the stats; any thread.
   std::function<void(TierUsage&)> host_pinning;
 };

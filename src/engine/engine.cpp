@@ -1064,6 +1064,7 @@ Status Engine::Impl::check_invariants_locked() const {
   }
   for (Tier x : kAllTiers) {
     const int i = static_cast<int>(x);
+    if (x == Tier::kNvme) sum[i] += reserved_nvme;
     if (sum[i] != used[i]) {
       return internal_error(str(tier_name(x), ": copies hold ", sum[i], " bytes but the engine counts ", used[i]));
     }
@@ -1331,6 +1332,52 @@ Result<PinnedRegion> Engine::reserve_host(const std::string& name, std::uint64_t
   r.bytes = bytes;
   r.keep = std::move(keep);
   return r;
+}
+
+Result<Reservation> Engine::reserve_nvme(const std::string& name, std::uint64_t bytes) {
+  Impl& e = *impl_;
+  const int ti = static_cast<int>(Tier::kNvme);
+  Status s = e.call([&]() -> Status {
+    if (!e.be.stores[ti] || e.be.swap == nullptr) {
+      return failed_precondition(str("reserving ", format_bytes(bytes), " of NVMe for '", name,
+                                     "': the engine has no NVMe tier (set tier.swap_paths or an offload nvme_path)"));
+    }
+    // NVMe is the last tier: nothing is evicted from it, so the room is there now or not at all.
+    if (e.used[ti] + bytes > e.budget[ti]) {
+      return resource_exhausted(str("reserving ", format_bytes(bytes), " of NVMe for '", name,
+                                    "' inside tier.budgets.nvme (", format_bytes(e.budget[ti]),
+                                    "): ", format_bytes(e.used[ti]), " are in use (", format_bytes(e.reserved_nvme),
+                                    " of them reserved); raise tier.budgets.nvme or free space on the swap paths"));
+    }
+    e.used[ti] += bytes;
+    e.reserved_nvme += bytes;
+    return Status::Ok();
+  });
+  TIER_RETURN_IF_ERROR(s);
+  struct Keep {
+    std::shared_ptr<detail::EngineLink> link;
+    std::uint64_t bytes = 0;
+    ~Keep() {
+      const std::uint64_t n = bytes;
+      link->post([n](Engine::Impl& x) {
+        const int i = static_cast<int>(Tier::kNvme);
+        x.used[i] -= n;
+        x.reserved_nvme -= n;
+        x.serve_room_waiters(Tier::kNvme);
+      });
+    }
+  };
+  auto keep = std::make_shared<Keep>();
+  keep->link = e.link;
+  keep->bytes = bytes;
+  Reservation r;
+  r.bytes = bytes;
+  r.keep = std::move(keep);
+  return r;
+}
+
+nvme::SwapSpace* Engine::swap_space() {
+  return impl_->be.swap;
 }
 
 Status Engine::flush() {

@@ -233,6 +233,8 @@ struct Engine::Impl {
   // Bytes held by reserve_host regions; shared with them, which give their bytes back at once when
   // they go (their tensors are dropped on this thread after).
   std::shared_ptr<std::atomic<std::uint64_t>> reserved_host = std::make_shared<std::atomic<std::uint64_t>>(0);
+  // Of used[NVMe], what reserve_nvme reservations hold (no copy stands for them; scheduler thread).
+  std::uint64_t reserved_nvme = 0;
 
   // ---- state
   std::vector<TensorRec> tensors;

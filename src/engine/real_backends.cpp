@@ -261,6 +261,7 @@ Result<std::unique_ptr<Engine>> detail::create_engine(const EngineConfig& config
   b.mover = std::make_unique<RealMover>(owned->device.get(), owned->arena.get(), owned->swap.get());
   b.device = owned->device.get();
   b.arena = owned->arena.get();
+  b.swap = owned->swap.get();
   b.host_pinning = [o = owned.get()](TierUsage& u) {
     u.pinned_bytes = o->arena->pinned_bytes();
     u.device_registered_bytes = o->device_registered.load(std::memory_order_relaxed);

@@ -396,6 +396,9 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
                                 "; lower chunk_elements or buffer_count, or raise buffer_bytes"));
   }
   im->chunk_elems = ce;
+  if (o.home == StateHome::kNvme && o.swap != nullptr && o.nvme_reserve && o.max_elements == 0) {
+    return invalid_argument("optimizer: a shared swap space with a reservation (nvme_reserve) needs max_elements");
+  }
 
   // Pinned buffers.
   const std::uint64_t state_bytes = ChunkLayout::of(ce, sd).bytes;
@@ -439,17 +442,23 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   // Swap space.
   if (o.home == StateHome::kNvme) {
     im->swap = o.swap;
+    // int8 state: room for the partitions' alignment gaps too.
+    std::uint64_t gaps = 0;
+    if (sd == cpu::StateDType::kInt8) {
+      gaps = o.max_partitions ? o.max_partitions * (cpu::kStateBlock - 1) : o.max_elements / 16;
+    }
+    const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
+    if (im->swap != nullptr && o.nvme_reserve) {
+      // Both slots of every chunk (a short last chunk takes less).
+      im->capacity = chunks * ce;
+      const std::uint64_t bytes = 2 * chunks * detail::round_up(state_bytes, 4096);
+      TIER_ASSIGN_OR_RETURN(im->nvme_reserved, o.nvme_reserve(bytes, "tier/optimizer/state"));
+    }
     if (im->swap == nullptr) {
       nvme::SwapSpaceOptions so = o.swap_options;
       // Both slots of every chunk; a striped extent may put one stripe unit more than its share
       // on a path, and small extents go whole to one path, so leave a chunk of slack per path.
       const std::uint64_t n_paths = so.paths.size();
-      // int8 state: room for the partitions' alignment gaps too.
-      std::uint64_t gaps = 0;
-      if (sd == cpu::StateDType::kInt8) {
-        gaps = o.max_partitions ? o.max_partitions * (cpu::kStateBlock - 1) : o.max_elements / 16;
-      }
-      const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
       im->capacity = chunks * ce;
       const std::uint64_t unit = so.stripe_unit ? so.stripe_unit : so.block_size;
       const std::uint64_t per_extent = detail::round_up(state_bytes, unit * n_paths) / n_paths;
@@ -578,7 +587,7 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
   // partition, and chunk boundaries fall on its block boundaries). The gap stays zero.
   const std::uint64_t gap =
       im.state_dtype() == cpu::StateDType::kInt8 ? detail::round_up(im.elements, cpu::kStateBlock) - im.elements : 0;
-  if (im.own_swap &&
+  if (im.capacity > 0 &&
       (im.numel_total + spec.numel > im.opt.max_elements || im.elements + gap + spec.numel > im.capacity)) {
     return resource_exhausted(str("optimizer: partition '", spec.name, "' (", spec.numel, " elements) would bring the ",
                                   "state to ", im.numel_total + spec.numel, " elements (",
@@ -1946,7 +1955,11 @@ OptimizerStats OffloadedOptimizer::stats() const {
     s.nvme_capacity_bytes = ss.capacity_bytes;
     s.nvme_allocated_bytes = ss.allocated_bytes;
     s.io_registered_bytes = ss.fixed_buffer_bytes;
+  } else if (im.swap != nullptr) {
+    s.nvme_capacity_bytes = im.nvme_reserved.bytes;
+    s.io_registered_bytes = im.swap->stats().fixed_buffer_bytes;
   }
+  s.shared_swap = im.swap != nullptr && !im.own_swap;
   {
     std::lock_guard<std::mutex> lock(im.groups_mu);
     s.step = im.groups.empty() ? 0 : im.groups[0].step();

@@ -137,6 +137,7 @@ struct OffloadedOptimizer::Impl {
   HostArena* arena = nullptr;
   std::unique_ptr<nvme::SwapSpace> own_swap;
   nvme::SwapSpace* swap = nullptr;
+  Reservation nvme_reserved;  // a shared swap space's room for this optimizer (options.nvme_reserve)
   std::vector<detail::Buffer> bufs;
   // Pinned bytes of the buffers this optimizer reports as its own (none when they came from
   // options.pinned_source, which counts them).
@@ -152,7 +153,9 @@ struct OffloadedOptimizer::Impl {
   std::vector<detail::Chunk> chunks;
   std::uint64_t elements = 0;
   std::uint64_t numel_total = 0;  // the partitions' elements (elements less the int8 alignment gaps)
-  std::uint64_t capacity = 0;     // own swap space: the elements (gaps included) it was sized for
+  // Own swap space, or a shared one with a reservation: the elements (gaps included) it was sized
+  // for; 0: not bounded here (a shared swap space without one refuses what it cannot hold).
+  std::uint64_t capacity = 0;
   std::vector<cpu::AdamGroup> groups;
   // Guards the groups' hyper-parameters and step counters: a step running on another thread (an
   // overlapped or asynchronous pass) takes them at its start while the caller's thread may set the

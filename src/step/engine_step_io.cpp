@@ -2,7 +2,11 @@
 #include "tier/engine_step_io.hpp"
 
 #include <cstring>
+#include <filesystem>
+#include <set>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace tier::step {
 
@@ -97,6 +101,38 @@ void EngineGradSource::prefetch(optim::PartitionId id) {
   if (id >= tensors_.size() || tensors_[id] < 0 || ahead_.count(id)) return;
   ahead_.emplace(id, engine_.acquire(static_cast<TensorId>(tensors_[id]), Tier::kHost, Access::kRead,
                                      /*traced=*/false));
+}
+
+namespace {
+// Whether two lists of swap paths name the same directories (as sets, after resolving them).
+bool same_paths(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  auto resolved = [](const std::vector<std::string>& v) {
+    std::set<std::string> out;
+    for (const std::string& p : v) {
+      std::error_code ec;
+      const std::filesystem::path r = std::filesystem::weakly_canonical(p, ec);
+      out.insert(ec ? p : (r.has_filename() ? r : r.parent_path()).string());
+    }
+    return out;
+  };
+  return resolved(a) == resolved(b);
+}
+}  // namespace
+
+void serve_beside(optim::OffloadedOptimizerOptions& options, Engine& engine, bool share_swap) {
+  options.pinned_source = [e = &engine](std::uint64_t bytes, const std::string& name) {
+    return e->reserve_host(name, bytes);
+  };
+  // Whole at start under an explicit host budget, extent by extent as it is committed under the
+  // auto budget (a lazy arena): the buffers' I/O is on fixed buffers either way.
+  options.arena = &engine.host_arena();
+  if (share_swap && options.home == optim::StateHome::kNvme && engine.swap_space() != nullptr &&
+      same_paths(options.swap_options.paths, engine.swap_space()->options().paths)) {
+    options.swap = engine.swap_space();
+    options.nvme_reserve = [e = &engine](std::uint64_t bytes, const std::string& name) {
+      return e->reserve_nvme(name, bytes);
+    };
+  }
 }
 
 }  // namespace tier::step

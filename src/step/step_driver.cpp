@@ -575,6 +575,7 @@ std::string StepDriver::stats_json() const {
   j["nvme_bytes"] = s.nvme_bytes;
   j["nvme_capacity_bytes"] = s.nvme_capacity_bytes;
   j["nvme_allocated_bytes"] = s.nvme_allocated_bytes;
+  j["shared_swap"] = s.shared_swap;
   j["io_registered_bytes"] = s.io_registered_bytes;
   j["step"] = s.step;
   j["steps_applied"] = s.steps_applied;

@@ -41,15 +41,16 @@ struct TempDir {
   }
 };
 
-std::string config_json(const fs::path& dir, const char* device = "emulated") {
+std::string config_json(const fs::path& dir, const char* device = "emulated", int acquire_timeout_ms = 20000) {
   return std::string(R"({"tier": {"device": ")") + device +
          R"(", "budgets": {"device": 4194304, "host": 8388608, "nvme": 33554432}, "swap_paths": [")" + dir.string() +
-         R"("], "huge_pages": "off", "acquire_timeout_ms": 20000, "log_level": "warn",)"
-         R"( "io": {"bounce_unaligned": true}}})";
+         R"("], "huge_pages": "off", "acquire_timeout_ms": )" + std::to_string(acquire_timeout_ms) +
+         R"(, "log_level": "warn", "io": {"bounce_unaligned": true}}})";
 }
 
-tier_engine_t* make_engine(const fs::path& dir, tier_status_t* status = nullptr, const char* device = "emulated") {
-  const std::string json = config_json(dir, device);
+tier_engine_t* make_engine(const fs::path& dir, tier_status_t* status = nullptr, const char* device = "emulated",
+                           int acquire_timeout_ms = 20000) {
+  const std::string json = config_json(dir, device, acquire_timeout_ms);
   tier_engine_config_t config = TIER_ENGINE_CONFIG_INIT;
   config.json = json.c_str();
   config.ignore_env = 1;
@@ -445,8 +446,10 @@ float grad_value(int step, int k, std::int64_t i) {
   return scale * std::sin(0.11f * static_cast<float>(i) + static_cast<float>(step * 3 + k));
 }
 
-// An optimizer holding parameters `ks` (their names w<k>), state on NVMe under dir/sub.
-tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::vector<int> ks) {
+// An optimizer holding parameters `ks` (their names w<k>), state on NVMe under dir/sub, beside
+// `engine` when given.
+tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::vector<int> ks,
+                                   tier_engine_t* engine = nullptr) {
   const std::string json =
       R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 1.0,)"
       R"( "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
@@ -455,6 +458,7 @@ tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::ve
   c.json = json.c_str();
   c.ignore_env = 1;
   c.max_elements = 4096;
+  c.engine = engine;
   tier_optimizer_t* o = nullptr;
   EXPECT_EQ(tier_optimizer_create(&c, &o), TIER_OK) << tier_last_error();
   if (o == nullptr) return nullptr;
@@ -466,6 +470,94 @@ tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::ve
     EXPECT_EQ(tier_optimizer_add_param(o, name.c_str(), &t, 0, nullptr), TIER_OK) << tier_last_error();
   }
   return o;
+}
+
+// The number after "key": in the optimizer's stats JSON.
+std::uint64_t stats_number(tier_optimizer_t* o, const std::string& key) {
+  char* js = nullptr;
+  EXPECT_EQ(tier_optimizer_stats_json(o, &js), TIER_OK) << tier_last_error();
+  const std::string s = js ? js : "";
+  tier_string_free(js);
+  const std::size_t at = s.find("\"" + key + "\":");
+  if (at == std::string::npos) return ~std::uint64_t{0};
+  const std::string rest = s.substr(at + key.size() + 3);
+  if (rest.rfind("true", 0) == 0) return 1;
+  if (rest.rfind("false", 0) == 0) return 0;
+  return std::stoull(rest);
+}
+
+std::size_t files_in(const fs::path& dir, bool recursive) {
+  std::size_t n = 0;
+  if (recursive) {
+    for (const auto& f : fs::recursive_directory_iterator(dir)) n += f.is_regular_file() ? 1 : 0;
+  } else {
+    for (const auto& f : fs::directory_iterator(dir)) n += f.is_regular_file() ? 1 : 0;
+  }
+  return n;
+}
+
+// An optimizer created beside an engine (tier_optimizer_config_t::engine) on the engine's swap
+// path keeps its state in the engine's swap file, its room inside tier.budgets.nvme; it holds the
+// engine, which may be destroyed first; its steps are those of an optimizer with files of its own.
+TEST(CApiCxx, AnOptimizerBesideAnEngineKeepsItsStateInTheEnginesSwapFile) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path, nullptr, "emulated", 300);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  tier_optimizer_t* own = ranked_optimizer(dir.path, "own", {0, 1});
+  tier_optimizer_t* beside = ranked_optimizer(dir.path, "", {0, 1}, e);
+  ASSERT_TRUE(own != nullptr && beside != nullptr);
+  EXPECT_EQ(stats_number(own, "shared_swap"), 0u);
+  EXPECT_EQ(stats_number(beside, "shared_swap"), 1u);
+  EXPECT_EQ(files_in(dir.path, false), 1u);  // the engine's swap file, and no other
+  EXPECT_EQ(files_in(dir.path, true), 2u);   // and the other optimizer's own, under own/
+  const std::uint64_t reserved = stats_number(beside, "nvme_capacity_bytes");
+  ASSERT_GT(reserved, 0u);
+  ASSERT_LT(reserved, 1u << 20);
+
+  // NVMe tensors get the budget (32 MiB) less the optimizer's room, and not a page more.
+  std::atomic<int> deleted{0};
+  tier_tensor_options_t on_nvme = TIER_TENSOR_OPTIONS_INIT;
+  on_nvme.home = TIER_TIER_NVME;
+  tier_tensor_t page{}, rest{};
+  for (int i = 0; i < 8; ++i) {  // 4 MiB at a time: each is staged through the 8 MiB host budget
+    const std::uint64_t bytes = i < 7 ? 4u << 20 : (4u << 20) - reserved;
+    const std::string name = text("rest", i);
+    ASSERT_EQ(tier_tensor_register(e, name.c_str(), Producer::make(bytes / 4, 0.0f, &deleted), &on_nvme, &rest),
+              TIER_OK)
+        << tier_last_error();
+  }
+  // (A tensor with contents is staged in host memory and waits there for NVMe room, which only an
+  // unregistration could give: it times out.)
+  EXPECT_EQ(tier_tensor_register(e, "page", Producer::make(1024, 0.0f, &deleted), &on_nvme, &page),
+            TIER_ERROR_TIMED_OUT);
+  EXPECT_NE(std::string(tier_last_error()).find("nvme"), std::string::npos) << tier_last_error();
+
+  for (int step = 1; step <= 4; ++step) {
+    if (step == 4) {
+      tier_engine_destroy(e);  // the optimizer holds it
+      e = nullptr;
+    }
+    for (tier_optimizer_t* o : {own, beside}) {
+      for (int k = 0; k < 2; ++k) {
+        std::vector<float> g(static_cast<std::size_t>(kRankNumel[k]));
+        for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[static_cast<std::size_t>(i)] = grad_value(step, k, i);
+        DLTensor gt = host_f32(g.data(), &kRankNumel[k]);
+        ASSERT_EQ(tier_optimizer_add_grad(o, static_cast<uint32_t>(k), &gt), TIER_OK) << tier_last_error();
+      }
+      ASSERT_EQ(tier_optimizer_step(o, nullptr, nullptr), TIER_OK) << tier_last_error();
+    }
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> a(static_cast<std::size_t>(kRankNumel[k])), b(a.size());
+      DLTensor ta = host_f32(a.data(), &kRankNumel[k]), tb = host_f32(b.data(), &kRankNumel[k]);
+      ASSERT_EQ(tier_optimizer_read_param(own, static_cast<uint32_t>(k), &ta), TIER_OK) << tier_last_error();
+      ASSERT_EQ(tier_optimizer_read_param(beside, static_cast<uint32_t>(k), &tb), TIER_OK) << tier_last_error();
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "step " << step << ", w" << k;
+      ASSERT_NE(a[7], init_value(k, 7)) << "the steps changed nothing";
+    }
+  }
+  tier_optimizer_destroy(beside);  // the engine goes with it, and its swap file
+  EXPECT_EQ(files_in(dir.path, false), 0u);
+  tier_optimizer_destroy(own);
 }
 
 TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {

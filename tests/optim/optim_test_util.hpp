@@ -273,6 +273,24 @@ inline std::string home_unavailable(const Home& h) {
   return nvme::test::backend_unavailable({h.engine, h.direct, h.name});
 }
 
+// Registers `ref`'s model in `opt` (partitions p0, p1, ... with the reference's initial values)
+// and finishes registration.
+inline Status register_model(OffloadedOptimizer& opt, const Reference& ref, std::uint64_t seed) {
+  for (std::size_t i = 0; i < ref.model().size(); ++i) {
+    const auto init = initial_values(ref.model()[i].numel, seed + i);
+    PartitionSpec ps;
+    ps.numel = ref.model()[i].numel;
+    ps.group = ref.model()[i].group;
+    ps.output = ref.model()[i].output;
+    ps.initial = init.data();
+    ps.name = str("p", i);
+    auto id = opt.add_partition(ps);
+    if (!id.ok()) return id.status();
+    if (*id != i) return internal_error("unexpected partition id");
+  }
+  return opt.finish_registration();
+}
+
 // An optimizer with its own scratch directory and, for NVMe, its own swap space wrapped in a
 // fault-injecting engine (faults() is null for host home).
 class Rig {
@@ -332,21 +350,7 @@ class Rig {
   std::string dir() const { return dir_ ? dir_->path() : std::string(); }
 
   // Registers the model with the reference's initial values and finishes registration.
-  Status register_model(const Reference& ref, std::uint64_t seed) {
-    for (std::size_t i = 0; i < ref.model().size(); ++i) {
-      const auto init = initial_values(ref.model()[i].numel, seed + i);
-      PartitionSpec ps;
-      ps.numel = ref.model()[i].numel;
-      ps.group = ref.model()[i].group;
-      ps.output = ref.model()[i].output;
-      ps.initial = init.data();
-      ps.name = str("p", i);
-      auto id = opt_->add_partition(ps);
-      if (!id.ok()) return id.status();
-      if (*id != i) return internal_error("unexpected partition id");
-    }
-    return opt_->finish_registration();
-  }
+  Status register_model(const Reference& ref, std::uint64_t seed) { return test::register_model(*opt_, ref, seed); }
 
  private:
   Status status_;

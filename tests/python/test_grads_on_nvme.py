@@ -69,10 +69,10 @@ def test_host_optimizer_sums_in_host_memory_once(swap_dir):
 
 @pytest.mark.parametrize("host_budget", ["auto", "16M"])
 def test_the_optimizers_io_is_on_the_engines_registered_arena(swap_dir, host_budget):
-    """The optimizer's pipeline buffers are blocks of the engine's host arena, and its swap files'
-    I/O is on fixed buffers there: under an explicit budget the arena is registered whole at
-    start, under the auto budget extent by extent as it is committed (the optimizer's swap space
-    registers those extents too, as the engine's does)."""
+    """The optimizer's pipeline buffers are blocks of the engine's host arena, and its chunks'
+    I/O (through the engine's swap space, which it shares) is on fixed buffers there: under an
+    explicit budget the arena is registered whole at start, under the auto budget extent by
+    extent as it is committed."""
     cfg = tier_config(swap_dir, gas=1)
     if host_budget == "auto":
         del cfg["tier"]["budgets"]["host"]
@@ -84,6 +84,7 @@ def test_the_optimizers_io_is_on_the_engines_registered_arena(swap_dir, host_bud
     host = stats["tiers"]["host"]
     assert host["pinned_bytes"] > 0 and host["io_registered_bytes"] > 0
     optimizer = engine.native_optimizer.stats()
+    assert optimizer["shared_swap"]
     assert optimizer["io_registered_bytes"] >= optimizer["pinned_bytes"] > 0
     engine.destroy()
 

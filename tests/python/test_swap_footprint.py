@@ -64,7 +64,16 @@ def test_a_small_model_with_the_auto_budget_takes_megabytes_of_disk(swap_dir):
         metrics = engine.stats()["metrics"]
         # The auto budget is a cap (the disk's free space), not a reservation.
         assert metrics["nvme.swap.capacity_bytes"] > 1 << 30
-        allocated = metrics["nvme.swap.allocated_bytes"] + metrics["optim.swap.allocated_bytes"]
+        # One storage stack: the optimizer's state is in the engine's swap files (one per path), its
+        # room reserved in the engine's NVMe budget; it has no files or I/O threads of its own.
+        assert not any(k.startswith("optim.swap.") for k in metrics), sorted(k for k in metrics if "swap" in k)
+        opt_stats = engine.native_optimizer.stats()
+        assert opt_stats["shared_swap"] and opt_stats["nvme_allocated_bytes"] == 0
+        assert len([f for _, _, fs in os.walk(swap_dir) for f in fs]) == 1
+        # Every chunk's two slots are in the engine's files.
+        assert metrics["nvme.swap.used_bytes"] >= opt_stats["nvme_bytes"] + 4 * numel
+        assert opt_stats["nvme_capacity_bytes"] >= opt_stats["nvme_bytes"]
+        allocated = metrics["nvme.swap.allocated_bytes"]
         assert 0 < allocated <= on_disk + (1 << 20)
         # fp32 masters, m and v in two slots (24 B) and fp32 params (4 B) with 32 MiB growth steps.
         assert on_disk < 200 << 20, on_disk

@@ -205,12 +205,12 @@ def default_config(args, shape):
         },
         "aio": {"block_size": 1048576, "queue_depth": 16},
         # Host memory is bounded by this budget, not by the model (params, gradients and optimizer
-        # state live on NVMe); a few layers' worth is enough. The NVMe budget caps the engine's
-        # swap files (params and gradients, 4 + 4 bytes per parameter, and room to stage the
-        # next), which grow with what they hold; the optimizer state has its own (12 bytes per
-        # parameter, twice: the committed copy and the next).
+        # state live on NVMe); a few layers' worth is enough. The NVMe budget caps the swap files,
+        # which grow with what they hold: params and gradients (and room to stage the next) and
+        # the optimizer's fp32 state in the same files (12 bytes per parameter, twice: the
+        # committed copy and the next).
         "tier": {"budgets": {"device": device_budget, "host": max(64 << 20, 4 * largest, min(2 * total, 1 << 30)),
-                             "nvme": max(256 << 20, 3 * total)}},
+                             "nvme": max(256 << 20, 3 * total) + 24 * n_params + (64 << 20)}},
     }
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -485,7 +485,7 @@ def run(args, swap_dir):
         "activations_offloaded": engine._activations.offloaded if engine._activations is not None else 0,
         # Blocks the swap files took on disk (they only grow): the engine's and the optimizer's.
         "nvme_allocated_peak_bytes": s["metrics"].get("nvme.swap.allocated_bytes", 0.0)
-        + s["metrics"].get("optim.swap.allocated_bytes", 0.0),
+        + s["metrics"].get("optim.swap.allocated_bytes", 0.0),  # an optimizer with files of its own
     }
     summary["nvme_bytes_per_param"] = summary["nvme_allocated_peak_bytes"] / n_params
     if args.save_adapter:

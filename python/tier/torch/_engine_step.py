@@ -273,12 +273,15 @@ class StepMixin:
         so that a budget without room for it is an error at initialize, not a timeout mid-run."""
         need = sum(4 * slot.zero_count for slot in self._slots if slot.pid is not None)
         nvme = json.loads(self.native.stats_json())["tiers"]["nvme"]
-        # The NVMe figures include the optimizer's own files, which have no part in the budget.
-        held = nvme["resident_bytes"] - self.native_optimizer.stats()["nvme_bytes"]
+        # The NVMe figures include the optimizer's chunks. In the engine's swap files its whole
+        # reservation counts in the budget; in files of its own (fault injection) none of it does.
+        opt = self.native_optimizer.stats()
+        held = nvme["resident_bytes"] - opt["nvme_bytes"] + (opt["nvme_capacity_bytes"] if opt["shared_swap"] else 0)
         if held + need > nvme["budget_bytes"]:
             raise ValueError(
                 f'tier.optimizer.overlap: "delayed" keeps a second set of fp32 gradients on NVMe ({need} bytes) '
-                f"beside the {held} bytes of tensors there; tier.budgets.nvme is {nvme['budget_bytes']}: "
+                f"beside the {held} bytes of tensors and optimizer state there; tier.budgets.nvme is "
+                f"{nvme['budget_bytes']}: "
                 f"raise it to at least {held + need} (plus room to stage transfers)"
             )
         spare = _EngineGrads(self, self.native_optimizer.param_count)
