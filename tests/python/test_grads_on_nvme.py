@@ -113,3 +113,60 @@ def test_a_gradient_is_summed_with_its_sum_of_squares_in_one_pass(dtype):
     assert torch.equal(acc, a.float() + b.float())  # refused: nothing added
     with pytest.raises(tier.InvalidArgument):
         _tier.accumulate_grad(acc.double(), b, False)
+
+
+# ("delayed" refuses fp16 loss scaling.)
+@pytest.mark.parametrize(
+    "dtype,overlap", [("bf16", "exact"), ("bf16", "serial"), ("bf16", "delayed"), ("fp16", "exact"), ("fp16", "serial")]
+)
+def test_a_16_bit_model_keeps_its_gradients_in_16_bits_with_the_same_steps(swap_dir, monkeypatch, dtype, overlap):
+    """#29 item 4, bytes matched to dtypes: a model trained in bf16/fp16 with one micro-step per
+    step stores each gradient on NVMe as backward made it (2 bytes, not an fp32 sum's 4), and
+    trains bit for bit as with fp32 sums: converting a 16-bit gradient to fp32 is exact, and its
+    sum of squares (the clipping, the overflow check) is the same. Clipping at 0.05 clips every
+    step. With two micro-steps per step the sums stay fp32."""
+    from tier.torch import grads as grads_mod
+
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    steps = 4
+
+    def run(force_fp32):
+        if force_fp32:
+            original = grads_mod.EngineGrads.register
+            monkeypatch.setattr(
+                grads_mod.EngineGrads,
+                "register",
+                lambda self, native, pid, name, numel, home, dtype="fp32": original(
+                    self, native, pid, name, numel, home, "fp32"
+                ),
+            )
+        cfg = tier_config(swap_dir, gas=1, clip=0.05)
+        cfg[dtype] = {"enabled": True}
+        if dtype == "fp16":
+            cfg["fp16"].update({"initial_scale_power": 8, "loss_scale_window": 1000})
+        cfg["tier"]["optimizer"]["overlap"] = overlap
+        engine, *_ = tier.torch.initialize(make_model(dtype=torch_dtype), cfg)
+        losses = tier_losses(engine, steps, gas=1)
+        stored = {g["dtype"] for g in grad_tensors(engine)}
+        nvme = engine.stats()["tiers"]["nvme"]["peak_bytes"]
+        params = [p.detach().float().clone() for p in engine.module_state_dict().values()]
+        norms = engine.get_global_grad_norm()
+        engine.destroy()
+        monkeypatch.undo()
+        return losses, stored, nvme, params, norms
+
+    losses, stored, nvme, params, norm = run(False)
+    ref_losses, ref_stored, ref_nvme, ref_params, ref_norm = run(True)
+    assert stored == {dtype} and ref_stored == {"fp32"}
+    assert losses == ref_losses
+    assert norm == ref_norm and norm > 0.05
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    # Half the gradient bytes on NVMe (the model here is small: its 16-bit params are the rest).
+    numel = sum(p.numel() for p in make_model().parameters())
+    assert ref_nvme - nvme >= 2 * numel * 0.9, (ref_nvme, nvme)
+
+    cfg = tier_config(swap_dir, gas=2)
+    cfg[dtype] = {"enabled": True}
+    engine, *_ = tier.torch.initialize(make_model(dtype=torch_dtype), cfg)
+    assert {g["dtype"] for g in grad_tensors(engine)} == {"fp32"}
+    engine.destroy()

@@ -271,7 +271,8 @@ class StepMixin:
         """overlap "delayed" with NVMe state: the second set of gradient tensors, which the next
         micro-steps fill while an update reads the first. Checked against tier.budgets.nvme first,
         so that a budget without room for it is an error at initialize, not a timeout mid-run."""
-        need = sum(4 * slot.zero_count for slot in self._slots if slot.pid is not None)
+        esize = 4 if self._grad_dtype == "fp32" else 2
+        need = sum(esize * slot.zero_count for slot in self._slots if slot.pid is not None)
         nvme = json.loads(self.native.stats_json())["tiers"]["nvme"]
         # The NVMe figures include the optimizer's chunks. In the engine's swap files its whole
         # reservation counts in the budget; in files of its own (fault injection) none of it does.
@@ -279,7 +280,8 @@ class StepMixin:
         held = nvme["resident_bytes"] - opt["nvme_bytes"] + (opt["nvme_capacity_bytes"] if opt["shared_swap"] else 0)
         if held + need > nvme["budget_bytes"]:
             raise ValueError(
-                f'tier.optimizer.overlap: "delayed" keeps a second set of fp32 gradients on NVMe ({need} bytes) '
+                f'tier.optimizer.overlap: "delayed" keeps a second set of {self._grad_dtype} gradients on NVMe '
+                f"({need} bytes) "
                 f"beside the {held} bytes of tensors and optimizer state there; tier.budgets.nvme is "
                 f"{nvme['budget_bytes']}: "
                 f"raise it to at least {held + need} (plus room to stage transfers)"
@@ -288,7 +290,7 @@ class StepMixin:
         for slot in self._slots:
             if slot.pid is not None:
                 spare.tensors[slot.pid] = self.native.register(
-                    f"grad.next/{slot.name}", "fp32", slot.zero_count, "grad", 0, "nvme"
+                    f"grad.next/{slot.name}", self._grad_dtype, slot.zero_count, "grad", 0, "nvme"
                 )
         return spare
 

@@ -482,11 +482,21 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             # With the optimizer state on NVMe, gradients are summed in engine tensors homed there too;
             # otherwise (host-resident state) in host memory beside it.
             self._grads_in_engine = zero.get("offload_optimizer", {}).get("device") == "nvme"
+            # Bytes matched to dtypes: a model trained in bf16/fp16 with one micro-step per step
+            # (nothing to sum across micro-steps) keeps its gradients as backward makes them, in
+            # one process (across ranks the reduced shards are summed in fp32).
+            self._grad_dtype = (
+                self.compute_dtype_name
+                if self.compute_dtype_name != "fp32" and self._gas == 1 and self._zero is None
+                else "fp32"
+            )
             if self._grads_in_engine:
                 self._grads = _EngineGrads(self, self.native_optimizer.param_count)
                 for slot in self._slots:
                     if slot.pid is not None:
-                        self._grads.register(self.native, slot.pid, slot.name, slot.zero_count, "nvme")
+                        self._grads.register(
+                            self.native, slot.pid, slot.name, slot.zero_count, "nvme", self._grad_dtype
+                        )
             else:
                 self._grads = _MicroStepGrads(self)
             # tier.optimizer.overlap: "exact" (default) runs the step's update during the boundary

@@ -153,8 +153,11 @@ class EngineGrads:
         self.sumsq = {}  # partition -> sum of squares of its final gradient (boundary micro-step)
         self.declared = set()  # declared already, to an overlapped step that is running
 
-    def register(self, native, pid, name, numel, home):
-        self.tensors[pid] = native.register(f"grad/{name}", "fp32", numel, "grad", 0, home)
+    def register(self, native, pid, name, numel, home, dtype="fp32"):
+        """``dtype``: "fp32" sums in fp32; "bf16" or "fp16" (a model trained in that dtype, one
+        micro-step per step: nothing is summed across micro-steps) stores the gradient as backward
+        made it, half the bytes on disk and on the links."""
+        self.tensors[pid] = native.register(f"grad/{name}", dtype, numel, "grad", 0, home)
 
     @staticmethod
     def _sum_of_squares(flat):
@@ -171,8 +174,18 @@ class EngineGrads:
             self.tensors[pid], "host", "write" if first else "read_write", traced=not engine._delayed
         )
         flat = torch.from_dlpack(lease.as_tensor())
-        # Added in fp32 (whatever the gradient's dtype) with its sum of squares in the same pass.
-        sumsq = _tier.accumulate_grad(flat, grad.detach().reshape(-1).contiguous(), first)
+        g = grad.detach().reshape(-1).contiguous()
+        if flat.dtype == torch.float32:
+            # Added in fp32 (whatever the gradient's dtype) with its sum of squares in one pass.
+            sumsq = _tier.accumulate_grad(flat, g, first)
+        else:
+            # Kept in the model's dtype: written as backward made it, or added there as torch adds
+            # a second backward into a bf16/fp16 .grad (a backward without a step between).
+            if first:
+                flat.copy_(g)
+            else:
+                flat.add_(g)
+            sumsq = self._sum_of_squares(flat)
         self.held.add(pid)
         if engine.is_gradient_accumulation_boundary():
             self.sumsq[pid] = sumsq
