@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <new>
 #include <optional>
 #include <span>
@@ -21,6 +22,7 @@
 #include "engine_core.hpp"
 #include "tier/comm.hpp"
 #include "tier/config.hpp"
+#include "tier/cpu_kernels.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
 #include "tier/engine_step_io.hpp"
@@ -1211,21 +1213,95 @@ tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer) {
   });
 }
 
+tier_status_t tier_sum_of_squares(const DLTensor* x, double* out_sumsq) {
+  return guarded("tier_sum_of_squares", [&]() -> Status {
+    TIER_C_REQUIRE(out_sumsq);
+    TIER_ASSIGN_OR_RETURN(HostView v, host_view(x, "x", "tier_sum_of_squares", false, nullptr));
+    uint64_t numel = 1;
+    for (const std::int64_t d : v.shape()) numel *= static_cast<uint64_t>(d);
+    TIER_ASSIGN_OR_RETURN(*out_sumsq,
+                          tier::cpu::sum_of_squares(tier::cpu::ConstTensorRef(v.data, v.layout.dtype, numel)));
+    return Status::Ok();
+  });
+}
+
+tier_status_t tier_optimizer_declare_grad(tier_optimizer_t* optimizer, uint32_t index, double sumsq) {
+  return guarded("tier_optimizer_declare_grad", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    tier::step::StepDriver& d = driver_of(optimizer);
+    TIER_RETURN_IF_ERROR(check_index(d, index));
+    return d.declare_grad(index, sumsq);
+  });
+}
+
 namespace {
 
-// The engine tensors a step writes its params into (tier_step_options_t::engine), each handle
-// resolved and checked against its parameter now, before anything is applied.
+// A live handle of the step's engine, as its engine id; kInvalidArgument saying `what` otherwise.
+Result<tier::TensorId> resolve_handle(tier::capi::EngineCore& core, uint64_t handle, const std::string& what,
+                                      const std::function<Status(const tier::capi::TensorMeta&)>& check) {
+  tier::TensorId out = 0;
+  Status s = core.with_tensor(handle, [&](tier::TensorId id, const tier::capi::TensorMeta& m) -> Status {
+    TIER_RETURN_IF_ERROR(check(m));
+    out = id;
+    return Status::Ok();
+  });
+  if (s.code() == tier::StatusCode::kNotFound) {
+    return tier::invalid_argument(str(what, ": not a live tensor of options->engine (", s.message(), ")"));
+  }
+  TIER_RETURN_IF_ERROR(s);
+  return out;
+}
+
+uint64_t numel_of(const tier::capi::TensorMeta& m) {
+  uint64_t numel = 1;
+  for (int k = 0; k < m.ndim; ++k) numel *= static_cast<uint64_t>(m.shape[static_cast<std::size_t>(k)]);
+  return numel;
+}
+
+// The engine tensors a step writes its params into and reads declared gradients from
+// (tier_step_options_t::engine), each handle resolved and checked against its parameter now,
+// before anything is applied.
 Result<tier::step::EngineTargets> engine_targets(tier::step::StepDriver& d, const tier_step_options_t& o) {
   if (o.engine == nullptr) {
-    return tier::invalid_argument("options->param_tensors or param_offsets is set but options->engine is NULL");
+    return tier::invalid_argument(
+        "options->param_tensors, param_offsets or grad_tensors is set but options->engine is NULL");
   }
-  if (o.param_tensors == nullptr || o.num_param_tensors != d.param_count()) {
+  const bool params = o.param_tensors != nullptr || o.num_param_tensors != 0 || o.param_offsets != nullptr;
+  const bool grads = o.grad_tensors != nullptr || o.num_grad_tensors != 0;
+  if ((params || !grads) && (o.param_tensors == nullptr || o.num_param_tensors != d.param_count())) {
     return tier::invalid_argument(str("options->engine is set with ", o.num_param_tensors, " param_tensors but ",
                                       d.param_count(), " parameters were added (one per parameter, id 0 to skip one)"));
+  }
+  if (grads && (o.grad_tensors == nullptr || o.num_grad_tensors != d.param_count())) {
+    return tier::invalid_argument(str("options->grad_tensors has ", o.num_grad_tensors, " entries but ",
+                                      d.param_count(), " parameters were added (one per parameter, id 0 for none)"));
   }
   tier::capi::EngineCore& core = *o.engine->core;
   tier::step::EngineTargets t;
   t.engine = &core.engine();
+  if (grads) {
+    t.grads.assign(d.param_count(), -1);
+    for (uint32_t i = 0; i < o.num_grad_tensors; ++i) {
+      const uint64_t handle = o.grad_tensors[i].id;
+      if (handle == 0) continue;
+      const tier::step::ParamInfo& p = d.param(i);
+      const std::string what = str("options->grad_tensors[", i, "] (parameter '", p.name, "')");
+      TIER_ASSIGN_OR_RETURN(
+          tier::TensorId id, resolve_handle(core, handle, what, [&](const tier::capi::TensorMeta& m) -> Status {
+            if (m.dtype != tier::DType::kF32 && m.dtype != tier::DType::kBF16 && m.dtype != tier::DType::kF16) {
+              return tier::invalid_argument(
+                  str(what, ": the tensor is ", tier::dtype_name(m.dtype), "; a gradient is fp32, bf16 or fp16"));
+            }
+            if (numel_of(m) != p.numel) {
+              return tier::invalid_argument(
+                  str(what, ": the tensor has ", numel_of(m), " elements, the parameter ", p.numel));
+            }
+            return Status::Ok();
+          }));
+      t.grads[i] = static_cast<std::int64_t>(id);
+    }
+  }
+  if (!params && grads) return t;
   t.params.assign(d.param_count(), -1);
   t.offsets.assign(d.param_count(), 0);
   for (uint32_t i = 0; i < o.num_param_tensors; ++i) {
@@ -1234,27 +1310,21 @@ Result<tier::step::EngineTargets> engine_targets(tier::step::StepDriver& d, cons
     const tier::step::ParamInfo& p = d.param(i);
     const uint64_t offset = o.param_offsets != nullptr ? o.param_offsets[i] : 0;
     const std::string what = str("options->param_tensors[", i, "] (parameter '", p.name, "')");
-    Status s = core.with_tensor(handle, [&](tier::TensorId id, const tier::capi::TensorMeta& m) -> Status {
-      if (m.dtype != p.dtype) {
-        return tier::invalid_argument(
-            str(what, ": the tensor is ", tier::dtype_name(m.dtype), ", the parameter ", tier::dtype_name(p.dtype)));
-      }
-      uint64_t numel = 1;
-      for (int k = 0; k < m.ndim; ++k) numel *= static_cast<uint64_t>(m.shape[static_cast<std::size_t>(k)]);
-      if (offset > numel || numel - offset < p.numel) {
-        return tier::invalid_argument(
-            str(what, ": ", p.numel, " elements from offset ", offset, " do not fit the tensor's ", numel));
-      }
-      t.params[i] = static_cast<std::int64_t>(id);
-      t.offsets[i] = static_cast<std::int64_t>(offset);
-      return Status::Ok();
-    });
-    if (!s.ok()) {
-      if (s.code() == tier::StatusCode::kNotFound) {
-        return tier::invalid_argument(str(what, ": not a live tensor of options->engine (", s.message(), ")"));
-      }
-      return s;
-    }
+    TIER_ASSIGN_OR_RETURN(
+        tier::TensorId id, resolve_handle(core, handle, what, [&](const tier::capi::TensorMeta& m) -> Status {
+          if (m.dtype != p.dtype) {
+            return tier::invalid_argument(str(what, ": the tensor is ", tier::dtype_name(m.dtype), ", the parameter ",
+                                              tier::dtype_name(p.dtype)));
+          }
+          const uint64_t numel = numel_of(m);
+          if (offset > numel || numel - offset < p.numel) {
+            return tier::invalid_argument(
+                str(what, ": ", p.numel, " elements from offset ", offset, " do not fit the tensor's ", numel));
+          }
+          return Status::Ok();
+        }));
+    t.params[i] = static_cast<std::int64_t>(id);
+    t.offsets[i] = static_cast<std::int64_t>(offset);
   }
   return t;
 }
@@ -1271,7 +1341,8 @@ Result<tier::step::StepArgs> step_args(tier::step::StepDriver& d, const tier_ste
   if (o.set_lr != 0) args.lr = o.lr;
   args.skip_missing = o.skip_missing != 0;
   if (o.comm != nullptr) args.comm = o.comm->comm.get();
-  if (o.engine != nullptr || o.param_tensors != nullptr || o.param_offsets != nullptr || o.num_param_tensors != 0) {
+  if (o.engine != nullptr || o.param_tensors != nullptr || o.param_offsets != nullptr || o.num_param_tensors != 0 ||
+      o.grad_tensors != nullptr || o.num_grad_tensors != 0) {
     TIER_ASSIGN_OR_RETURN(args.engine, engine_targets(d, o));
   }
   if (o.params_out != nullptr) {

@@ -86,7 +86,7 @@ struct EngineTargets {
   // parameter's dtype.
   std::vector<std::int64_t> params;
   std::vector<std::int64_t> offsets;
-  // The tensor a declared gradient is read from (fp32, the parameter's numel).
+  // The tensor a declared gradient is read from (fp32, bf16 or fp16, the parameter's numel).
   std::vector<std::int64_t> grads;
 };
 

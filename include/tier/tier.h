@@ -585,6 +585,17 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_grad_borrowed(tier_o
                                                                           const DLTensor* grad);
 /* Forgets the gradients taken since the last step (and drops an overlapped step in flight). */
 TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_clear_grads(tier_optimizer_t* optimizer);
+/* Declares parameter `index`'s gradient for this step as summed by the caller in an engine tensor
+ * (the step's options->grad_tensors[index]), its float64 sum of squares being `sumsq` (inf or nan:
+ * an overflow; the gradient as it is, loss scale included). The step reads the tensor then; nothing
+ * is read now. Errors: TIER_ERROR_INVALID_ARGUMENT (index, a negative sumsq),
+ * TIER_ERROR_FAILED_PRECONDITION (the parameter already has its gradients this step). */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_declare_grad(tier_optimizer_t* optimizer, uint32_t index,
+                                                                     double sumsq);
+/* The float64 sum of squares of a float32, bfloat16 or float16 host tensor (compact), the way the
+ * optimizer sums a gradient it is handed (fixed blocks, so the same value each time): what to
+ * declare for a gradient summed outside the optimizer. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_sum_of_squares(const DLTensor* x, double* out_sumsq);
 
 typedef struct tier_step_options {
   size_t struct_size; /* sizeof(tier_step_options_t); set by TIER_STEP_OPTIONS_INIT */
@@ -618,9 +629,17 @@ typedef struct tier_step_options {
   const tier_tensor_t* param_tensors;
   const uint64_t* param_offsets;
   uint32_t num_param_tensors;
+  /* With `engine`: NULL, or where each declared gradient (tier_optimizer_declare_grad) is read
+   * from: grad_tensors[i] for parameter i (id 0: none), float32, bfloat16 or float16 with the
+   * parameter's element count; num_grad_tensors is the parameter count. The step reads each one
+   * from the engine just before its first chunk (a host read lease, wherever it lives), so the
+   * host memory a step takes does not grow with the model. Checked like param_tensors; the
+   * tensors must not be written until the step returns. */
+  const tier_tensor_t* grad_tensors;
+  uint32_t num_grad_tensors;
 } tier_step_options_t;
 #define TIER_STEP_OPTIONS_INIT \
-  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0, NULL, NULL, NULL, NULL, 0 }
+  { sizeof(tier_step_options_t), 0, 0.0, NULL, 0, 0, NULL, NULL, NULL, NULL, 0, NULL, 0 }
 
 typedef struct tier_step_report {
   size_t struct_size; /* sizeof(tier_step_report_t); set by TIER_STEP_REPORT_INIT */

@@ -660,6 +660,97 @@ TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
 // optimizer stepping into engine tensors (one homed on NVMe at an offset, one on the host) and one
 // into host arrays give the same bytes, serial and overlapped; bad targets are refused by name
 // with nothing applied.
+// Gradients summed in engine tensors (one homed on NVMe) and declared with their sums of squares
+// (tier_sum_of_squares) are read by the step from there: serial (step 2 clipped) and overlapped
+// steps match an optimizer handed the same gradients as host arrays, bit for bit. Bad grad
+// tensors are refused naming the parameter, with nothing applied.
+TEST(CApiCxx, DeclaredGradientsAreReadFromEngineTensors) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  std::atomic<int> deleted{0};
+  tier_tensor_options_t on_nvme = TIER_TENSOR_OPTIONS_INIT;
+  on_nvme.home = TIER_TIER_NVME;
+  tier_tensor_t g0{}, g1{}, short_one{}, ints{};
+  ASSERT_EQ(tier_tensor_register(e, "g0", Producer::make(kRankNumel[0], 0.0f, &deleted), &on_nvme, &g0), TIER_OK)
+      << tier_last_error();
+  ASSERT_EQ(tier_tensor_register(e, "g1", Producer::make(kRankNumel[1], 0.0f, &deleted), nullptr, &g1), TIER_OK);
+  ASSERT_EQ(tier_tensor_register(e, "short", Producer::make(kRankNumel[1] - 1, 0.0f, &deleted), nullptr, &short_one),
+            TIER_OK);
+  DLManagedTensor* as_int = Producer::make(kRankNumel[1], 0.0f, &deleted);
+  as_int->dl_tensor.dtype = {kDLInt, 32, 1};
+  ASSERT_EQ(tier_tensor_register(e, "ints", as_int, nullptr, &ints), TIER_OK);
+
+  tier_optimizer_t* host = ranked_optimizer(dir.path, "host", {0, 1});
+  tier_optimizer_t* eng = ranked_optimizer(dir.path, "eng", {0, 1});
+  ASSERT_TRUE(host != nullptr && eng != nullptr);
+  const tier_tensor_t grads[2] = {g0, g1};
+  tier_step_options_t eo = TIER_STEP_OPTIONS_INIT;
+  eo.engine = e;
+  eo.grad_tensors = grads;
+  eo.num_grad_tensors = 2;
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<float> g[2];
+    double sumsq[2];
+    for (int k = 0; k < 2; ++k) {
+      g[k].resize(static_cast<std::size_t>(kRankNumel[k]));
+      for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[k][static_cast<std::size_t>(i)] = grad_value(step, k, i);
+      DLTensor gt = host_f32(g[k].data(), &kRankNumel[k]);
+      ASSERT_EQ(tier_optimizer_add_grad(host, static_cast<uint32_t>(k), &gt), TIER_OK);
+      ASSERT_EQ(tier_sum_of_squares(&gt, &sumsq[k]), TIER_OK) << tier_last_error();
+      ASSERT_EQ(tier_tensor_write(e, grads[k], g[k].data(), g[k].size() * sizeof(float)), TIER_OK) << tier_last_error();
+    }
+    tier_step_report_t want = TIER_STEP_REPORT_INIT, got = TIER_STEP_REPORT_INIT;
+    ASSERT_EQ(tier_optimizer_step(host, nullptr, &want), TIER_OK) << tier_last_error();
+    if (step < 3) {
+      for (int k = 0; k < 2; ++k)
+        ASSERT_EQ(tier_optimizer_declare_grad(eng, static_cast<uint32_t>(k), sumsq[k]), TIER_OK);
+      if (step == 1) {
+        // Refused, each naming the parameter, with nothing applied.
+        const tier_tensor_t too_short[2] = {g0, short_one}, wrong_dtype[2] = {g0, ints};
+        for (const tier_tensor_t* list : {too_short, wrong_dtype}) {
+          tier_step_options_t bad = eo;
+          bad.grad_tensors = list;
+          EXPECT_EQ(tier_optimizer_step(eng, &bad, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+          EXPECT_NE(std::string(tier_last_error()).find("parameter 'w1'"), std::string::npos) << tier_last_error();
+        }
+        tier_step_options_t bad = eo;
+        bad.num_grad_tensors = 1;
+        EXPECT_EQ(tier_optimizer_step(eng, &bad, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+        EXPECT_NE(std::string(tier_last_error()).find("grad_tensors has 1 entries"), std::string::npos)
+            << tier_last_error();
+        EXPECT_NE(tier_optimizer_step(eng, nullptr, nullptr), TIER_OK);  // declared, but no tensors to read
+        EXPECT_EQ(tier_optimizer_declare_grad(eng, 0, sumsq[0]), TIER_ERROR_FAILED_PRECONDITION);  // twice
+        int64_t at = -1;
+        ASSERT_EQ(tier_optimizer_group_step(eng, 0, &at), TIER_OK);
+        EXPECT_EQ(at, 0);
+      }
+      ASSERT_EQ(tier_optimizer_step(eng, &eo, &got), TIER_OK) << tier_last_error();
+    } else {
+      ASSERT_EQ(tier_optimizer_start_overlap(eng, &eo), TIER_OK) << tier_last_error();
+      for (int k = 1; k >= 0; --k)
+        ASSERT_EQ(tier_optimizer_declare_grad(eng, static_cast<uint32_t>(k), sumsq[k]), TIER_OK);
+      ASSERT_EQ(tier_optimizer_finish_overlap(eng, &got), TIER_OK) << tier_last_error();
+      EXPECT_EQ(got.overlapped, 1);
+    }
+    EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << step;
+    EXPECT_EQ(got.clip_coefficient, want.clip_coefficient) << "step " << step;
+    if (step == 2) {
+      EXPECT_LT(want.clip_coefficient, 1.0);
+    }
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> a(static_cast<std::size_t>(kRankNumel[k])), b(a.size());
+      DLTensor ta = host_f32(a.data(), &kRankNumel[k]), tb = host_f32(b.data(), &kRankNumel[k]);
+      ASSERT_EQ(tier_optimizer_read_param(host, static_cast<uint32_t>(k), &ta), TIER_OK);
+      ASSERT_EQ(tier_optimizer_read_param(eng, static_cast<uint32_t>(k), &tb), TIER_OK);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "step " << step << ", w" << k;
+    }
+  }
+  tier_optimizer_destroy(eng);
+  tier_optimizer_destroy(host);
+  tier_engine_destroy(e);
+}
+
 TEST(CApiCxx, AStepWritesItsParamsIntoEngineTensors) {
   TempDir dir;
   tier_engine_t* e = make_engine(dir.path);

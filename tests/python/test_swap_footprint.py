@@ -133,3 +133,21 @@ def test_a_small_host_budget_sizes_the_optimizer_buffers(swap_dir):
         engine.step()
     assert engine.global_steps == 2 and losses[1] < losses[0]
     engine.destroy()
+
+
+def test_a_nvme_budget_without_room_for_the_optimizer_state_is_refused_at_initialize(swap_dir):
+    """The optimizer's state is in the engine's swap files and counts in tier.budgets.nvme: a
+    budget that holds the parameters but not the state (24 bytes per parameter) is refused when
+    the optimizer is made, naming the key and the bytes, and leaves no swap file behind."""
+    cfg = _deepspeed_config(swap_dir)
+    cfg["tier"] = {"budgets": {"nvme": "40M"}}
+    with pytest.raises(tier.ResourceExhausted) as caught:
+        tier.torch.initialize(_llama_3m(), cfg)
+    message = str(caught.value)
+    assert "tier/optimizer/state" in message and "inside tier.budgets.nvme (40.00 MiB)" in message, message
+    assert "raise tier.budgets.nvme" in message, message
+    gc.collect()
+    assert _blocks_under(swap_dir) == 0, "the engine's swap file went with the refused engine"
+    cfg["tier"] = {"budgets": {"nvme": "112M"}}  # 12 MB of params, 72 MB of state, room to stage
+    engine, *_ = tier.torch.initialize(_llama_3m(), cfg)
+    engine.destroy()
