@@ -656,10 +656,6 @@ TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
   EXPECT_EQ(rv.calls.load(), 2 * kSteps);  // one fp64 all-reduce per rank and step
 }
 
-// The step writes its params straight into engine tensors (tier_step_options_t::engine): one
-// optimizer stepping into engine tensors (one homed on NVMe at an offset, one on the host) and one
-// into host arrays give the same bytes, serial and overlapped; bad targets are refused by name
-// with nothing applied.
 // Gradients summed in engine tensors (one homed on NVMe) and declared with their sums of squares
 // (tier_sum_of_squares) are read by the step from there: serial (step 2 clipped) and overlapped
 // steps match an optimizer handed the same gradients as host arrays, bit for bit. Bad grad
@@ -751,6 +747,10 @@ TEST(CApiCxx, DeclaredGradientsAreReadFromEngineTensors) {
   tier_engine_destroy(e);
 }
 
+// The step writes its params straight into engine tensors (tier_step_options_t::engine): one
+// optimizer stepping into engine tensors (one homed on NVMe at an offset, one on the host) and one
+// into host arrays give the same bytes, serial and overlapped; bad targets are refused by name
+// with nothing applied.
 TEST(CApiCxx, AStepWritesItsParamsIntoEngineTensors) {
   TempDir dir;
   tier_engine_t* e = make_engine(dir.path);
