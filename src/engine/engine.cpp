@@ -883,6 +883,10 @@ void Engine::Impl::expire_waiters() {
               " budget is pinned by leases, home copies or transfers; release leases sooner or raise "
               "tier.budgets.",
               tier_name(tier));
+      if (tier == Tier::kNvme && reserved_nvme > 0) {
+        why += str("; another ", format_bytes(reserved_nvme),
+                   " of it is reserved by components sharing the swap space (an offloaded optimizer's state)");
+      }
       if (!last_writeback_error.ok()) why += str(" (last write-back error: ", last_writeback_error.to_string(), ")");
       answers.push_back({std::move(done), timed_out(why), {}});
     }

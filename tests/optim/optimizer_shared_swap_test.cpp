@@ -8,8 +8,10 @@
 #include <filesystem>
 #include <numeric>
 
+#include "engine/backend.hpp"
 #include "optim/optim_test_util.hpp"
 #include "tier/engine.hpp"
+#include "tier/ext/fault_injecting_engine.hpp"
 #include "tier/ext/swap_space.hpp"
 
 namespace tier::optim {
@@ -20,7 +22,9 @@ using test::Reference;
 
 constexpr std::uint64_t kBudget = 8u << 20;
 
-std::unique_ptr<Engine> make_engine(const std::string& swap_dir, std::uint64_t nvme_budget) {
+// `injectors` (when given) collects the engine's I/O engines, each wrapped in a fault injector.
+std::unique_ptr<Engine> make_engine(const std::string& swap_dir, std::uint64_t nvme_budget,
+                                    std::vector<nvme::FaultInjectingEngine*>* injectors = nullptr) {
   EngineConfig c;
   c.tier.device = DeviceKind::kEmulated;
   c.tier.device_budget = 1u << 20;
@@ -30,9 +34,17 @@ std::unique_ptr<Engine> make_engine(const std::string& swap_dir, std::uint64_t n
   c.tier.io.use_direct = false;
   c.tier.huge_pages = HugePageMode::kOff;
   c.tier.debug_checks = true;
-  c.tier.acquire_timeout_ms = 2000;
+  c.tier.acquire_timeout_ms = 300;
   c.aio.block_size = 16 << 10;
-  auto e = Engine::create(c);
+  detail::EngineHooks hooks;
+  if (injectors != nullptr) {
+    hooks.wrap_io_engine = [injectors](std::unique_ptr<nvme::IoEngine> inner) -> std::unique_ptr<nvme::IoEngine> {
+      auto f = std::make_unique<nvme::FaultInjectingEngine>(std::move(inner));
+      injectors->push_back(f.get());  // (one I/O thread: made at creation, on this thread)
+      return f;
+    };
+  }
+  auto e = detail::create_engine(c, hooks);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(e).value() : nullptr;
 }
@@ -96,14 +108,18 @@ TEST_F(OptimizerSharedSwap, StepsBitForBitInTheEnginesFilesInsideItsBudget) {
   EXPECT_LE(s.nvme_bytes, reserved);
   EXPECT_EQ(files_under(swap_dir()), 1u);  // one file on the one path: the engine's
 
-  // Tensors homed on NVMe fill exactly what the reservation left; one page more is refused.
+  // Tensors homed on NVMe fill exactly what the reservation left; one page more waits for room
+  // (an unregistration could give it back) and times out, naming the budget and the reservation.
   TensorDesc rest{.name = "rest", .dtype = DType::kU8, .numel = kBudget - reserved};
   auto rest_id = engine->register_tensor(rest, Tier::kNvme);
   ASSERT_TRUE(rest_id.ok()) << rest_id.status();
   TensorDesc page{.name = "page", .dtype = DType::kU8, .numel = 4096};
   auto over = engine->register_tensor(page, Tier::kNvme);
   ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kTimedOut) << over.status();
   EXPECT_NE(over.status().message().find("tier.budgets.nvme"), std::string::npos) << over.status();
+  EXPECT_NE(over.status().message().find("reserved by components sharing the swap space"), std::string::npos)
+      << over.status();
   EXPECT_TRUE(engine->check_invariants().ok());
 
   const std::uint64_t read_before = engine->swap_space()->stats().bytes_read;
@@ -123,6 +139,56 @@ TEST_F(OptimizerSharedSwap, StepsBitForBitInTheEnginesFilesInsideItsBudget) {
   auto now = engine->register_tensor(page, Tier::kNvme);
   EXPECT_TRUE(now.ok()) << now.status();
   EXPECT_TRUE(engine->check_invariants().ok());
+}
+
+// The failed-step contract through the shared stack: an I/O error or a full disk in the engine's
+// files mid-step applies nothing and keeps the gradients, and the retry is the step that failed.
+TEST_F(OptimizerSharedSwap, AFailedStepInTheEnginesFilesAppliesNothingAndTheRetryMatches) {
+  std::vector<nvme::FaultInjectingEngine*> injectors;
+  auto engine = make_engine(swap_dir(), kBudget, &injectors);
+  ASSERT_NE(engine, nullptr);
+  ASSERT_EQ(injectors.size(), 1u);
+  const auto model = test::mixed_model();
+  auto o = shared_options(*engine, model_numel(model));
+  o.chunk_elements = 2048;  // ~19 chunks of 24 KiB: several 16 KiB requests each
+  o.gradient_accumulation_steps = 1;
+  o.max_grad_norm = 0;
+  Reference ref(model, o.groups, 21);
+  auto opt = OffloadedOptimizer::create(o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  ASSERT_TRUE(test::register_model(**opt, ref, 21).ok());
+  ASSERT_TRUE((*opt)->stats().shared_swap);
+  const struct {
+    const char* what;
+    std::function<void(nvme::FaultInjectingEngine&)> inject;
+    StatusCode code;
+  } faults[] = {
+      {"a failed write", [](nvme::FaultInjectingEngine& f) { f.fail_nth(9, EIO, nvme::IoOp::kWrite); },
+       StatusCode::kIoError},
+      {"a failed read", [](nvme::FaultInjectingEngine& f) { f.fail_nth(12, EIO, nvme::IoOp::kRead); },
+       StatusCode::kIoError},
+      {"a full disk", [](nvme::FaultInjectingEngine& f) { f.fail_writes_after_bytes(100 << 10, ENOSPC); },
+       StatusCode::kNoSpace},
+  };
+  std::uint64_t step = 0;
+  for (const auto& fault : faults) {
+    SCOPED_TRACE(fault.what);
+    test::feed(**opt, ref, ++step, 1, DType::kBF16, GradMode::kCopy);
+    const std::int64_t before = *(*opt)->group_step(0);
+    fault.inject(*injectors[0]);
+    auto r = (*opt)->step();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), fault.code) << r.status();
+    EXPECT_EQ(*(*opt)->group_step(0), before);
+    EXPECT_EQ((*opt)->partitions_with_grads(), model.size());
+    injectors[0]->clear_faults();
+    ASSERT_TRUE(test::state_matches(**opt, ref));  // the last good step's state
+    ASSERT_TRUE(ref.step(1.0, 0));
+    auto again = (*opt)->step();
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_TRUE(test::state_matches(**opt, ref));
+    EXPECT_TRUE(engine->check_invariants().ok());
+  }
 }
 
 TEST_F(OptimizerSharedSwap, ABudgetWithoutRoomForTheStateIsRefusedAtCreation) {
