@@ -1342,7 +1342,7 @@ Result<Reservation> Engine::reserve_nvme(const std::string& name, std::uint64_t 
   Impl& e = *impl_;
   const int ti = static_cast<int>(Tier::kNvme);
   Status s = e.call([&]() -> Status {
-    if (!e.be.stores[ti] || e.be.swap == nullptr) {
+    if (e.be.swap == nullptr) {  // (set exactly when the NVMe store is)
       return failed_precondition(str("reserving ", format_bytes(bytes), " of NVMe for '", name,
                                      "': the engine has no NVMe tier (set tier.swap_paths or an offload nvme_path)"));
     }

@@ -448,9 +448,10 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
       gaps = o.max_partitions ? o.max_partitions * (cpu::kStateBlock - 1) : o.max_elements / 16;
     }
     const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
+    // Bounded here when the optimizer sizes its own files or reserves room in a shared space.
+    if (im->swap == nullptr || o.nvme_reserve) im->capacity = chunks * ce;
     if (im->swap != nullptr && o.nvme_reserve) {
       // Both slots of every chunk (a short last chunk takes less).
-      im->capacity = chunks * ce;
       const std::uint64_t bytes = 2 * chunks * detail::round_up(state_bytes, 4096);
       TIER_ASSIGN_OR_RETURN(im->nvme_reserved, o.nvme_reserve(bytes, "tier/optimizer/state"));
     }
@@ -459,7 +460,6 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
       // Both slots of every chunk; a striped extent may put one stripe unit more than its share
       // on a path, and small extents go whole to one path, so leave a chunk of slack per path.
       const std::uint64_t n_paths = so.paths.size();
-      im->capacity = chunks * ce;
       const std::uint64_t unit = so.stripe_unit ? so.stripe_unit : so.block_size;
       const std::uint64_t per_extent = detail::round_up(state_bytes, unit * n_paths) / n_paths;
       so.bytes_per_path = 2 * chunks * per_extent + 2 * detail::round_up(state_bytes, unit);
