@@ -147,6 +147,13 @@ struct OptimizerPipelineConfig {
   OptimizerStateDType state_dtype = OptimizerStateDType::kFp32;
   // tier.optimizer.overlap; acted on by the adapters (tier.torch), which drive backward.
   OptimizerOverlap overlap = OptimizerOverlap::kExact;
+  // Copies of the NVMe-homed state: 2 (committed and shadow; a failed step applies nothing) or 1
+  // (one copy and a few spare chunks; a failed step is finished by the next step). See
+  // OffloadedOptimizerOptions::state_copies.
+  int state_copies = 2;
+  // state_copies 1: spare chunks an overlapped pass may update ahead of the gradient norm; 0: as
+  // many as the pipeline's buffers.
+  int speculation_chunks = 0;
 };
 
 // Where checkpointed activations go (tier.activations.offload): left on the device (none), or

@@ -141,6 +141,23 @@ struct OffloadedOptimizerOptions {
   // only names the arena they lie in, for the swap space's fixed buffers (may be null). The
   // source, not the optimizer, reports them as resident.
   std::function<Result<PinnedRegion>(std::uint64_t bytes, const std::string& name)> pinned_source;
+  // NVMe home: how many copies of the state the swap space keeps (tier.optimizer.state_copies).
+  //  2: every chunk has a committed slot and a shadow slot; a step writes the shadows and switches
+  //     over only when every chunk is written, so a failed step leaves the previous state whole
+  //     (24 bytes per element with fp32 state).
+  //  1: every chunk has one slot, plus a pool of spare slots (buffer_count + speculation_chunks
+  //     chunks, whatever the model size). A chunk's update is written to a spare, which becomes
+  //     the chunk's slot once the write completed (its old slot joins the pool): each chunk is
+  //     always whole, either before or after the step. A step that fails after some chunks were
+  //     written is finished, not undone: the gradients, the step's constants and its norm are
+  //     kept, everything but step() (and load_checkpoint) is refused until then, and the next
+  //     step() updates only the chunks left, to the result the step would have had.
+  unsigned state_copies = 2;
+  // state_copies 1: spare slots an overlapped pass may hold for chunks it updated before the
+  // gradient norm is known (each is given back when finish_overlapped_step commits or drops the
+  // pass); when they run out the pass stops and finish_overlapped_step updates the rest. 0: as
+  // many as buffer_count.
+  unsigned speculation_chunks = 0;
   // Chunk buffers of the pipeline (offload_optimizer.buffer_count): 3 or more let reads, updates
   // and writes overlap fully; 1 and 2 work but serialize. Host home uses one (output staging).
   unsigned buffer_count = 4;
@@ -315,6 +332,14 @@ struct StepReport {
   // the pipeline's buffers (it stops when clipping becomes certain), used by the redo as they
   // were instead of being read again.
   std::uint64_t reused_chunks = 0;
+  // state_copies 1: the chunks this call updated (a step finished after a failure updates only
+  // those left; an overlapped step counts its pass's and the rest's), and the chunks whose
+  // outputs it delivered again from the state without updating them (a finished step re-delivers
+  // the partitions the failed try left half delivered).
+  std::uint64_t updated_chunks = 0;
+  std::uint64_t redelivered_chunks = 0;
+  // The step finished one that had failed part-way (state_copies 1).
+  bool finished_failed = false;
 };
 
 // Bytes and timings of a diagnostic pass (measure_io_seconds / measure_update_seconds).
@@ -339,7 +364,12 @@ struct OptimizerStats {
   std::uint64_t pinned_bytes = 0;       // the pipeline's buffers
   std::uint64_t accumulator_bytes = 0;  // fp32 gradient accumulators
   std::uint64_t host_state_bytes = 0;   // host home: the state
-  std::uint64_t nvme_bytes = 0;         // NVMe home: both slots of every chunk
+  std::uint64_t nvme_bytes = 0;         // NVMe home: every slot of every chunk and the spares
+  // NVMe home: the copies of the state kept (options.state_copies), the spare slots (state_copies
+  // 1), and whether a step that failed part-way is owed (step() finishes it).
+  unsigned state_copies = 2;
+  std::uint64_t spare_slots = 0;
+  bool failed_step_owed = false;
   // NVMe home with swap files of its own: their capacity (what its chunks will take once every
   // partition is added; the files grow to it) and what they reserve on disk now. In a shared swap
   // space with a reservation (options.nvme_reserve): the bytes reserved, and 0 allocated (the
@@ -439,6 +469,10 @@ class OffloadedOptimizer {
   // and this is set only when that failed too, or when an applied step's outputs failed. Cleared
   // by the next step that delivers every output; meanwhile read_params() has the committed ones.
   bool outputs_stale() const noexcept;
+  // state_copies 1: a step failed after some chunks took their update and is owed; step()
+  // finishes it, everything else but load_checkpoint (and stats, the hyper-parameters) is
+  // refused, and clear_grads() keeps the gradients it needs.
+  bool failed_step_owed() const noexcept;
   // OptimizerStats::steps_applied, without the rest of stats()' walk over the chunks.
   std::uint64_t steps_applied() const noexcept;
   // The caller has rewritten every partition's params from read_params(): outputs_stale() is false.

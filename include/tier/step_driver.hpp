@@ -252,6 +252,8 @@ class StepDriver {
   explicit StepDriver(std::unique_ptr<optim::OffloadedOptimizer> opt);
   // kFailedPrecondition while an asynchronous step runs.
   Status idle(const char* what) const;
+  // kFailedPrecondition while a step that failed part-way is owed (state_copies 1).
+  Status not_owed(const char* what) const;
   // The step of `session`: the optimizer's, then its sink closed (the step's error first).
   Result<optim::StepReport> run_step(Session& session);
   // The optimizer's finish_registration, once: parameters are all in at the first gradient, step,

@@ -665,6 +665,16 @@ std::vector<KeySpec> build_schema() {
           .auto_is(0)
           .TIER_FIELD(tier.optimizer.chunk_elements)
           .sample(4194304, 1000));
+  add(K("tier.optimizer.state_copies", VK::kInt)
+          .range(1, 2)
+          .auto_is(2)
+          .TIER_FIELD(tier.optimizer.state_copies)
+          .sample(1, 3));
+  add(K("tier.optimizer.speculation_chunks", VK::kInt)
+          .range(0, 1 << 20)
+          .auto_is(0)
+          .TIER_FIELD(tier.optimizer.speculation_chunks)
+          .sample(16, -1));
   add(K("tier.optimizer.state_dtype", VK::kEnum)
           .TIER_ENUM_FIELD(tier.optimizer.state_dtype, OptimizerStateDType, "fp32", "bf16", "int8")
           .sample("int8", "fp8"));

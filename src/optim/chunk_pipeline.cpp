@@ -32,10 +32,12 @@ struct BusyClock {
 class Pipeline : public std::enable_shared_from_this<Pipeline> {
  public:
   Pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
-           const std::vector<std::size_t>* order)
+           const std::vector<std::size_t>* order, const std::function<void(std::size_t)>* written)
       : swap_(swap),
         chunks_(chunks),
         order_(order),
+        written_(written),
+        n_(order ? order->size() : chunks.size()),
         bufs_(bufs),
         read_(read),
         write_(write),
@@ -44,7 +46,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 
   Status run(const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
              const std::vector<std::uint8_t>* preloaded, std::vector<LeftoverRead>* leftover) {
-    const std::size_t n = chunks_.size();
+    const std::size_t n = n_;
     const std::size_t nb = bufs_.size();
     double update_busy = 0, update_wait = 0;
     if (read_) {
@@ -161,7 +163,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   void issue_write(std::size_t i) {
     const Chunk& c = chunks_[at(i)];
     Buffer& b = bufs_[i % bufs_.size()];
-    nvme::IoFuture f = swap_.write(c.slot[1 - c.committed], b.state, c.bytes());
+    const nvme::SwapExtent& to = c.next ? c.next : c.slot[1 - c.committed];
+    nvme::IoFuture f = swap_.write(to, b.state, c.bytes());
     f.on_complete([self = shared_from_this(), i](const Status& s) { self->write_done(i, s); });
   }
 
@@ -187,6 +190,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       if (s.ok()) {
         write_bytes_ += chunks_[at(i)].bytes();
         ++writes_;
+        if (written_ != nullptr) (*written_)(at(i));
       } else if (error_.ok()) {
         error_ = s.with_context(str("writing chunk ", at(i), " of ", chunks_.size()));
       }
@@ -194,7 +198,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       // Released before the next read is reserved (in one critical section, so run() never sees
       // nothing in flight in between): a buffer is counted once.
       release_locked(false);
-      if (read_ && s.ok() && error_.ok() && i + nb < chunks_.size()) {
+      if (read_ && s.ok() && error_.ok() && i + nb < n_) {
         next = i + nb;
         reserve_locked(true);
         buf_free_[i % nb] = 0;
@@ -207,6 +211,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   nvme::SwapSpace& swap_;
   std::vector<Chunk>& chunks_;
   const std::vector<std::size_t>* order_;
+  const std::function<void(std::size_t)>* written_;
+  const std::size_t n_;  // positions in the sequence
   std::vector<Buffer>& bufs_;
   const bool read_, write_;
 
@@ -226,10 +232,10 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
                     const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
                     const std::vector<std::size_t>* order, const std::vector<std::uint8_t>* preloaded,
-                    std::vector<LeftoverRead>* leftover) {
+                    std::vector<LeftoverRead>* leftover, const std::function<void(std::size_t)>* written) {
   if (bufs.empty()) return internal_error("optimizer pipeline: no buffers");
-  if (order && order->size() != chunks.size()) return internal_error("optimizer pipeline: a partial chunk order");
-  auto p = std::make_shared<Pipeline>(swap, chunks, bufs, read, write, order);
+  if (order && order->size() > chunks.size()) return internal_error("optimizer pipeline: a chunk order too long");
+  auto p = std::make_shared<Pipeline>(swap, chunks, bufs, read, write, order, written);
   return p->run(process, stats, preloaded, leftover);
 }
 

@@ -32,10 +32,14 @@ struct PipelineStats {
 // nothing written since); those reads are not issued again. `leftover`, when given, receives the
 // chunks read but not processed when the run stops early (after an error from `process`; one that
 // returns kCancelled promises it left its buffer untouched, so its chunk counts as not processed).
+// `order` may name fewer chunks than there are (a step finished after a failure).
+// A chunk's write goes to its `next` extent when it holds one (state_copies 1: `process` takes a
+// spare), else to its shadow slot; `written`, when given, is called with the chunk index when its
+// write completed successfully (on an I/O thread, one call at a time).
 Status run_pipeline(nvme::SwapSpace& swap, std::vector<Chunk>& chunks, std::vector<Buffer>& bufs, bool read, bool write,
                     const std::function<Status(std::size_t, Buffer&)>& process, PipelineStats* stats,
                     const std::vector<std::size_t>* order = nullptr,
-                    const std::vector<std::uint8_t>* preloaded = nullptr,
-                    std::vector<LeftoverRead>* leftover = nullptr);
+                    const std::vector<std::uint8_t>* preloaded = nullptr, std::vector<LeftoverRead>* leftover = nullptr,
+                    const std::function<void(std::size_t)>* written = nullptr);
 
 }  // namespace tier::optim::detail

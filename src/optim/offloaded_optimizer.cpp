@@ -118,14 +118,41 @@ const char* state_kind_name(StateKind k) noexcept {
 
 // ------------------------------------------------------------------------------------ Impl helpers
 
-Status OffloadedOptimizer::Impl::usable(const char* what, bool loading) const {
+Status OffloadedOptimizer::Impl::usable(const char* what, bool loading, bool finishing) const {
   if (!poisoned.ok()) return poisoned.with_context(str("optimizer ", what));
   if (!loading && !state_invalid.ok()) return state_invalid.with_context(str("optimizer ", what));
   if (!registered) {
     return failed_precondition(
         str("optimizer ", what, ": partitions are still being registered; call finish_registration() first"));
   }
+  if (owed && !loading && !finishing) {
+    const auto n = static_cast<std::uint64_t>(std::count(done.begin(), done.end(), std::uint8_t{1}));
+    return failed_precondition(str("optimizer ", what, ": step ", owed->step, " failed after ", n, " of ",
+                                   chunks.size(),
+                                   " chunks took their update (state_copies 1 keeps one copy of the state, so it is "
+                                   "finished, not undone); call step() to finish it with the gradients it kept"));
+  }
   return {};
+}
+
+bool OffloadedOptimizer::Impl::take_spare(Chunk& c) {
+  if (c.next) return true;
+  std::lock_guard<std::mutex> lk(pool_mu);
+  if (pool.empty()) return false;
+  c.next = std::move(pool.back());
+  pool.pop_back();
+  return true;
+}
+
+void OffloadedOptimizer::Impl::drop_spare(Chunk& c) {
+  if (!c.next) return;
+  std::lock_guard<std::mutex> lk(pool_mu);
+  pool.push_back(std::move(c.next));
+}
+
+void OffloadedOptimizer::Impl::commit_spare(Chunk& c) {
+  std::swap(c.slot[c.committed], c.next);
+  drop_spare(c);
 }
 
 PartitionId OffloadedOptimizer::Impl::partition_at(const Chunk& c, std::uint64_t flat) const {
@@ -240,6 +267,30 @@ static Status update_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, f
   return first_error;
 }
 
+// Delivers chunk c's params from its state (at `base`) without updating it: each partition piece's
+// master converted to its output dtype, into its destination or the staging where update_chunk
+// puts it. state_copies 1: a chunk that a failed try of the step updated, of a partition that try
+// left half delivered, when the step is finished.
+// Only the partitions `which` names.
+static Status output_chunk(const OffloadedOptimizer::Impl& im, const Chunk& c, float* base, std::byte* staging,
+                           const std::vector<void*>& dest, const std::vector<std::uint8_t>& which) {
+  for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+    const Partition& p = im.parts[pid];
+    if (!which[pid] || p.output == ParamOutput::kNone || (!im.skipping.empty() && im.skipping[pid])) continue;
+    const std::uint64_t a = std::max(p.start, c.start);
+    const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
+    if (e <= a) continue;
+    const std::size_t os = param_output_size(p.output);
+    std::byte* out = dest.empty() || dest[pid] == nullptr ? staging + (a - c.start) * 4
+                                                          : static_cast<std::byte*>(dest[pid]) + (a - p.start) * os;
+    Status s =
+        cpu::convert(cpu::ConstTensorRef(OffloadedOptimizer::Impl::master(base, c) + (a - c.start), DType::kF32, e - a),
+                     cpu::TensorRef{out, param_output_dtype(p.output), e - a});
+    if (!s.ok()) return s.with_context(partition_label(pid, p));
+  }
+  return {};
+}
+
 // Lamb's first pass over one chunk whose sections are at `base`: adds the squared norms of p and
 // u of every Lamb partition piece in it to that partition's accumulator. Reads only. Pieces go in
 // element order on the calling thread (each call spreads its 64 Ki blocks over the threads), so
@@ -303,8 +354,8 @@ OffloadedOptimizer::~OffloadedOptimizer() {
   host += static_cast<std::int64_t>(im.accumulator_bytes.load());
   for (const Chunk& c : im.chunks) {
     if (c.host) host += static_cast<std::int64_t>(c.bytes());
-    if (c.slot[0]) nvme += static_cast<std::int64_t>(c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes());
   }
+  nvme = static_cast<std::int64_t>(im.nvme_slot_bytes.load());
   im.report_resident(-host, -nvme);
 }
 
@@ -342,6 +393,14 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
                                     " (use fp32, or another optimizer)"));
       }
     }
+  }
+  if (o.state_copies != 1 && o.state_copies != 2) {
+    return invalid_argument(str("optimizer: state_copies ", o.state_copies,
+                                " must be 1 (one copy and a few spare chunks; a failed step is finished by the next "
+                                "step()) or 2 (a committed and a shadow copy; a failed step applies nothing)"));
+  }
+  if (o.speculation_chunks > (1u << 20)) {
+    return invalid_argument(str("optimizer: speculation_chunks ", o.speculation_chunks, " is implausible"));
   }
   if (o.home == StateHome::kNvme && o.swap == nullptr) {
     if (o.max_elements == 0) {
@@ -448,27 +507,42 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
       gaps = o.max_partitions ? o.max_partitions * (cpu::kStateBlock - 1) : o.max_elements / 16;
     }
     const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
+    // state_copies 1: the spare slots (one per buffer for the writes in flight, and the pass's).
+    const std::uint64_t spares =
+        o.state_copies == 1 ? o.buffer_count + (o.speculation_chunks ? o.speculation_chunks : o.buffer_count) : 0;
+    const std::uint64_t slots = o.state_copies * chunks + spares;
     // Bounded here when the optimizer sizes its own files or reserves room in a shared space.
     if (im->swap == nullptr || o.nvme_reserve) im->capacity = chunks * ce;
     if (im->swap != nullptr && o.nvme_reserve) {
-      // Both slots of every chunk (a short last chunk takes less).
-      const std::uint64_t bytes = 2 * chunks * detail::round_up(state_bytes, 4096);
+      // Every slot of every chunk, and the spares (a short last chunk takes less).
+      const std::uint64_t bytes = slots * detail::round_up(state_bytes, 4096);
       TIER_ASSIGN_OR_RETURN(im->nvme_reserved, o.nvme_reserve(bytes, "tier/optimizer/state"));
     }
     if (im->swap == nullptr) {
       nvme::SwapSpaceOptions so = o.swap_options;
-      // Both slots of every chunk; a striped extent may put one stripe unit more than its share
-      // on a path, and small extents go whole to one path, so leave a chunk of slack per path.
+      // Every slot; a striped extent may put one stripe unit more than its share on a path, and
+      // small extents go whole to one path, so leave a chunk of slack per path.
       const std::uint64_t n_paths = so.paths.size();
       const std::uint64_t unit = so.stripe_unit ? so.stripe_unit : so.block_size;
       const std::uint64_t per_extent = detail::round_up(state_bytes, unit * n_paths) / n_paths;
-      so.bytes_per_path = 2 * chunks * per_extent + 2 * detail::round_up(state_bytes, unit);
+      so.bytes_per_path = slots * per_extent + 2 * detail::round_up(state_bytes, unit);
       if (so.arena == nullptr) so.arena = im->arena;
       if (so.counters == nullptr) so.counters = o.counters;
       so.metrics_prefix = "optim.swap";  // beside the engine's nvme.swap.* in shared counters
       TIER_ASSIGN_OR_RETURN(im->own_swap, nvme::SwapSpace::create(so));
       im->swap = im->own_swap.get();
     }
+    for (std::uint64_t k = 0; k < spares; ++k) {
+      auto e = im->swap->allocate(state_bytes);
+      if (!e.ok()) {
+        return e.status().with_context(str("optimizer: spare slot ", k + 1, " of ", spares, " (",
+                                           format_bytes(state_bytes), " each; state_copies 1)"));
+      }
+      im->report_resident(0, static_cast<std::int64_t>(e->reserved_bytes()));
+      im->nvme_slot_bytes += e->reserved_bytes();
+      im->pool.push_back(std::move(e).value());
+    }
+    im->pool_size = spares;
   }
   im->workers = std::make_unique<detail::Workers>(o.threads);
   (void)cpu::simd_target();  // applies TIER_CPU_SIMD before any kernel runs
@@ -545,17 +619,21 @@ Status close_chunk(OffloadedOptimizer::Impl& im) {
     c.stride = stride;
     c.layout = small;
   }
-  for (auto& slot : c.slot) {
-    auto e = im.swap->allocate(c.bytes());
+  // state_copies 1: slots and spares trade places, so each has a whole chunk's room (a short last
+  // chunk's slot too).
+  const std::uint64_t slot_bytes = im.once() ? ChunkLayout::of(im.chunk_elems, im.state_dtype()).bytes : c.bytes();
+  for (unsigned k = 0; k < im.opt.state_copies; ++k) {
+    auto e = im.swap->allocate(slot_bytes);
     if (!e.ok()) {
       im.poisoned = e.status().with_context(str("optimizer: swap space for chunk ", im.chunks.size() - 1, " (",
-                                                format_bytes(c.bytes()),
-                                                " x 2 slots; give a larger swap space or max_elements)"));
+                                                format_bytes(c.bytes()), " x ", im.opt.state_copies,
+                                                " slots; give a larger swap space or max_elements)"));
       return im.poisoned;
     }
-    slot = std::move(e).value();
+    c.slot[k] = std::move(e).value();
   }
   im.report_resident(0, static_cast<std::int64_t>(c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes()));
+  im.nvme_slot_bytes += c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes();
   Buffer& b = im.bufs[(im.chunks.size() - 1) % im.bufs.size()];
   c.committed = 0;
   b.pending = im.swap->write(c.slot[0], b.state, c.bytes());
@@ -768,6 +846,12 @@ Status OffloadedOptimizer::declare_grad(PartitionId id, double sumsq) {
 void OffloadedOptimizer::clear_grads() noexcept {
   Impl& im = *impl_;
   cancel_overlapped_step();
+  if (im.owed) {
+    // The failed step still to finish needs them (state_copies 1).
+    log(LogLevel::kError, str("optimizer clear_grads: step ", im.owed->step,
+                              " failed part-way and is owed; its gradients are kept until step() finishes it"));
+    return;
+  }
   for (Partition& p : im.parts) {
     p.grad = nullptr;
     p.declared = false;
@@ -854,13 +938,20 @@ struct Walk {
 // partition's gradient and its params' lease across the whole walk (at 7B a 500 MiB gradient of
 // the output layer beside the embedding's, which then found no room in the host budget). The
 // chunks left out are read again, as any other.
+//
+// `done` (state_copies 1), when given: the chunks that took the step's update already, left out.
 Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, const std::vector<Chunk>& all, std::size_t parts,
-                std::size_t buffers, bool whole_partitions) {
+                std::size_t buffers, bool whole_partitions, const std::vector<std::uint8_t>* done = nullptr) {
   Walk w;
   const std::size_t chunks = all.size();
-  const std::size_t first = std::min(chunks, buffers);
-  std::vector<std::size_t> holds(first, chunks);  // chunks: none
   std::vector<std::uint8_t> placed(chunks, 0);
+  std::size_t todo = chunks;
+  if (done != nullptr && done->size() == chunks) {
+    placed = *done;
+    todo -= static_cast<std::size_t>(std::count(placed.begin(), placed.end(), std::uint8_t{1}));
+  }
+  const std::size_t first = std::min(todo, buffers);
+  std::vector<std::size_t> holds(first, chunks);  // chunks: none
   for (const detail::LeftoverRead& l : leftover) {
     if (l.buffer < first && l.chunk < chunks && !placed[l.chunk]) {
       holds[l.buffer] = l.chunk;
@@ -902,7 +993,7 @@ Walk walk_after(const std::vector<detail::LeftoverRead>& leftover, const std::ve
     w.order.push_back(have ? holds[b] : take());
     w.preloaded.push_back(have ? 1 : 0);
   }
-  while (w.order.size() < chunks) w.order.push_back(take());
+  while (w.order.size() < todo) w.order.push_back(take());
   return w;
 }
 
@@ -934,7 +1025,9 @@ Status after_failed_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im,
 // overflow, and commits nothing. A serial step walks `walk` when given, else 0, 1, ...
 Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& im, const StepOptions& options,
                             detail::Overlap* spec, const Walk* walk = nullptr) {
-  TIER_RETURN_IF_ERROR(im.usable("step"));
+  TIER_RETURN_IF_ERROR(im.usable("step", false, /*finishing=*/true));
+  // state_copies 1: a step that failed part-way is finished with what it began with.
+  detail::Owed* const owed = spec ? nullptr : im.owed.get();
   struct SkipScope {  // the partitions left untouched, for this step only
     std::vector<std::uint8_t>* v;
     ~SkipScope() {
@@ -959,6 +1052,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       ++r.zero_grad_partitions;
       continue;
     }
+    if (owed) continue;
     if (!p.norm_known) {
       // Fewer gradients than accumulation steps (a parameter unused in some micro-steps).
       auto s = detail::sum_of_squares(cpu::ConstTensorRef(p.grad, p.grad_dtype, p.numel), im.workers.get());
@@ -976,7 +1070,8 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     total += p.sumsq;
   }
-  if (!spec && options.norm) {
+  if (owed) total = owed->total;  // (combined across ranks when it began)
+  if (!spec && !owed && options.norm) {
     Status reduced = options.norm->all_reduce_sumsq(total);
     if (!reduced.ok()) return reduced.with_context("optimizer step: combining the gradient norm across ranks");
   }
@@ -987,7 +1082,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
 
   auto publish = [&] { publish_step(im, r, t0); };
 
-  if (!spec && r.overflow && (im.opt.skip_non_finite || im.scaler->enabled())) {
+  if (!spec && !owed && r.overflow && (im.opt.skip_non_finite || im.scaler->enabled())) {
     r.applied = false;
     r.next_loss_scale = im.scaler->update(true);
     ++im.steps_skipped;
@@ -1001,8 +1096,9 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   }
 
   // An overlapped pass speculates: no clipping (validated by finish_overlapped_step).
-  const float clip =
-      !spec && im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(r.grad_norm, im.opt.max_grad_norm) : 1.0f;
+  const float clip = owed                                ? owed->clip
+                     : !spec && im.opt.max_grad_norm > 0 ? cpu::clip_coefficient(r.grad_norm, im.opt.max_grad_norm)
+                                                         : 1.0f;
   r.clip_coefficient = clip;
   const double grad_scale = static_cast<double>(clip) / scale;
 
@@ -1020,10 +1116,48 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       steps.push_back(std::move(st).value());
     }
   }
+  // Finishing: the counters advanced as when it began; the constants are the ones it began with
+  // (a scheduler may have set the next step's lr since).
+  if (owed) steps = owed->steps;
+  if (spec) spec->steps = steps;
   auto rollback = [&] {
     std::lock_guard<std::mutex> lock(im.groups_mu);
     for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
   };
+
+  // state_copies 1, serial: which chunks this call updates (1) and which it only delivers from
+  // their state (2: chunks a failed try updated, of partitions it left half delivered), walked in
+  // order unless the caller gave the walk (finish_overlapped_step's rest, which names chunks to
+  // update only).
+  std::vector<std::uint8_t> todo;
+  std::vector<std::uint8_t> pending_part;  // partitions with a chunk to update
+  Walk rest;
+  if (im.once() && !spec) {
+    if (im.done.size() != im.chunks.size()) im.done.assign(im.chunks.size(), 0);
+    if (std::find(im.done.begin(), im.done.end(), std::uint8_t{1}) != im.done.end()) {
+      todo.assign(im.chunks.size(), 0);
+      pending_part.assign(im.parts.size(), 0);
+      for (std::size_t i = 0; i < im.chunks.size(); ++i) {
+        if (im.done[i]) continue;
+        todo[i] = 1;
+        for (PartitionId pid = im.chunks[i].first; pid <= im.chunks[i].last; ++pid) pending_part[pid] = 1;
+      }
+      for (std::size_t i = 0; i < im.chunks.size() && owed && owed->redeliver; ++i) {
+        if (todo[i]) continue;
+        for (PartitionId pid = im.chunks[i].first; pid <= im.chunks[i].last; ++pid) {
+          if (pending_part[pid] && im.parts[pid].output != ParamOutput::kNone) todo[i] = 2;
+        }
+      }
+      if (walk == nullptr) {
+        for (std::size_t i = 0; i < im.chunks.size(); ++i) {
+          if (todo[i]) rest.order.push_back(i);
+        }
+        walk = &rest;
+      }
+    }
+  }
+  // The chunks a walk updates (a chunk delivered from its state fetches no gradient).
+  auto updates = [&](std::size_t i) { return todo.empty() || todo[i] == 1; };
 
   // Declared gradients are fetched before a partition's first chunk and handed back after its last
   // (an overlapped pass, which goes in reverse, hands them back after their first).
@@ -1061,13 +1195,14 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   // order (ascending, the pass's reverse, a redo's): chunks left per partition, counted afresh for
   // each walk over the chunks.
   std::vector<std::uint32_t> chunks_left;
-  auto count_chunks = [&] {
+  auto count_chunks = [&](bool over_walk) {
     chunks_left.assign(im.parts.size(), 0);
-    for (const Chunk& c : im.chunks) {
-      for (PartitionId pid = c.first; pid <= c.last; ++pid) ++chunks_left[pid];
+    for (std::size_t k = 0; k < (over_walk && walk ? walk->order.size() : im.chunks.size()); ++k) {
+      const std::size_t i = over_walk && walk ? walk->order[k] : k;
+      if (over_walk && !updates(i)) continue;
+      for (PartitionId pid = im.chunks[i].first; pid <= im.chunks[i].last; ++pid) ++chunks_left[pid];
     }
   };
-  if (any_declared) count_chunks();
   auto return_grads = [&](const Chunk* c) {
     for (PartitionId pid = c ? c->first : 0; pid < (c ? c->last + 1 : im.parts.size()); ++pid) {
       if (!fetched[pid]) continue;
@@ -1090,7 +1225,10 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     // (the step's own constants: a group's kind is fixed when the step begins)
     any_lamb = any_lamb || steps[static_cast<std::size_t>(p.group)].hyper_params().kind == cpu::OptimizerKind::kLamb;
   }
-  if (any_lamb) {
+  // Finishing: the trust ratios are the ones pass 1 took over the state the step began with.
+  if (owed) part_steps = owed->part_steps;
+  if (any_declared) count_chunks(/*over_walk=*/!(any_lamb && !owed));
+  if (any_lamb && !owed) {
     std::vector<std::unique_ptr<cpu::LambNorms>> norms(im.parts.size());
     for (std::size_t i = 0; i < im.parts.size(); ++i) {
       const Partition& p = im.parts[i];
@@ -1124,7 +1262,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
                                  " (lamb norms pass) was not applied; the state is intact and the gradients are kept "
                                  "(call step() again to retry, or clear_grads())"));
     }
-    if (any_declared) count_chunks();  // pass 2 walks every chunk again
+    if (any_declared) count_chunks(true);  // pass 2 walks the chunks again
     part_steps.reserve(im.parts.size());
     for (std::size_t i = 0; i < im.parts.size(); ++i) {
       const cpu::AdamStep& st = steps[static_cast<std::size_t>(im.parts[i].group)];
@@ -1163,7 +1301,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   std::vector<std::uint8_t> hinted;
   std::size_t position = 0;  // of the chunk being processed in the walk
   auto hint_next = [&] {
-    if (spec || options.grads == nullptr || position + 1 >= im.chunks.size()) return;
+    if (spec || options.grads == nullptr || position + 1 >= (walk ? walk->order.size() : im.chunks.size())) return;
     if (hinted.empty()) hinted.assign(im.parts.size(), 0);
     const Chunk& next = im.chunks[walk ? walk->order[position + 1] : position + 1];
     for (PartitionId pid = next.first; pid <= next.last; ++pid) {
@@ -1174,24 +1312,40 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
   };
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
-    const Chunk& c = im.chunks[i];
+    Chunk& c = im.chunks[i];
     drain(pending[b]);  // the staging is about to be overwritten
+    // state_copies 1: the chunk's write goes to a spare (a pass's is held until it is committed or
+    // dropped, so the pool bounds how far it runs ahead of the gradient norm).
+    if (im.once() && !im.take_spare(c)) {
+      if (spec) {
+        spec->out_of_room = true;
+        return cancelled("the overlapped pass has no spare slot left (tier.optimizer.speculation_chunks)");
+      }
+      return internal_error(str("optimizer step: no spare slot for chunk ", i, " (", im.pool_size, " in all)"));
+    }
     if (spec && !wait_for_chunk(*spec, c, &r.speculated_chunks)) {
       return cancelled("the overlapped step's speculation was stopped");
     }
-    if (any_declared) {
-      TIER_RETURN_IF_ERROR(fetch_grads(c));
-      hint_next();
+    if (!updates(i)) {
+      TIER_RETURN_IF_ERROR(output_chunk(im, c, base, staging, dest, pending_part));
+      ++r.redelivered_chunks;
+    } else {
+      if (any_declared) {
+        TIER_RETURN_IF_ERROR(fetch_grads(c));
+        hint_next();
+      }
+      TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
+      updated_any = true;
+      ++r.updated_chunks;
+      if (any_declared) return_grads(&c);
     }
-    TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
-    updated_any = true;
     for (PartitionId pid = c.first; pid <= c.last; ++pid) (spec ? spec->touched : delivered)[pid] = 1;
-    if (any_declared) return_grads(&c);
     if (options.sink == nullptr || !sink_error.ok()) return {};
     const auto ts = Clock::now();
     for (PartitionId pid = c.first; pid <= c.last && sink_error.ok(); ++pid) {
       const Partition& p = im.parts[pid];
       if (p.output == ParamOutput::kNone || (!dest.empty() && dest[pid] != nullptr)) continue;
+      if (!updates(i) && !pending_part[pid]) continue;  // delivered whole by the failed try
       if (!im.skipping.empty() && im.skipping[pid]) continue;
       const std::uint64_t a = std::max(p.start, c.start);
       const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
@@ -1212,6 +1366,16 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     // Buffers are taken in the walk's order: position k uses buffer k % B.
     std::size_t next_position = 0;
+    // state_copies 1: a serial step's chunk is updated once its write completed (a pass's waits
+    // for finish_overlapped_step).
+    const std::function<void(std::size_t)> written = [&](std::size_t i) {
+      if (spec) {
+        spec->written[i] = 1;
+      } else {
+        im.commit_spare(im.chunks[i]);
+        im.done[i] = 1;
+      }
+    };
     st = detail::run_pipeline(
         *im.swap, im.chunks, im.bufs, true, true,
         [&](std::size_t i, Buffer& b) {
@@ -1222,7 +1386,11 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
         spec   ? &reverse
         : walk ? &walk->order
                : nullptr,
-        walk ? &walk->preloaded : nullptr, spec ? &spec->leftover : nullptr);
+        walk && !walk->preloaded.empty() ? &walk->preloaded : nullptr, spec ? &spec->leftover : nullptr,
+        im.once() ? &written : nullptr);
+    if (!spec && im.once()) {
+      for (Chunk& c : im.chunks) im.drop_spare(c);  // writes that failed or were not issued
+    }
     if (walk)
       r.reused_chunks = static_cast<std::uint64_t>(std::count(walk->preloaded.begin(), walk->preloaded.end(), 1));
     r.read = ps.read;
@@ -1259,6 +1427,33 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     }
     return r;
   }
+  if (!st.ok() && im.once() && std::find(im.done.begin(), im.done.end(), std::uint8_t{1}) != im.done.end()) {
+    // Some chunks took the update (this try's, or an earlier one's): it cannot be undone, so it is
+    // owed. The counters go back until it is finished; what it began with is kept.
+    rollback();
+    ++im.steps_failed;
+    if (options.sink != nullptr) options.sink->abandoned();
+    const auto n_done = static_cast<std::uint64_t>(std::count(im.done.begin(), im.done.end(), std::uint8_t{1}));
+    if (owed) {
+      owed->redeliver = true;
+    } else {
+      auto o = std::make_unique<detail::Owed>();
+      o->step = old_steps[0] + 1;
+      o->steps = steps;
+      o->part_steps = part_steps;
+      o->total = total;
+      o->clip = clip;
+      o->redeliver = true;
+      im.set_owed(std::move(o));
+    }
+    log(LogLevel::kError, str("optimizer: step ", old_steps[0] + 1, " failed after ", n_done, " of ", im.chunks.size(),
+                              " chunks took their update; the next step() finishes it: ", st.to_string()));
+    return st.with_context(str("optimizer step ", old_steps[0] + 1, " failed after ", n_done, " of ", im.chunks.size(),
+                               " chunks took their update (state_copies 1 keeps one copy of the state: each chunk is "
+                               "whole, before or after the step). The gradients and the step's constants are kept; "
+                               "call step() to finish it (it updates the chunks left, to the result the step would "
+                               "have had); until then the optimizer refuses everything else but load_checkpoint"));
+  }
   if (!st.ok()) {
     rollback();
     ++im.steps_failed;
@@ -1275,7 +1470,13 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
                             "delivered are put back and the gradients are kept (call step() again to retry, or "
                             "clear_grads())")));
   }
-  for (Chunk& c : im.chunks) c.committed ^= 1;
+  if (im.once()) {
+    r.finished_failed = owed != nullptr;
+    im.done.assign(im.chunks.size(), 0);
+    im.set_owed(nullptr);
+  } else {
+    for (Chunk& c : im.chunks) c.committed ^= 1;
+  }
   ++im.steps_applied;
   r.applied = true;
   r.next_loss_scale = im.scaler->update(false);
@@ -1384,6 +1585,7 @@ Status OffloadedOptimizer::start_overlapped_step(const StepOptions& options) {
   ov->touched.assign(n, 0);
   ov->scale = im.scaler->scale();
   ov->options = options;
+  ov->written.assign(im.chunks.size(), 0);
   {
     std::lock_guard<std::mutex> lock(im.groups_mu);
     for (const cpu::AdamGroup& g : im.groups) ov->old_steps.push_back(g.step());
@@ -1406,6 +1608,10 @@ Status OffloadedOptimizer::start_overlapped_step(const StepOptions& options) {
 
 bool OffloadedOptimizer::outputs_stale() const noexcept {
   return impl_->outputs_stale;
+}
+
+bool OffloadedOptimizer::failed_step_owed() const noexcept {
+  return impl_->owed_flag.load();
 }
 
 std::uint64_t OffloadedOptimizer::steps_applied() const noexcept {
@@ -1485,14 +1691,62 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   // From here on add_grad and declare_grad no longer wake anyone.
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   Result<StepReport> pass = std::move(held->result);
+  // state_copies 1: the chunks the pass wrote become the state (they are the step's), or are dropped.
+  auto drop_pass = [&] {
+    for (Chunk& c : im.chunks) im.drop_spare(c);
+  };
+  auto commit_pass = [&] {
+    std::uint64_t n = 0;
+    for (std::size_t i = 0; i < im.chunks.size(); ++i) {
+      if (!held->written[i]) continue;
+      im.commit_spare(im.chunks[i]);
+      ++n;
+    }
+    drop_pass();
+    return n;
+  };
   if (!norm_error.ok()) {
+    drop_pass();
     restore_steps(im, held->old_steps);
     if (!held->options.redeliver_abandoned_outputs) return norm_error;
     return after_failed_step(*this, im, held->options, held->touched, norm_error);
   }
+  if (valid && !pass.ok() && held->out_of_room && im.once()) {
+    // The pass ran out of spare slots: what it wrote is the step's; the rest is updated now, with
+    // the constants the pass used and the norm taken above.
+    const std::uint64_t n = commit_pass();
+    im.done.assign(im.chunks.size(), 0);
+    for (std::size_t i = 0; i < im.chunks.size(); ++i) im.done[i] = held->written[i];
+    restore_steps(im, held->old_steps);
+    auto o = std::make_unique<detail::Owed>();
+    o->step = held->old_steps[0] + 1;
+    o->steps = held->steps;
+    o->total = total;
+    o->clip = 1;
+    o->redeliver = false;  // the pass's deliveries stand; the rest completes them
+    im.set_owed(std::move(o));
+    bool holds_per_partition = held->options.sink != nullptr;
+    for (const Partition& p : im.parts) holds_per_partition = holds_per_partition || p.declared;
+    const Walk walk =
+        walk_after(held->leftover, im.chunks, im.parts.size(), im.bufs.size(), holds_per_partition, &im.done);
+    Result<StepReport> r = run_step(*this, im, held->options, nullptr, &walk);
+    if (r.ok()) {
+      r->overlapped = true;
+      r->finished_failed = false;
+      r->speculated_chunks = pass.ok() ? pass->speculated_chunks : held->speculated;
+      r->updated_chunks += n;
+      r->reused_chunks = static_cast<std::uint64_t>(std::count(walk.preloaded.begin(), walk.preloaded.end(), 1));
+      if (Counters* c = im.opt.counters) c->add_metric("optim.overlapped_steps", 1);
+    }
+    return r;
+  }
   if (valid && pass.ok()) {
     StepReport r = *pass;
-    for (Chunk& c : im.chunks) c.committed ^= 1;
+    if (im.once()) {
+      r.updated_chunks = commit_pass();
+    } else {
+      for (Chunk& c : im.chunks) c.committed ^= 1;
+    }
     ++im.steps_applied;
     r.applied = true;
     r.overflow = false;
@@ -1513,6 +1767,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
                                  ? std::string(held->abort_reason)
                                  : str("the speculative pass failed: ", pass.status().to_string());
   const std::uint64_t speculated = pass.ok() ? pass->speculated_chunks : held->speculated;
+  drop_pass();
   restore_steps(im, held->old_steps);
   if (held->options.sink != nullptr) held->options.sink->abandoned();
   if (overflow && held->options.redeliver_abandoned_outputs) {
@@ -1566,6 +1821,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   ov.thread.join();
   im.skipping.clear();
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
+  for (Chunk& c : im.chunks) im.drop_spare(c);
   restore_steps(im, held->old_steps);
   // The params the pass delivered are not the committed state's: deliver those again.
   if (held->options.sink != nullptr) held->options.sink->abandoned();
@@ -1816,16 +2072,23 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
         Chunk& c = im.chunks[ci];
         const std::uint64_t limit = std::min(p.start + p.numel, c.start + c.numel) - c.start;
         if (!im.nvme()) return encode_piece(im, c.host.get(), c, kind, a, n, limit, src + done);
-        // Read the whole chunk, patch it, write it to the shadow slot, switch over.
+        // Read the whole chunk, patch it, write it to the shadow slot (state_copies 1: a spare),
+        // switch over.
         float* buf = im.bufs[0].state;
         Status s = im.swap->read(c.slot[c.committed], buf, c.bytes()).wait();
         if (!s.ok()) return s.with_context(str("optimizer write_state: reading chunk ", ci));
         TIER_RETURN_IF_ERROR(encode_piece(im, buf, c, kind, a, n, limit, src + done));
-        s = im.swap->write(c.slot[1 - c.committed], buf, c.bytes()).wait();
+        if (im.once() && !im.take_spare(c)) return internal_error("optimizer write_state: no spare slot");
+        s = im.swap->write(im.once() ? c.next : c.slot[1 - c.committed], buf, c.bytes()).wait();
         if (!s.ok()) {
+          im.drop_spare(c);
           return s.with_context(str("optimizer write_state: writing chunk ", ci, " (its previous content is intact)"));
         }
-        c.committed ^= 1;
+        if (im.once()) {
+          im.commit_spare(c);
+        } else {
+          c.committed ^= 1;
+        }
         return {};
       });
 }
@@ -1868,9 +2131,18 @@ Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
   const std::uint64_t pass = ++passes ^ static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
   const auto t0 = Clock::now();
   detail::PipelineStats ps;
+  // state_copies 1: the writes go to spares, given back as they complete (nothing is committed).
+  const std::function<void(std::size_t)> written = [&](std::size_t i) { im.drop_spare(im.chunks[i]); };
+  struct DropLeft {
+    OffloadedOptimizer::Impl& im;
+    ~DropLeft() {
+      for (Chunk& c : im.chunks) im.drop_spare(c);
+    }
+  } drop_left{im};
   TIER_RETURN_IF_ERROR(detail::run_pipeline(
       *im.swap, im.chunks, im.bufs, true, true,
       [&](std::size_t i, Buffer& b) {
+        if (im.once() && !im.take_spare(im.chunks[i])) return internal_error("measure_io_seconds: no spare slot");
         auto* p = reinterpret_cast<std::byte*>(b.state);
         const std::uint64_t bytes = im.chunks[i].bytes();
         for (std::uint64_t off = 0; off + 16 <= bytes; off += 512) {
@@ -1879,7 +2151,7 @@ Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
         }
         return Status();
       },
-      &ps));
+      &ps, nullptr, nullptr, nullptr, im.once() ? &written : nullptr));
   PassReport r;
   r.seconds = since(t0);
   r.bytes_read = ps.read.bytes;
@@ -1948,8 +2220,11 @@ OptimizerStats OffloadedOptimizer::stats() const {
   for (const Chunk& c : im.chunks) {
     s.record_bytes += c.bytes();
     if (c.host) s.host_state_bytes += c.bytes();
-    if (c.slot[0]) s.nvme_bytes += c.slot[0].reserved_bytes() + c.slot[1].reserved_bytes();
   }
+  s.nvme_bytes = im.nvme_slot_bytes.load();
+  s.state_copies = im.nvme() ? im.opt.state_copies : 1;
+  s.spare_slots = im.pool_size;
+  s.failed_step_owed = im.owed_flag.load();
   if (im.own_swap) {
     const nvme::SwapSpaceStats ss = im.own_swap->stats();
     s.nvme_capacity_bytes = ss.capacity_bytes;

@@ -81,9 +81,13 @@ struct Chunk {
   ChunkLayout layout;
   PartitionId first = 0;  // partitions [first, last] intersect the chunk
   PartitionId last = 0;
-  nvme::SwapExtent slot[2];  // NVMe home
-  int committed = 0;         // which slot holds the committed state
-  FloatPtr host;             // host home: the record
+  // NVMe home: slot[committed] holds the committed state; with state_copies 2 slot[1 - committed]
+  // is the shadow a step writes, with 1 it is empty and `next` (a spare from the pool, taken for
+  // the chunk's write and swapped in once the write completed) takes its place.
+  nvme::SwapExtent slot[2];
+  int committed = 0;
+  nvme::SwapExtent next;
+  FloatPtr host;  // host home: the record
 
   std::uint64_t bytes() const noexcept { return layout.bytes; }
 };
@@ -106,6 +110,20 @@ struct LeftoverRead {
   std::size_t buffer = 0;
 };
 
+// state_copies 1: a step that failed after some chunks took their update (OffloadedOptimizer::
+// Impl::done). What its finish needs to give the result the step would have had: the constants of
+// every group (and partition: Lamb's trust ratios), taken when it began, and the norm it used.
+struct Owed {
+  std::int64_t step = 0;  // group 0's counter once it is finished
+  std::vector<cpu::AdamStep> steps;
+  std::vector<cpu::AdamStep> part_steps;
+  double total = 0;  // the global sum of squares
+  float clip = 1;
+  // The failed try's deliveries were dropped (ParamSink::abandoned): the finish delivers every
+  // chunk of the partitions it updates, the done ones from their state.
+  bool redeliver = true;
+};
+
 struct Overlap {
   std::mutex mu;
   std::condition_variable cv;
@@ -119,6 +137,12 @@ struct Overlap {
   std::vector<std::uint8_t> touched;  // per partition: updated by the pass (its thread only)
   std::vector<std::int64_t> old_steps;
   std::uint64_t speculated = 0;  // chunks taken before all gradients were in (under mu)
+  // state_copies 1: the pass stopped because no spare slot was left (its thread; read after the
+  // join), the chunks whose update it wrote (the pipeline's completions; read after the join),
+  // and the constants it used (its thread).
+  bool out_of_room = false;
+  std::vector<std::uint8_t> written;
+  std::vector<cpu::AdamStep> steps;
   // Chunks the pass had read but not updated when it stopped (its thread; read after the join).
   std::vector<LeftoverRead> leftover;
   Result<StepReport> result{Status(StatusCode::kInternal, "the overlapped pass has not ended")};
@@ -192,8 +216,32 @@ struct OffloadedOptimizer::Impl {
   std::atomic<std::uint64_t> steps_failed{0};
   std::atomic<std::uint64_t> steps_applied{0};
 
+  // state_copies 1 (NVMe home): the spare slots not in use (taken by a chunk's write as its
+  // `next`), which chunks the step in progress (or the failed one owed) has updated, and the
+  // failed step owed, if any.
+  std::mutex pool_mu;
+  std::vector<nvme::SwapExtent> pool;
+  std::uint64_t pool_size = 0;
+  // Bytes of every slot and spare (they trade places, the sum stays).
+  std::atomic<std::uint64_t> nvme_slot_bytes{0};
+  std::vector<std::uint8_t> done;
+  std::unique_ptr<detail::Owed> owed;
+  std::atomic<bool> owed_flag{false};  // owed != nullptr, for stats() on other threads
+  void set_owed(std::unique_ptr<detail::Owed> o) {
+    owed = std::move(o);
+    owed_flag = owed != nullptr;
+  }
+  bool once() const noexcept { return nvme() && opt.state_copies == 1; }
+  // Takes a spare as chunk c's `next`; false when none is left.
+  bool take_spare(detail::Chunk& c);
+  // Gives c.next back to the pool (when it holds one).
+  void drop_spare(detail::Chunk& c);
+  // Chunk c's write to `next` completed: `next` becomes its slot, its old slot a spare.
+  void commit_spare(detail::Chunk& c);
+
   bool nvme() const noexcept { return opt.home == StateHome::kNvme; }
-  Status usable(const char* what, bool loading = false) const;
+  // `finishing`: step() may finish a failed step that is owed; everything else is refused then.
+  Status usable(const char* what, bool loading = false, bool finishing = false) const;
   // kFailedPrecondition while an overlapped step runs (the members that touch the state).
   Status idle(const char* what) const;
   PartitionId partition_at(const detail::Chunk& c, std::uint64_t flat) const;

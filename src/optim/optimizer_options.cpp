@@ -23,6 +23,8 @@ Result<OffloadedOptimizerOptions> OffloadedOptimizerOptions::from_config(const E
     o.buffer_bytes = std::min<std::uint64_t>(256ull << 20, config.tier.host_budget / 8);
   }
   o.chunk_elements = config.tier.optimizer.chunk_elements;
+  o.state_copies = static_cast<unsigned>(config.tier.optimizer.state_copies);
+  o.speculation_chunks = static_cast<unsigned>(config.tier.optimizer.speculation_chunks);
   switch (config.tier.optimizer.state_dtype) {
     case OptimizerStateDType::kFp32: o.state_dtype = cpu::StateDType::kF32; break;
     case OptimizerStateDType::kBf16: o.state_dtype = cpu::StateDType::kBF16; break;

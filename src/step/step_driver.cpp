@@ -113,6 +113,14 @@ Status StepDriver::idle(const char* what) const {
   return Status::Ok();
 }
 
+Status StepDriver::not_owed(const char* what) const {
+  if (!opt_->failed_step_owed()) return Status::Ok();
+  return failed_precondition(str(what,
+                                 ": the last step failed after part of the state took its update (state_copies 1 "
+                                 "keeps one copy, so it is finished, not undone); call step() to finish it with the "
+                                 "gradients it kept"));
+}
+
 Result<std::unique_ptr<StepDriver>> StepDriver::create(const EngineConfig& config, std::uint64_t max_elements,
                                                        std::uint64_t max_params) {
   TIER_ASSIGN_OR_RETURN(optim::OffloadedOptimizerOptions options,
@@ -228,6 +236,7 @@ Result<std::size_t> StepDriver::find(const std::string& name) const {
 
 Status StepDriver::add_grad(std::size_t index, const HostTensor& grad, GradIntake intake) {
   TIER_RETURN_IF_ERROR(idle("add_grad"));
+  TIER_RETURN_IF_ERROR(not_owed("add_grad"));
   TIER_RETURN_IF_ERROR(check_index(index, "add_grad"));
   const ParamInfo& p = params_[index];
   if (!is_param_dtype(grad.dtype)) {
@@ -266,6 +275,7 @@ Status StepDriver::add_grad(std::size_t index, const HostTensor& grad, GradIntak
 
 Status StepDriver::declare_grad(std::size_t index, double sumsq) {
   TIER_RETURN_IF_ERROR(idle("declare_grad"));
+  TIER_RETURN_IF_ERROR(not_owed("declare_grad"));
   TIER_RETURN_IF_ERROR(check_index(index, "declare_grad"));
   const ParamInfo& p = params_[index];
   if (grads_in_[index] != 0) {
@@ -282,8 +292,9 @@ Status StepDriver::declare_grad(std::size_t index, double sumsq) {
 }
 
 void StepDriver::clear_grads() noexcept {
-  if (async_) return;   // (the asynchronous step's gradients are its own)
-  opt_->clear_grads();  // (cancels an overlapped step: its pass stops before what it writes to goes)
+  if (async_) return;                    // (the asynchronous step's gradients are its own)
+  if (opt_->failed_step_owed()) return;  // (state_copies 1: the step owed needs them; step() finishes it)
+  opt_->clear_grads();                   // (cancels an overlapped step: its pass stops before what it writes to goes)
   overlap_started_ = false;
   overlap_.reset();
   pending_intake_elements_ = 0;
@@ -581,6 +592,9 @@ std::string StepDriver::stats_json() const {
   j["steps_applied"] = s.steps_applied;
   j["steps_skipped"] = s.steps_skipped;
   j["steps_failed"] = s.steps_failed;
+  j["state_copies"] = s.state_copies;
+  j["spare_slots"] = s.spare_slots;
+  j["failed_step_owed"] = s.failed_step_owed;
   j["loss_scale"] = opt_->loss_scale();
   j["gradient_accumulation_steps"] = accumulation_steps_;
   j["host_passes_per_grad_element"] = host_passes_per_grad_element();

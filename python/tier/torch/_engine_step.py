@@ -170,6 +170,13 @@ class StepMixin:
 
         A step that was applied but whose updated params could not all be delivered is counted;
         the params are rewritten from the fp32 masters before the next forward or step.
+
+        With ``tier.optimizer.state_copies: 1`` (the state kept once on NVMe) a step that fails
+        after some chunks of the state took their update cannot be undone: it is *owed*. Whatever
+        the caller does next (``step()``, ``backward()``, ``zero_grad()``), the owed step is
+        finished first, with the gradients and the lr it began with, and counted as the step it
+        is; the later call then goes on from there. A failure before any chunk took its update
+        is like the two-copy case above.
         """
         applied_before = self.native_optimizer.stats()["steps_applied"]
         try:
@@ -189,7 +196,12 @@ class StepMixin:
                 )
         except BaseException:
             self._grads.after_step(False)
-            if self.native_optimizer.stats()["steps_applied"] == applied_before:
+            stats = self.native_optimizer.stats()
+            if stats.get("failed_step_owed"):
+                self._failed_step = "owed"
+                self._owed_lr_kwargs = lr_kwargs
+                raise
+            if stats["steps_applied"] == applied_before:
                 self._failed_step = "pending"
                 raise
             # Applied (the state moved on, the gradients were consumed), its outputs not all
@@ -208,10 +220,22 @@ class StepMixin:
         self._after_report(report, lr_kwargs)
         return report
 
+    def _finish_owed_step(self):
+        """state_copies 1: a step that failed part-way is finished before anything else touches
+        the gradients (see _boundary_step); booked as the step it is. A failure leaves it owed."""
+        if self.__dict__.get("_failed_step") != "owed":
+            return
+        lr_kwargs = self.__dict__.get("_owed_lr_kwargs")
+        self._boundary_step(lr_kwargs)
+
     def _withdraw_failed_step(self):
         """A gradient is about to change after a failed step: what the optimizer was told about the
         kept gradients (declared engine tensors, lent sums) is withdrawn, as it would be stale; the
-        gradients themselves stay, and the next step hands them over again."""
+        gradients themselves stay, and the next step hands them over again. A step owed (state_copies
+        1) is finished instead."""
+        if self.__dict__.get("_failed_step") == "owed":
+            self._finish_owed_step()
+            return
         if self.__dict__.get("_failed_step") != "pending":
             return
         if isinstance(self._grads, _MicroStepGrads) and not self._grads.held:
@@ -231,6 +255,8 @@ class StepMixin:
         rewritten from the fp32 masters before the next forward reads them."""
         if self.native_optimizer is None:
             return
+        # state_copies 1: a step owed leaves params of two steps in place; it is finished first.
+        self._finish_owed_step()
         behind = self.__dict__.get("_params_behind", False) or self.native_optimizer.outputs_stale
         if not behind:
             return
@@ -379,6 +405,7 @@ class StepMixin:
         """Forgets every gradient taken since the last step: the micro-steps' sums held for the
         boundary and what the optimizer took already (``set_to_none`` is accepted and moot: the
         model's ``.grad`` are freed as soon as they are final)."""
+        self._finish_owed_step()  # (state_copies 1: a step owed is the step; it is finished first)
         self._drain_grads()
         self._grads.clear()
         self._grads_in_window = False

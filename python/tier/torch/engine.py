@@ -328,7 +328,9 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
         self._grads_since_step = False  # a gradient came in since the last step() (see _OptimizerView.step)
         self._grads_in_window = False  # a gradient came in since the last applied step or zero_grad()
         self._engine_backward = False  # engine.backward() is handing gradients over
-        self._failed_step = None  # "pending" after a failed boundary step, "withdrawn" once gradients moved on
+        # "pending" after a failed boundary step, "withdrawn" once gradients moved on, "owed" when it
+        # failed part-way with state_copies 1 (finished before anything else)
+        self._failed_step = None
         self._delayed_retry = False  # overlap "delayed": the pending update failed and runs again
         self._params_behind = False  # an applied step could not deliver its params (see _repair_params)
         self.skipped_steps = 0
