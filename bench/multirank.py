@@ -109,7 +109,8 @@ def _rank(rank, world, args, port, outdir):
         "link_bytes_per_step": moved,
         "reduce_scatter_bytes_per_step": comm[0] / args.steps,
         "all_gather_bytes_per_step": comm[1] / args.steps,
-        "optimizer_nvme_bytes": after["optimizer"]["nvme_bytes"],
+        # The state's share (each rank's optimizer keeps a few spare chunks too: state_copies 1).
+        "optimizer_nvme_bytes": after["optimizer"]["nvme_bytes"] - after["optimizer"].get("spare_bytes", 0),
         "optimizer_elements": after["optimizer"]["elements"],
         "parameters": sum(s.numel for s in engine._slots),
     }

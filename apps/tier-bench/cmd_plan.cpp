@@ -264,6 +264,9 @@ int run_plan(Args& args) {
   take(args.count("batch", batch), batch);
   take(args.count("seq", seq), seq);
   take(args.count("gas", gas), gas);
+  // tier.optimizer.state_copies: the optimizer's NVMe state once (and spare chunks) or twice.
+  long long state_copies = 1;
+  take(args.integer("state-copies", 1), state_copies);
   std::string nvme_dir = args.get("nvme", "");
   std::string dtype = "bf16";
   take(args.choice("dtype", {"bf16", "fp16", "fp32"}, "bf16"), dtype);
@@ -293,6 +296,9 @@ int run_plan(Args& args) {
   const std::string write_config = args.get("write-config", "");
   if (Status f = args.finish(); s.ok() && !f.ok()) s = f;
   if (s.ok() && model.empty()) s = invalid_argument("--model: a transformers config.json or a model directory");
+  if (s.ok() && state_copies != 1 && state_copies != 2) {
+    s = invalid_argument(str("--state-copies ", state_copies, ": 1 (the default) or 2 (tier.optimizer.state_copies)"));
+  }
   if (s.ok() && measure && nvme_dir.empty())
     s = invalid_argument("--measure needs --nvme DIR (where to time the disk)");
   if (s.ok() && lora_r < 0) {
@@ -504,8 +510,12 @@ int run_plan(Args& args) {
     c.nvme += act.nvme;
     if (c.params_home == "cpu") c.host += pb * stored + 4.0 * trained;  // params and fp32 gradient sums
     if (c.optimizer_home == "cpu") c.host += 12.0 * trained + (p_off ? 0.0 : 4.0 * trained) + buffers;
-    // NVMe: the optimizer's committed and next state, params (and room to stage them), gradients.
-    if (o_nvme) c.nvme += 24.0 * trained + 4.0 * trained;
+    // NVMe: the optimizer's state (once and a spare chunk per pipeline buffer, or a committed and a
+    // next copy: tier.optimizer.state_copies), params (and room to stage them), gradients.
+    if (o_nvme) {
+      const double spares = state_copies == 1 ? buffers * 12.0 / 16.0 : 0.0;  // a record per buffer
+      c.nvme += 12.0 * static_cast<double>(state_copies) * trained + spares + 4.0 * trained;
+    }
     if (p_nvme) c.nvme += pb * stored;
     // Streamed weights per step: each micro-step's forward and backward read them, less what the
     // device still holds at each turn between passes (its room beside activations and state).
@@ -735,6 +745,8 @@ const CommandRegistrar kRegister(
      "  --nvme-size N         NVMe bytes available, instead of DIR's free space\n"
      "  --batch N --seq N --gas N   micro-batch, sequence length, accumulation (default 1, 2048, 1)\n"
      "  --dtype D             bf16|fp16|fp32 compute dtype (default bf16)\n"
+     "  --state-copies N      the optimizer's NVMe state kept once (1, the default, with a spare chunk per\n"
+     "                        pipeline buffer) or twice (2): tier.optimizer.state_copies\n"
      "  --activations M       none|recompute|host|nvme: activations kept whole, recomputed from checkpointed\n"
      "                        layer inputs (default), or recomputed with those inputs offloaded\n"
      "  --no-checkpointing    the same as --activations none\n"

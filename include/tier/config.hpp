@@ -150,9 +150,9 @@ struct OptimizerPipelineConfig {
   // Copies of the NVMe-homed state: 2 (committed and shadow; a failed step applies nothing) or 1
   // (one copy and a few spare chunks; a failed step is finished by the next step). See
   // OffloadedOptimizerOptions::state_copies.
-  int state_copies = 2;
-  // state_copies 1: spare chunks an overlapped pass may update ahead of the gradient norm; 0: as
-  // many as the pipeline's buffers.
+  int state_copies = 1;
+  // state_copies 1: spare chunks beyond the pipeline's buffers that an overlapped pass may update
+  // ahead of the gradient norm.
   int speculation_chunks = 0;
 };
 

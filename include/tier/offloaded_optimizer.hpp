@@ -152,11 +152,14 @@ struct OffloadedOptimizerOptions {
   //     written is finished, not undone: the gradients, the step's constants and its norm are
   //     kept, everything but step() (and load_checkpoint) is refused until then, and the next
   //     step() updates only the chunks left, to the result the step would have had.
+  // The struct's default is 2 (nothing changes for code built against it); from_config gives the
+  // configuration's tier.optimizer.state_copies, whose default is 1.
   unsigned state_copies = 2;
-  // state_copies 1: spare slots an overlapped pass may hold for chunks it updated before the
-  // gradient norm is known (each is given back when finish_overlapped_step commits or drops the
-  // pass); when they run out the pass stops and finish_overlapped_step updates the rest. 0: as
-  // many as buffer_count.
+  // state_copies 1: spare slots beyond buffer_count, for an overlapped pass: it holds a spare for
+  // every chunk it updated before the gradient norm is known (each is given back when
+  // finish_overlapped_step commits or drops the pass), so it runs ahead by up to buffer_count +
+  // speculation_chunks chunks; then it stops and finish_overlapped_step updates the rest. Each
+  // costs one chunk of disk.
   unsigned speculation_chunks = 0;
   // Chunk buffers of the pipeline (offload_optimizer.buffer_count): 3 or more let reads, updates
   // and writes overlap fully; 1 and 2 work but serialize. Host home uses one (output staging).
@@ -369,6 +372,7 @@ struct OptimizerStats {
   // 1), and whether a step that failed part-way is owed (step() finishes it).
   unsigned state_copies = 2;
   std::uint64_t spare_slots = 0;
+  std::uint64_t spare_bytes = 0;  // of nvme_bytes: the spares' (a whole chunk's record each)
   bool failed_step_owed = false;
   // NVMe home with swap files of its own: their capacity (what its chunks will take once every
   // partition is added; the files grow to it) and what they reserve on disk now. In a shared swap

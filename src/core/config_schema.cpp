@@ -667,9 +667,9 @@ std::vector<KeySpec> build_schema() {
           .sample(4194304, 1000));
   add(K("tier.optimizer.state_copies", VK::kInt)
           .range(1, 2)
-          .auto_is(2)
+          .auto_is(1)
           .TIER_FIELD(tier.optimizer.state_copies)
-          .sample(1, 3));
+          .sample(2, 3));
   add(K("tier.optimizer.speculation_chunks", VK::kInt)
           .range(0, 1 << 20)
           .auto_is(0)

@@ -833,34 +833,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
   const std::uint64_t data_start = in.data_start;
   const std::uint32_t version = in.version;
 
-  if (im.once()) {
-    // One copy (state_copies 1): verify the whole file through a buffer first, then write each
-    // chunk to a spare that becomes its slot once written. A failure after the check leaves a mix.
-    {
-      RecordReader check(im, f, path, header, data_start, size, version, restored.state_dtype);
-      for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
-      TIER_RETURN_IF_ERROR(check.finish());
-    }
-    RecordReader rd(im, f, path, header, data_start, size, version, restored.state_dtype);
-    const std::function<void(std::size_t)> written = [&](std::size_t i) { im.commit_spare(im.chunks[i]); };
-    Status s = detail::run_pipeline(
-        *im.swap, im.chunks, im.bufs, false, true,
-        [&](std::size_t i, Buffer& b) {
-          if (!im.take_spare(im.chunks[i])) return internal_error("load_checkpoint: no spare slot");
-          return rd.fill(im.chunks[i], b.state);
-        },
-        nullptr, nullptr, nullptr, nullptr, &written);
-    for (Chunk& c : im.chunks) im.drop_spare(c);
-    if (s.ok()) s = rd.finish();
-    if (!s.ok()) {
-      im.state_invalid = s.with_context(
-          "loading a checkpoint into the one copy of the state (state_copies 1) failed after it verified (the file "
-          "changed while it was read, or a write failed); the state is partly overwritten: load a good checkpoint");
-      return im.state_invalid;
-    }
-    im.done.assign(im.chunks.size(), 0);
-    im.set_owed(nullptr);
-  } else if (im.nvme()) {
+  if (im.nvme() && !im.once()) {
     // Into the shadow slots; switched over only when every record and the trailer checked out.
     RecordReader rd(im, f, path, header, data_start, size, version, restored.state_dtype);
     TIER_RETURN_IF_ERROR(detail::run_pipeline(
@@ -869,7 +842,9 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
     TIER_RETURN_IF_ERROR(rd.finish());
     for (Chunk& c : im.chunks) c.committed ^= 1;
   } else {
-    // Verify the whole file through a buffer first, then copy into the state.
+    // One copy of the state (host home, or NVMe with state_copies 1): verify the whole file
+    // through a buffer first, then copy it in (NVMe: each chunk to a spare that becomes its slot
+    // once written). A failure of the copy leaves a mix, which must not pass unnoticed.
     {
       RecordReader check(im, f, path, header, data_start, size, version, restored.state_dtype);
       for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
@@ -877,17 +852,31 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
     }
     RecordReader rd(im, f, path, header, data_start, size, version, restored.state_dtype);
     Status s;
-    for (const Chunk& c : im.chunks) {
-      s = rd.fill(c, c.host.get());
-      if (!s.ok()) break;
+    if (im.nvme()) {
+      const std::function<void(std::size_t)> written = [&](std::size_t i) { im.commit_spare(im.chunks[i]); };
+      s = detail::run_pipeline(
+          *im.swap, im.chunks, im.bufs, false, true,
+          [&](std::size_t i, Buffer& b) {
+            if (!im.take_spare(im.chunks[i])) return internal_error("load_checkpoint: no spare slot");
+            return rd.fill(im.chunks[i], b.state);
+          },
+          nullptr, nullptr, nullptr, nullptr, &written);
+      for (Chunk& c : im.chunks) im.drop_spare(c);
+    } else {
+      for (const Chunk& c : im.chunks) {
+        s = rd.fill(c, c.host.get());
+        if (!s.ok()) break;
+      }
     }
     if (s.ok()) s = rd.finish();
     if (!s.ok()) {
       im.state_invalid = s.with_context(
-          "loading a checkpoint into host memory failed after it verified (the file changed while it was read?); "
-          "the state is partly overwritten: load a good checkpoint");
+          "loading a checkpoint into the one copy of the state failed after it verified (the file changed while it "
+          "was read, or a write failed); the state is partly overwritten: load a good checkpoint");
       return im.state_invalid;
     }
+    im.done.assign(im.chunks.size(), 0);
+    im.set_owed(nullptr);
   }
   im.state_invalid = Status();
   {

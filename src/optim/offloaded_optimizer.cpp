@@ -509,7 +509,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
     // state_copies 1: the spare slots (one per buffer for the writes in flight, and the pass's).
     const std::uint64_t spares =
-        o.state_copies == 1 ? o.buffer_count + (o.speculation_chunks ? o.speculation_chunks : o.buffer_count) : 0;
+        o.state_copies == 1 ? o.buffer_count + o.speculation_chunks : 0;
     const std::uint64_t slots = o.state_copies * chunks + spares;
     // Bounded here when the optimizer sizes its own files or reserves room in a shared space.
     if (im->swap == nullptr || o.nvme_reserve) im->capacity = chunks * ce;
@@ -532,17 +532,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
       TIER_ASSIGN_OR_RETURN(im->own_swap, nvme::SwapSpace::create(so));
       im->swap = im->own_swap.get();
     }
-    for (std::uint64_t k = 0; k < spares; ++k) {
-      auto e = im->swap->allocate(state_bytes);
-      if (!e.ok()) {
-        return e.status().with_context(str("optimizer: spare slot ", k + 1, " of ", spares, " (",
-                                           format_bytes(state_bytes), " each; state_copies 1)"));
-      }
-      im->report_resident(0, static_cast<std::int64_t>(e->reserved_bytes()));
-      im->nvme_slot_bytes += e->reserved_bytes();
-      im->pool.push_back(std::move(e).value());
-    }
-    im->pool_size = spares;
+    im->pool_size = spares;  // allocated with the first chunk (nothing is written before)
   }
   im->workers = std::make_unique<detail::Workers>(o.threads);
   (void)cpu::simd_target();  // applies TIER_CPU_SIMD before any kernel runs
@@ -620,8 +610,19 @@ Status close_chunk(OffloadedOptimizer::Impl& im) {
     c.layout = small;
   }
   // state_copies 1: slots and spares trade places, so each has a whole chunk's room (a short last
-  // chunk's slot too).
+  // chunk's slot too). The spares come with the first chunk.
   const std::uint64_t slot_bytes = im.once() ? ChunkLayout::of(im.chunk_elems, im.state_dtype()).bytes : c.bytes();
+  while (im.once() && im.pool.size() < im.pool_size && im.chunks.size() == 1) {
+    auto e = im.swap->allocate(slot_bytes);
+    if (!e.ok()) {
+      im.poisoned = e.status().with_context(str("optimizer: spare slot ", im.pool.size() + 1, " of ", im.pool_size,
+                                                " (", format_bytes(slot_bytes), " each; state_copies 1)"));
+      return im.poisoned;
+    }
+    im.report_resident(0, static_cast<std::int64_t>(e->reserved_bytes()));
+    im.nvme_slot_bytes += e->reserved_bytes();
+    im.pool.push_back(std::move(e).value());
+  }
   for (unsigned k = 0; k < im.opt.state_copies; ++k) {
     auto e = im.swap->allocate(slot_bytes);
     if (!e.ok()) {
@@ -2224,6 +2225,7 @@ OptimizerStats OffloadedOptimizer::stats() const {
   s.nvme_bytes = im.nvme_slot_bytes.load();
   s.state_copies = im.nvme() ? im.opt.state_copies : 1;
   s.spare_slots = im.pool_size;
+  s.spare_bytes = im.pool_size * ChunkLayout::of(im.chunk_elems, im.state_dtype()).bytes;
   s.failed_step_owed = im.owed_flag.load();
   if (im.own_swap) {
     const nvme::SwapSpaceStats ss = im.own_swap->stats();

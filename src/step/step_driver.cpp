@@ -594,6 +594,7 @@ std::string StepDriver::stats_json() const {
   j["steps_failed"] = s.steps_failed;
   j["state_copies"] = s.state_copies;
   j["spare_slots"] = s.spare_slots;
+  j["spare_bytes"] = s.spare_bytes;
   j["failed_step_owed"] = s.failed_step_owed;
   j["loss_scale"] = opt_->loss_scale();
   j["gradient_accumulation_steps"] = accumulation_steps_;

@@ -649,6 +649,18 @@ TEST(OptimizerOptions, FromConfigReadsDeepSpeedKeys) {
   EXPECT_EQ(o->loss_scale.min_scale, 2);
   ASSERT_EQ(o->swap_options.paths.size(), 1u);
   EXPECT_EQ(o->swap_options.paths[0], "/tmp/x");
+  // tier.optimizer.state_copies: one copy unless the config asks for two.
+  EXPECT_EQ(o->state_copies, 1u);
+  EXPECT_EQ(o->speculation_chunks, 0u);
+  auto two = EngineConfig::from_json(
+      R"({"tier": {"optimizer": {"state_copies": 2, "speculation_chunks": 3}},
+          "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}})",
+      {false, false});
+  ASSERT_TRUE(two.ok()) << two.status();
+  auto t = OffloadedOptimizerOptions::from_config(*two, 1000);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->state_copies, 2u);
+  EXPECT_EQ(t->speculation_chunks, 3u);
 
   auto host = EngineConfig::from_json(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}},
                                           "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})",

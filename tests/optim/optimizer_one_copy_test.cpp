@@ -291,6 +291,26 @@ TEST_P(OneCopy, AnOverlappedPassRunsAheadAsFarAsItsSparesAllow) {
   good_step(3);
 }
 
+// The pass's chunks are committed at finish; a failure in the rest leaves the step owed like a
+// serial one, and step() finishes it.
+TEST_P(OneCopy, AFailureAfterThePassIsFinishedByTheNextStep) {
+  make(0);
+  good_step(1);
+  // Two 16 KiB requests per 24 KiB chunk: the pass writes its 5 chunks, the rest fails at its third.
+  rig_->faults()->fail_nth(2 * (kBuffers + kSpeculation) + 6, EIO, nvme::IoOp::kWrite);
+  ASSERT_TRUE(opt().start_overlapped_step(with_sink()).ok());
+  feed(opt(), *ref_, 2, 1, DType::kBF16, GradMode::kCopy);
+  auto r = opt().finish_overlapped_step();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kIoError) << r.status();
+  EXPECT_NE(r.status().message().find("chunks took their update"), std::string::npos) << r.status();
+  EXPECT_TRUE(opt().stats().failed_step_owed);
+  check_refusals();
+  rig_->faults()->clear_faults();
+  finishes(2);
+  good_step(3);
+}
+
 TEST_P(OneCopy, AClippedOverlappedStepDropsThePassAndIsRedone) {
   make(1.0);
   good_step(1);

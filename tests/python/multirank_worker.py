@@ -165,7 +165,10 @@ def main():
     sd = engine.module_state_dict()
     report["param_sum"] = float(sum(float(t.double().sum()) for t in sd.values() if t.is_floating_point()))
     stats = engine.stats()
-    report["optimizer_nvme_bytes"] = stats["optimizer"]["nvme_bytes"]
+    # The state's share: each rank's optimizer also keeps a few spare chunks (state_copies 1).
+    report["optimizer_nvme_bytes"] = stats["optimizer"]["nvme_bytes"] - stats["optimizer"]["spare_bytes"]
+    # With one copy every slot holds a whole chunk's record, the short last chunk's too.
+    report["optimizer_chunk_bytes"] = stats["optimizer"]["spare_bytes"] / max(1, stats["optimizer"]["spare_slots"])
     report["optimizer_elements"] = stats["optimizer"]["elements"]
     report["nvme_peak_bytes"] = stats["tiers"]["nvme"]["peak_bytes"]
     report["zero"] = stats.get("zero")

@@ -115,7 +115,9 @@ def test_losses_match_one_process(tmp_path, family, world, stage):
     assert sum(rep["optimizer_elements"] for rep in reports) == ref["optimizer_elements"]
     for rep in reports:
         assert rep["optimizer_elements"] <= -(-ref["optimizer_elements"] // world) + world * 64
-        assert abs(rep["optimizer_nvme_bytes"] - ref["optimizer_nvme_bytes"] / world) <= 65536
+        # (each rank's short last chunk takes a whole chunk's slot)
+        slack = 65536 + rep["optimizer_chunk_bytes"]
+        assert abs(rep["optimizer_nvme_bytes"] - ref["optimizer_nvme_bytes"] / world) <= slack
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,8 @@ def test_one_copy_trains_as_two_copies_with_half_the_files(tmp_path):
     assert (s1["state_copies"], s2["state_copies"]) == (1, 2)
     assert s1["chunks"] == s2["chunks"] >= 6, s1
     record = s1["chunk_elements"] * 12  # fp32 master, m and v (slots and spares hold a whole chunk)
-    # One slot per chunk plus buffer_count + speculation_chunks spares, against two slots per chunk.
-    assert s1["spare_slots"] == 2 * s1["buffer_count"], s1
+    # One slot per chunk plus buffer_count + speculation_chunks (0) spares, against two per chunk.
+    assert s1["spare_slots"] == s1["buffer_count"], s1
     assert s1["nvme_bytes"] == (s1["chunks"] + s1["spare_slots"]) * record, s1
     assert s2["nvme_bytes"] >= 2 * s2["record_bytes"], s2
     _assert_same(_result(one), _result(two))

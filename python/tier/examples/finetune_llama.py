@@ -29,6 +29,7 @@ import transformers
 
 import tier
 import tier.torch
+from tier import _tier
 from tier.torch import footprint
 
 LINKS = [("nvme_to_host", "nvme>host"), ("host_to_device", "host>dev"), ("device_to_host", "dev>host"),
@@ -168,13 +169,23 @@ def make_model(args, config, say=print):
     return model
 
 
-def check_disk(args, shape, swap_dir):
+def _state_copies(config):
+    """tier.optimizer.state_copies as the config (a dict or a JSON file's path) resolves it."""
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    resolved = json.loads(_tier.Config.from_json(json.dumps(config)).to_json())
+    return int(resolved["tier"]["optimizer"]["state_copies"])
+
+
+def check_disk(args, shape, swap_dir, config):
     """Refuses, before anything is written, a run whose NVMe files cannot fit the swap folder's
     disk: the parameters in their dtype and the optimizer's fp32 state for the trainable ones
-    (master, m and v: 12 bytes per element, in two slots)."""
+    (master, m and v: 12 bytes per element, in one slot or two: tier.optimizer.state_copies)."""
     n_params, _, _, trainable = shape
     esize = _esize(args)
-    footprint.check_nvme_room([swap_dir], {"parameters": n_params * esize, "optimizer state": 24 * trainable})
+    state = 12 * trainable * _state_copies(config)
+    footprint.check_nvme_room([swap_dir], {"parameters": n_params * esize, "optimizer state": state})
 
 
 def peak_rss_bytes():
@@ -207,10 +218,11 @@ def default_config(args, shape):
         # Host memory is bounded by this budget, not by the model (params, gradients and optimizer
         # state live on NVMe); a few layers' worth is enough. The NVMe budget caps the swap files,
         # which grow with what they hold: params and gradients (and room to stage the next) and
-        # the optimizer's fp32 state in the same files (12 bytes per parameter, twice: the
-        # committed copy and the next).
+        # the optimizer's fp32 state in the same files (12 bytes per parameter, once, and a few
+        # spare chunks; room for two copies, so that tier.optimizer.state_copies 2 fits too: the
+        # budget is a cap, not an allocation).
         "tier": {"budgets": {"device": device_budget, "host": max(64 << 20, 4 * largest, min(2 * total, 1 << 30)),
-                             "nvme": max(256 << 20, 3 * total) + 24 * n_params + (64 << 20)}},
+                             "nvme": max(256 << 20, 3 * total) + 24 * n_params + (512 << 20)}},
     }
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -390,8 +402,8 @@ def run(args, swap_dir):
     args = argparse.Namespace(**dict(vars(args), swap_dir=swap_dir))
     shape = model_shape(args)
     n_params = shape[0]
-    check_disk(args, shape, swap_dir)
     config = args.config or default_config(args, shape)
+    check_disk(args, shape, swap_dir, config)
     if args.trace:
         if isinstance(config, str):
             raise SystemExit("--trace with --config: set \"tier\": {\"trace_file\": ...} in the config instead")
