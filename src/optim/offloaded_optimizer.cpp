@@ -508,8 +508,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     }
     const std::uint64_t chunks = (o.max_elements + gaps + ce - 1) / ce;
     // state_copies 1: the spare slots (one per buffer for the writes in flight, and the pass's).
-    const std::uint64_t spares =
-        o.state_copies == 1 ? o.buffer_count + o.speculation_chunks : 0;
+    const std::uint64_t spares = o.state_copies == 1 ? o.buffer_count + o.speculation_chunks : 0;
     const std::uint64_t slots = o.state_copies * chunks + spares;
     // Bounded here when the optimizer sizes its own files or reserves room in a shared space.
     if (im->swap == nullptr || o.nvme_reserve) im->capacity = chunks * ce;
