@@ -73,10 +73,6 @@ Result<std::uint64_t> EngineCore::find(std::string_view name) {
 void EngineCore::release_after(Lease lease, DeviceStream stream) noexcept {
   try {
     Device& device = engine_->device();
-    if (!device.has(DeviceCap::kGpuStreams)) {
-      lease.release().ignore();  // fails only for an empty lease
-      return;
-    }
     auto event = device.record_event(stream);
     if (!event.ok()) {
       // The consumer's stream is unusable (a bad handle or a failed context): nothing can be
@@ -86,27 +82,18 @@ void EngineCore::release_after(Lease lease, DeviceStream stream) noexcept {
       lease.release().ignore();
       return;
     }
-    auto held = std::make_shared<Lease>(std::move(lease));
-    DeviceEvent::Callback end_lease = [this, held](const Status& s) {
-      try {
-        if (!s.ok()) {
-          TIER_LOG(kError, "DLPack deleter: the consumer's stream failed (", s.to_string(),
-                   ") before the lease ended; its memory may hold partial writes");
-        }
-        held->release().ignore();
-      } catch (...) {
-        // Only logging can throw; the lease has ended (or ends with `held`).
-      }
-      std::lock_guard<std::mutex> lock(release_mu_);
-      --pending_releases_;
-      release_cv_.notify_all();
-    };
     {
       std::lock_guard<std::mutex> lock(release_mu_);
       ++pending_releases_;
     }
+    // The lease's end runs first, then this count: the engine outlives every deferred end.
+    if (Status s = lease.release_after(*event); !s.ok()) lease.release().ignore();
     try {
-      event->on_complete(std::move(end_lease));
+      event->on_complete([this](const Status&) {
+        std::lock_guard<std::mutex> lock(release_mu_);
+        --pending_releases_;
+        release_cv_.notify_all();
+      });
     } catch (...) {
       std::lock_guard<std::mutex> lock(release_mu_);
       --pending_releases_;
@@ -114,8 +101,8 @@ void EngineCore::release_after(Lease lease, DeviceStream stream) noexcept {
       throw;
     }
   } catch (...) {
-    // Out of memory while deferring: the lease ends as `lease` (or `held`) goes out of scope, i.e.
-    // now. Nothing may escape a DLPack deleter.
+    // Out of memory while deferring: the lease ends as `lease` goes out of scope, i.e. now.
+    // Nothing may escape a DLPack deleter.
   }
 }
 

@@ -5,12 +5,16 @@
 // MemoryError, TimeoutError, OSError), so callers can catch either.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "binding_util.hpp"
@@ -19,6 +23,7 @@
 #include "tier/cpu_kernels.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/engine.hpp"
+#include "tier/log.hpp"
 #include "tier/offloaded_optimizer.hpp"
 #include "tier/stats.hpp"
 #include "tier/units.hpp"
@@ -108,7 +113,11 @@ struct PyLease {
   std::uintptr_t data_ptr() const { return lease ? reinterpret_cast<std::uintptr_t>(lease->data()) : 0; }
   std::uint64_t nbytes() const { return lease ? lease->bytes() : 0; }
 
-  nb::ndarray<nb::array_api> as_tensor(std::vector<std::size_t> shape) {
+  // `stream`: the consumer's GPU stream (a cudaStream_t as an integer, as torch's
+  // Stream.cuda_stream gives it). With one, the lease ends in stream order when the last view is
+  // freed: after an event recorded on `stream` then has completed (Lease::release_after), so
+  // kernels queued before the view died still read (or write) this memory, not a reused block.
+  nb::ndarray<nb::array_api> as_tensor(std::vector<std::size_t> shape, std::optional<std::uintptr_t> stream) {
     if (!lease || !lease->valid()) raise(failed_precondition("lease already released"));
     if (lease->data() == nullptr) raise(failed_precondition("a lease on the NVMe tier has no memory to view"));
     const std::size_t numel = lease->bytes() / dtype_size(dtype);
@@ -119,18 +128,61 @@ struct PyLease {
     struct Keep {
       std::shared_ptr<Lease> lease;
       nb::object engine;
+      bool ordered = false;
+      DeviceStream stream = nullptr;
+      ~Keep() {
+        if (!ordered || !lease || !lease->valid()) return;
+        if (Status s = lease->release_after(stream); !s.ok()) {
+          TIER_LOG(kError, "tier: a view's lease could not end in stream order (", s.to_string(),
+                   "); it ends now, without waiting for that stream's work");
+          lease->release().ignore();
+        }
+      }
     };
-    auto* keep = new Keep{lease, engine_ref};
-    nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<Keep*>(p); });
+    auto* keep =
+        new Keep{lease, engine_ref, stream.has_value(), stream ? reinterpret_cast<DeviceStream>(*stream) : nullptr};
+    nb::capsule owner(keep, [](void* p) noexcept {
+      try {
+        delete static_cast<Keep*>(p);
+      } catch (...) {
+        // Only logging can throw; the lease has ended with `keep`.
+      }
+    });
     lease.reset();  // the view owns it now
     return nb::ndarray<nb::array_api>(keep->lease->data(), shape.size(), shape.data(), owner, nullptr, dl_dtype(dtype),
                                       device_type, device_id);
+  }
+
+  void release_after(std::uintptr_t stream) {
+    if (!lease || !lease->valid()) raise(failed_precondition("lease already released"));
+    check(lease->release_after(reinterpret_cast<DeviceStream>(stream)));
+    lease.reset();
   }
 
   void release() {
     if (lease && lease->valid()) check(lease->release());
     lease.reset();
   }
+};
+
+// For tests of stream order on the emulated device's delayed streams: holds a stream (its worker
+// waits in a host function) until open() or until the gate is freed, so work queued behind it
+// provably runs later than the caller's next steps.
+struct StreamGate {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+  };
+  std::shared_ptr<State> state = std::make_shared<State>();
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->open = true;
+    }
+    state->cv.notify_all();
+  }
+  ~StreamGate() { open(); }
 };
 
 }  // namespace
@@ -252,14 +304,38 @@ NB_MODULE(_tier, m) {
       .def_prop_ro("data_ptr", &PyLease::data_ptr)
       .def_prop_ro("nbytes", &PyLease::nbytes)
       .def_prop_ro("tier", [](const PyLease& l) { return l.lease ? tier_name(l.lease->tier()) : ""; })
-      .def("as_tensor", &PyLease::as_tensor, "shape"_a = std::vector<std::size_t>{},
+      .def("as_tensor", &PyLease::as_tensor, "shape"_a = std::vector<std::size_t>{}, "stream"_a = nb::none(),
            "A DLPack array (torch.from_dlpack / numpy.from_dlpack) viewing the copy. The view takes over the "
-           "lease: it ends when the last view is freed.")
-      .def("release", &PyLease::release);
+           "lease: it ends when the last view is freed, or, with `stream` (the consumer's cudaStream_t as an "
+           "integer), once the work queued on that stream by then has completed.")
+      .def("release", &PyLease::release)
+      .def("release_after", &PyLease::release_after, "stream"_a,
+           "Ends the lease once the work queued on `stream` (a cudaStream_t as an integer) so far has completed.");
+
+  nb::class_<StreamGate>(m, "StreamGate", "A held device stream (tests); open() lets its work run.")
+      .def("open", &StreamGate::open);
 
   nb::class_<Engine>(m, "Engine", "The tiering engine.")
       .def_static(
           "create", [](const EngineConfig& cfg) { return unwrap(Engine::create(cfg)); }, "config"_a)
+      .def(
+          "_hold_stream",
+          [](Engine& e, std::uintptr_t stream) {
+            Device& d = e.device();
+            if (d.info().kind != DeviceKind::kEmulated || !d.has(DeviceCap::kGpuStreams)) {
+              raise(failed_precondition(
+                  "_hold_stream is for the emulated device with tier.emulated.delayed_streams: true"));
+            }
+            auto gate = std::make_unique<StreamGate>();
+            check(d.enqueue_host(reinterpret_cast<DeviceStream>(stream), [st = gate->state] {
+              std::unique_lock<std::mutex> lock(st->mu);
+              st->cv.wait(lock, [&] { return st->open; });
+            }));
+            return gate;
+          },
+          "stream"_a,
+          "Tests: holds `stream` of the emulated device's delayed streams until the returned gate is opened "
+          "(or freed).")
       .def(
           "register",
           [](Engine& e, const std::string& name, const std::string& dtype, std::uint64_t numel, const std::string& role,

@@ -117,6 +117,11 @@ struct EmulatedDeviceConfig {
   std::uint64_t h2d_bytes_per_second = 0;  // 0: unlimited
   std::uint64_t d2h_bytes_per_second = 0;  // 0: unlimited
   double latency_us = 0;                   // added to every copy
+  // Compute streams that really run later: each DeviceStream handle is a worker thread running
+  // the stream's work (stream_wait, record_event, enqueue_host) in order, as a GPU stream does,
+  // instead of the caller's thread running it at once. For tests: a consumer that ends a lease
+  // before its stream has finished with the memory reads or writes the wrong bytes here too.
+  bool delayed_streams = false;
 };
 
 // tier.io: NVMe engine choices beyond DeepSpeed's aio section.

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "tier/config.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/stats.hpp"
 #include "tier/status.hpp"
 #include "tier/types.hpp"
@@ -52,6 +53,8 @@ const char* access_name(Access a) noexcept;  // "read", "write", "read_write"
 class Engine;
 class Device;
 class HostArena;
+// A caller's GPU stream (a cudaStream_t; nullptr: the legacy default stream), as in tier/ext/device.hpp.
+using DeviceStream = void*;
 
 namespace nvme {
 class SwapSpace;
@@ -87,6 +90,21 @@ class Lease {
   // must have finished using data() (on a GPU: synchronized the stream that used it). Errors:
   // kFailedPrecondition for an empty lease.
   Status release();
+  // Ends the lease once `done` has completed, and returns at once (this Lease is empty after).
+  // For a consumer that used data() on a GPU stream: `done` is an event recorded on that stream
+  // after its last use (Device::record_event). Until it completes the copy stays pinned: it is not
+  // evicted, its memory is not handed to another copy, and a write lease's contents are neither
+  // published nor copied anywhere. If `done` fails (the stream's work failed), a read lease ends
+  // and a write lease is abandoned, since its memory may hold partial writes (the tensor keeps the
+  // contents it had), and the log says so. Errors: kFailedPrecondition for an empty lease,
+  // kInvalidArgument for an empty event; the lease is kept on error.
+  Status release_after(const DeviceEvent& done);
+  // Records an event on `stream` with the engine's device and ends the lease after it, as above.
+  // Work on other streams is the caller's to order before `stream`. On a device without GPU
+  // streams (the emulated device, unless tier.emulated.delayed_streams) the event is complete at
+  // once: the same as release(). A lease that outlived its engine ends at once. Errors: those of
+  // release_after(event), and the device's when the event cannot be recorded (the lease is kept).
+  Status release_after(DeviceStream stream);
   // Ends a write lease without publishing it: the tensor keeps the contents it had before the
   // acquire. Only for a lease whose memory was not written (e.g. a consumer that never used it);
   // for a read lease it is the same as release().

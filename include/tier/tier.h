@@ -312,8 +312,9 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_write(tier_engine_t* engine
  * on `stream` and ends the lease only once that event has completed: everything queued on
  * `stream` before the deleter call has finished reading (or, for a write lease, writing) the
  * memory before tier copies it anywhere, drops it or hands it to another lease. Work on other
- * streams is the consumer's to order before `stream`. On the emulated device streams do not
- * exist; the lease ends inside the deleter.
+ * streams is the consumer's to order before `stream`. On the emulated device the caller's thread
+ * is the stream and the lease ends inside the deleter, unless tier.emulated.delayed_streams makes
+ * each stream handle a worker that runs its work later (for tests), as a GPU does.
  *
  * Errors here: TIER_ERROR_INVALID_ARGUMENT (NULL argument, bad enum, TIER_TIER_NVME),
  * TIER_ERROR_NOT_FOUND (stale or foreign handle). Errors of the acquire itself (budget too small,

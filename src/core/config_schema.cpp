@@ -652,6 +652,7 @@ std::vector<KeySpec> build_schema() {
           .TIER_FIELD(tier.emulated.d2h_bytes_per_second)
           .sample(1000000, "slow"));
   add(K("tier.emulated.latency_us", VK::kNumber).range(0, 1e9).TIER_FIELD(tier.emulated.latency_us).sample(5.0, -1.0));
+  add(K("tier.emulated.delayed_streams", VK::kBool).TIER_FIELD(tier.emulated.delayed_streams).sample(true, "later"));
   add(K("tier.optimizer_threads", VK::kInt).range(0, 4096).auto_is(0).TIER_FIELD(tier.optimizer_threads).sample(2, -1));
   add(K("tier.trace_file", VK::kString).TIER_FIELD(tier.trace_file).sample("step-trace.json", 5));
   add(K("tier.optimizer", VK::kObject));

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "engine/engine_impl.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/log.hpp"
 #include "tier/units.hpp"
 
@@ -96,6 +97,43 @@ Status Lease::release() {
   state_->end();
   state_.reset();
   return Status::Ok();
+}
+
+Status Lease::release_after(const DeviceEvent& done) {
+  if (!state_) return failed_precondition("release_after of an empty lease");
+  if (!done.valid()) return invalid_argument("release_after: the event is empty (DeviceEvent()); the lease is kept");
+  std::shared_ptr<detail::LeaseState> st = std::move(state_);
+  try {
+    done.on_complete([st](const Status& s) {
+      if (s.ok()) {
+        st->end();
+        return;
+      }
+      const bool wrote = st->access != Access::kRead;
+      TIER_LOG(kError, "lease of tensor ", st->tensor, " on the ", tier_name(st->tier),
+               " tier: the event it was to end after failed (", s.to_string(), "); ",
+               wrote ? "its writes are not published, the tensor keeps the contents it had" : "the read lease ends");
+      st->end(/*abandon=*/wrote);
+    });
+  } catch (...) {
+    st->end();  // out of memory while deferring: end it now rather than never
+    throw;
+  }
+  return Status::Ok();
+}
+
+Status Lease::release_after(DeviceStream stream) {
+  if (!state_) return failed_precondition("release_after of an empty lease");
+  Result<DeviceEvent> done = DeviceEvent::completed();
+  const bool attached =
+      state_->link && state_->link->with([&](Engine::Impl& e) { done = e.be.device->record_event(stream); });
+  if (!attached) return release();  // the engine is gone: nothing left to order after
+  if (!done.ok()) {
+    return Status(done.status().code(),
+                  str("release_after: could not record an event on the consumer's stream; the lease is kept: ",
+                      done.status().message()));
+  }
+  return release_after(*done);
 }
 
 Status Lease::abandon() {

@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -35,6 +36,19 @@
 namespace tier {
 
 namespace {
+
+// cudaLaunchHostFunc's function: runs and frees the std::function enqueue_host gave it. Nothing
+// may escape into the CUDA runtime's thread.
+void CUDART_CB run_host_fn(void* user) {
+  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(user));
+  try {
+    (*fn)();
+  } catch (const std::exception& e) {
+    TIER_LOG(kError, "enqueue_host: a host function on a CUDA stream threw: ", e.what());
+  } catch (...) {
+    TIER_LOG(kError, "enqueue_host: a host function on a CUDA stream threw");
+  }
+}
 
 Status cuda_status(cudaError_t err, const std::string& what) {
   cudaGetLastError();  // clear a non-sticky error so the next call starts clean
@@ -318,6 +332,15 @@ class CudaDevice final : public Device {
     state->destroy_native = &destroy_cuda_event;
     recorded_->push(state, Counters::Transfer(), 0);
     return DeviceEvent(std::move(state));
+  }
+
+  Status do_enqueue_host(DeviceStream stream, std::function<void()> fn) override {
+    DeviceGuard g(id_);
+    auto held = std::make_unique<std::function<void()>>(std::move(fn));
+    const cudaError_t err = cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), &run_host_fn, held.get());
+    if (err != cudaSuccess) return cuda_status(err, str(info_.name, ": cudaLaunchHostFunc on the caller's stream"));
+    held.release();  // run_host_fn frees it
+    return Status();
   }
 
   Status do_synchronize() override {

@@ -160,6 +160,11 @@ Result<DeviceEvent> Device::record_event(DeviceStream stream) {
   return do_record_event(stream);
 }
 
+Status Device::enqueue_host(DeviceStream stream, std::function<void()> fn) {
+  if (!fn) return invalid_argument(str(info_.name, ": enqueue_host of an empty function"));
+  return do_enqueue_host(stream, std::move(fn));
+}
+
 Status Device::synchronize() {
   return do_synchronize();
 }

@@ -6,11 +6,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <new>
 
 #include "gpu/caching_allocator.hpp"
 #include "gpu/emulated_stream.hpp"
 #include "tier/ext/device.hpp"
+#include "tier/log.hpp"
 #include "tier/units.hpp"
 
 namespace tier {
@@ -86,6 +88,7 @@ class EmulatedDevice final : public Device {
     const std::uint64_t total = physical_memory();
     const std::uint64_t budget = o.budget_bytes ? o.budget_bytes : std::max<std::uint64_t>(total / 4, 64ull << 20);
     const bool paced = o.emulated.h2d_bytes_per_second || o.emulated.d2h_bytes_per_second || o.emulated.latency_us > 0;
+    delayed_ = o.emulated.delayed_streams;
     info_.kind = DeviceKind::kEmulated;
     info_.name = "emulated";
     info_.device_id = 0;
@@ -93,17 +96,30 @@ class EmulatedDevice final : public Device {
     info_.caps = static_cast<std::uint32_t>(DeviceCap::kAsyncCopy) |
                  static_cast<std::uint32_t>(DeviceCap::kDuplexCopy) |
                  static_cast<std::uint32_t>(DeviceCap::kHostAddressable) |
-                 (paced ? static_cast<std::uint32_t>(DeviceCap::kPacedCopies) : 0u);
+                 (paced ? static_cast<std::uint32_t>(DeviceCap::kPacedCopies) : 0u) |
+                 (delayed_ ? static_cast<std::uint32_t>(DeviceCap::kGpuStreams) : 0u);
     info_.detail = str("host memory as device memory, budget ", format_bytes(budget), ", h2d ",
                        rate_text(o.emulated.h2d_bytes_per_second), ", d2h ", rate_text(o.emulated.d2h_bytes_per_second),
-                       ", latency ", o.emulated.latency_us, " us");
+                       ", latency ", o.emulated.latency_us, " us", delayed_ ? ", delayed streams" : "");
     init_allocator(std::make_unique<HostRawMemory>(), budget, o.alloc_timeout);
     h2d_ = std::make_unique<detail::EmulatedStream>("emulated device h2d stream", Link::kHostToDevice,
                                                     o.emulated.h2d_bytes_per_second, o.emulated.latency_us, counters_);
     d2h_ = std::make_unique<detail::EmulatedStream>("emulated device d2h stream", Link::kDeviceToHost,
                                                     o.emulated.d2h_bytes_per_second, o.emulated.latency_us, counters_);
   }
-  ~EmulatedDevice() override { shutdown(); }
+  ~EmulatedDevice() override {
+    // The compute streams' queued work may still read or write device memory and post copies:
+    // it runs to its end before the copies drain and the memory goes.
+    std::vector<detail::EmulatedComputeStream*> streams;
+    {
+      std::lock_guard<std::mutex> lock(streams_mu_);
+      for (auto& [handle, stream] : streams_) streams.push_back(stream.get());
+    }
+    for (auto* c : streams) c->drain();
+    shutdown();
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    streams_.clear();
+  }
 
  protected:
   Result<DeviceEvent> submit_copy(CopyDirection dir, void* dst, const void* src, std::uint64_t bytes,
@@ -115,16 +131,45 @@ class EmulatedDevice final : public Device {
     return Status();
   }
   Status do_unregister_host(void*, std::uint64_t) override { return Status(); }
-  // The caller's thread is the compute stream.
-  Status do_stream_wait(DeviceStream, const DeviceEvent& event) override { return event.wait(); }
-  Result<DeviceEvent> do_record_event(DeviceStream) override { return DeviceEvent::completed(); }
+  // Without delayed streams the caller's thread is the compute stream; with them each handle is a
+  // worker (EmulatedComputeStream), made on first use.
+  Status do_stream_wait(DeviceStream stream, const DeviceEvent& event) override {
+    if (!delayed_) return event.wait();
+    compute(stream).wait(event);
+    return Status();
+  }
+  Result<DeviceEvent> do_record_event(DeviceStream stream) override {
+    if (!delayed_) return DeviceEvent::completed();
+    return compute(stream).record();
+  }
+  Status do_enqueue_host(DeviceStream stream, std::function<void()> fn) override {
+    if (!delayed_) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        TIER_LOG(kError, "emulated device: a host function threw: ", e.what());
+      } catch (...) {
+        TIER_LOG(kError, "emulated device: a host function threw");
+      }
+      return Status();
+    }
+    compute(stream).enqueue(std::move(fn));
+    return Status();
+  }
   Status do_synchronize() override {
+    bool ok = true;
+    std::vector<detail::EmulatedComputeStream*> streams;
+    {
+      std::lock_guard<std::mutex> lock(streams_mu_);
+      for (auto& [handle, stream] : streams_) streams.push_back(stream.get());
+    }
+    for (auto* c : streams) ok = c->drain() && ok;  // streams are never removed before the destructor
     const bool a = h2d_->drain();
     const bool b = d2h_->drain();
-    if (!a || !b) {
+    if (!a || !b || !ok) {
       return failed_precondition(
-          "emulated device: synchronize() (or read_device/write_device) called from a copy callback, which cannot "
-          "wait for its own stream; callbacks must not block");
+          "emulated device: synchronize() (or read_device/write_device) called from a copy callback or a "
+          "stream's host function, which cannot wait for its own stream; callbacks must not block");
     }
     return Status();
   }
@@ -138,8 +183,21 @@ class EmulatedDevice final : public Device {
   }
 
  private:
+  detail::EmulatedComputeStream& compute(DeviceStream handle) {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    auto& s = streams_[handle];
+    if (!s) {
+      s = std::make_unique<detail::EmulatedComputeStream>(handle ? str("emulated device stream ", handle)
+                                                                 : std::string("emulated device default stream"));
+    }
+    return *s;
+  }
+
+  bool delayed_ = false;
   std::unique_ptr<detail::EmulatedStream> h2d_;
   std::unique_ptr<detail::EmulatedStream> d2h_;
+  std::mutex streams_mu_;
+  std::map<DeviceStream, std::unique_ptr<detail::EmulatedComputeStream>> streams_;
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "gpu/event_state.hpp"
+#include "tier/log.hpp"
 #include "tier/units.hpp"
 
 namespace tier::detail {
@@ -121,6 +122,88 @@ void EmulatedStream::paced_copy(const Task& t, Clock::time_point start) {
     std::this_thread::sleep_until(at(done));
   }
   timeline_ = at(t.bytes);
+}
+
+EmulatedComputeStream::EmulatedComputeStream(std::string name) : name_(std::move(name)), worker_([this] { run(); }) {}
+
+EmulatedComputeStream::~EmulatedComputeStream() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();
+}
+
+void EmulatedComputeStream::push(Task t) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(t));
+    ++submitted_;
+  }
+  work_cv_.notify_one();
+}
+
+void EmulatedComputeStream::wait(DeviceEvent event) {
+  Task t;
+  t.after = std::move(event);
+  push(std::move(t));
+}
+
+DeviceEvent EmulatedComputeStream::record() {
+  Task t;
+  t.marker = EventState::pending(EventDomain::kHost);
+  DeviceEvent ev(t.marker);
+  push(std::move(t));
+  return ev;
+}
+
+void EmulatedComputeStream::enqueue(std::function<void()> fn) {
+  Task t;
+  t.fn = std::move(fn);
+  push(std::move(t));
+}
+
+bool EmulatedComputeStream::drain() {
+  if (std::this_thread::get_id() == worker_.get_id()) return false;
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::uint64_t target = submitted_;
+  idle_cv_.wait(lock, [&] { return completed_ >= target; });
+  return true;
+}
+
+void EmulatedComputeStream::run() {
+  for (;;) {
+    Task t;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      t = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (t.after.valid()) {
+      Status s = t.after.wait();
+      if (!s.ok() && sticky_.ok()) {
+        sticky_ = cancelled(str(name_, ": the stream waited for an event that failed: ", s.to_string()));
+      }
+    }
+    if (t.fn) {
+      try {
+        t.fn();
+      } catch (const std::exception& e) {
+        TIER_LOG(kError, name_, ": a host function threw: ", e.what());
+      } catch (...) {
+        TIER_LOG(kError, name_, ": a host function threw");
+      }
+    }
+    if (t.marker) t.marker->complete(sticky_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++completed_;
+    }
+    idle_cv_.notify_all();
+  }
 }
 
 }  // namespace tier::detail

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -80,6 +81,51 @@ class EmulatedStream {
   std::uint64_t completed_ = 0;
   bool stop_ = false;
   Clock::time_point timeline_{};  // theoretical end of the last paced copy (worker only)
+  std::thread worker_;
+};
+
+// One compute stream of the emulated device in its delayed mode (tier.emulated.delayed_streams):
+// a worker thread that runs the stream's work in the order it was queued, later than the caller
+// queued it, as a GPU runs a stream's kernels. Work is a wait for an event (stream_wait), a point
+// whose event completes when the worker reaches it (record_event), or a host function
+// (enqueue_host). A waited event that failed makes the stream's later points complete with that
+// failure (a sticky error, as a CUDA context keeps one), so nothing ordered after it passes as
+// done.
+//
+// Thread safety: every member may be called from any thread.
+class EmulatedComputeStream {
+ public:
+  explicit EmulatedComputeStream(std::string name);
+  // Runs what is queued, then stops the worker.
+  ~EmulatedComputeStream();
+  EmulatedComputeStream(const EmulatedComputeStream&) = delete;
+  EmulatedComputeStream& operator=(const EmulatedComputeStream&) = delete;
+
+  void wait(DeviceEvent event);
+  DeviceEvent record();
+  void enqueue(std::function<void()> fn);
+  // Waits until the work queued before the call has run. False, without waiting, from the
+  // stream's own worker.
+  bool drain();
+
+ private:
+  struct Task {
+    DeviceEvent after;                   // wait for this (if valid)
+    std::shared_ptr<EventState> marker;  // complete this (if set)
+    std::function<void()> fn;            // run this (if set)
+  };
+  void push(Task t);
+  void run();
+
+  const std::string name_;
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable idle_cv_;
+  std::deque<Task> queue_;
+  std::uint64_t submitted_ = 0;
+  std::uint64_t completed_ = 0;
+  bool stop_ = false;
+  Status sticky_;  // worker only
   std::thread worker_;
 };
 

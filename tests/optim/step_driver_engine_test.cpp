@@ -7,8 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <chrono>
 #include <cstring>
+#include <future>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nvme/nvme_test_util.hpp"
@@ -16,6 +20,7 @@
 #include "tier/comm.hpp"
 #include "tier/cpu_kernels.hpp"
 #include "tier/engine.hpp"
+#include "tier/ext/device.hpp"
 #include "tier/step_driver.hpp"
 
 namespace tier::step {
@@ -41,9 +46,10 @@ std::unique_ptr<StepDriver> make_driver(const std::string& nvme_dir, std::uint64
   return d.ok() ? std::move(d).value() : nullptr;
 }
 
-std::unique_ptr<Engine> make_engine() {
+std::unique_ptr<Engine> make_engine(bool delayed_streams = false) {
   EngineConfig c;
   c.tier.device = DeviceKind::kEmulated;
+  c.tier.emulated.delayed_streams = delayed_streams;
   c.tier.device_budget = 1u << 20;
   c.tier.host_budget = 16u << 20;
   c.tier.debug_checks = true;
@@ -143,6 +149,89 @@ TEST(StepDriverEngine, ASerialStepReadsDeclaredGradientsAndWritesTheParamsIntoTh
   }
   // Declared gradients are read by the update alone: one host pass per element.
   EXPECT_DOUBLE_EQ(rig.driver->host_passes_per_grad_element(), 1.0);
+}
+
+// Training steps whose "kernels" run on a delayed stream (tier.emulated.delayed_streams), later
+// than the host queues them, as a GPU runs them: forward reads each parameter's device copy,
+// backward fetches it again (the saved weight) and writes its gradient into the gradient tensor's
+// device copy; every lease ends in stream order. The host runs ahead to the optimizer's step,
+// which must read the gradients the stream wrote and write the params back only after the stream
+// read them. Each kernel sees the params of its step, and the result is the plain engine's bits.
+// Ending the gradient leases with release() instead fails here (the step reads gradients the
+// stream has not written yet). Nothing reuses a parameter's device memory before the stream reads
+// it in this loop, so a read lease's early end is caught by engine_stream_order_test.cpp instead.
+TEST(StepDriverEngine, ATrainingLoopOnDelayedStreamsGivesThePlainEnginesBits) {
+  const std::string base = nvme::test::shm_base();
+  ScratchDir dir_a(base, "driver-plain"), dir_b(base, "driver-streams");
+  auto plain_engine = make_engine();
+  auto engine = make_engine(/*delayed_streams=*/true);
+  ASSERT_TRUE(plain_engine && engine);
+  ASSERT_TRUE(engine->device().has(DeviceCap::kGpuStreams));
+  Rig plain(*plain_engine, dir_a.path(), "plain");
+  Rig rig(*engine, dir_b.path(), "streams");
+  ASSERT_TRUE(plain.driver && rig.driver);
+  Device& dev = engine->device();
+  const DeviceStream s = reinterpret_cast<DeviceStream>(0x5);
+  const std::size_t n = rig.numels.size();
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<std::vector<std::uint16_t>> before(n), fwd(n), bwd(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      before[k] = rig.engine_param(k);
+      fwd[k].resize(rig.numels[k]);
+      bwd[k].resize(rig.numels[k]);
+      ASSERT_TRUE(plain.driver->declare_grad(k, plain.put_grad(k, grad_of(k, plain.numels[k], step))).ok());
+    }
+    ASSERT_TRUE(plain.driver->step(plain.args()).ok());
+
+    // The stream is held until the host has queued the whole step and gone on to the optimizer.
+    auto gate = std::make_shared<std::promise<void>>();
+    ASSERT_TRUE(dev.enqueue_host(s, [f = gate->get_future().share()] { f.wait(); }).ok());
+    for (std::size_t k = 0; k < n; ++k) {  // forward
+      auto w = engine->acquire(static_cast<TensorId>(rig.param_tensors[k]), Tier::kDevice, Access::kRead).wait();
+      ASSERT_TRUE(w.ok()) << w.status();
+      const void* src = w->data();
+      std::uint16_t* out = fwd[k].data();
+      const std::uint64_t bytes = rig.numels[k] * 2;
+      ASSERT_TRUE(dev.enqueue_host(s, [=] { std::memcpy(out, src, bytes); }).ok());
+      ASSERT_TRUE(w->release_after(s).ok());
+    }
+    std::vector<double> sumsq(n);
+    for (std::size_t k = n; k-- > 0;) {  // backward, in reverse
+      auto w = engine->acquire(static_cast<TensorId>(rig.param_tensors[k]), Tier::kDevice, Access::kRead).wait();
+      auto g = engine->acquire(static_cast<TensorId>(rig.grad_tensors[k]), Tier::kDevice, Access::kWrite).wait();
+      ASSERT_TRUE(w.ok() && g.ok());
+      auto grad = std::make_shared<std::vector<float>>(grad_of(k, rig.numels[k], step));
+      sumsq[k] = cpu::sum_of_squares(cpu::ConstTensorRef(grad->data(), DType::kF32, grad->size())).value();
+      const void* src = w->data();
+      void* dst = g->data();
+      std::uint16_t* out = bwd[k].data();
+      const std::uint64_t bytes = rig.numels[k] * 2;
+      ASSERT_TRUE(dev.enqueue_host(s,
+                                   [=] {
+                                     std::memcpy(out, src, bytes);
+                                     std::memcpy(dst, grad->data(), grad->size() * 4);
+                                   })
+                      .ok());
+      ASSERT_TRUE(w->release_after(s).ok());
+      ASSERT_TRUE(g->release_after(s).ok());
+    }
+    for (std::size_t k = 0; k < n; ++k) ASSERT_TRUE(rig.driver->declare_grad(k, sumsq[k]).ok());
+    std::thread opener([gate] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      gate->set_value();
+    });
+    auto r = rig.driver->step(rig.args());  // waits for the stream's gradients, not for the gate
+    opener.join();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->applied);
+    ASSERT_TRUE(dev.synchronize().ok());
+    for (std::size_t k = 0; k < n; ++k) {
+      EXPECT_EQ(fwd[k], before[k]) << "step " << step << ", forward of param " << k;
+      EXPECT_EQ(bwd[k], before[k]) << "step " << step << ", backward of param " << k;
+      EXPECT_EQ(rig.engine_param(k), plain.engine_param(k)) << "step " << step << ", param " << k;
+      EXPECT_NE(rig.engine_param(k), before[k]) << "step " << step << ", param " << k << " did not change";
+    }
+  }
 }
 
 TEST(StepDriverEngine, OverlappedAndAsynchronousStepsGiveTheSerialStepsBits) {

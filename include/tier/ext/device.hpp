@@ -33,6 +33,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -181,8 +182,15 @@ class Device {
   // An event that completes when the work submitted to `stream` so far has completed. Without
   // kGpuStreams the caller's thread is the stream, so the event is already complete.
   Result<DeviceEvent> record_event(DeviceStream stream);
+  // Runs `fn` on the host in `stream`'s order: after the work queued on `stream` before the call,
+  // and before the work queued after it (CUDA: cudaLaunchHostFunc, so `fn` must not call CUDA;
+  // the emulated device's delayed streams: on the stream's worker). Without kGpuStreams `fn` runs
+  // here, before the call returns. An exception escaping `fn` is logged and swallowed. For
+  // consumers that work on the host in stream order, and for tests that stand in for kernels.
+  Status enqueue_host(DeviceStream stream, std::function<void()> fn);
 
-  // Waits until every copy submitted so far has completed and its callbacks have run.
+  // Waits until every copy submitted so far (and, on the emulated device's delayed streams, the
+  // work queued on its compute streams) has completed and its callbacks have run.
   Status synchronize();
 
   // ---- for tests and debugging: synchronous, after every copy submitted so far, not counted
@@ -207,6 +215,7 @@ class Device {
   virtual Status do_unregister_host(void* base, std::uint64_t bytes) = 0;
   virtual Status do_stream_wait(DeviceStream stream, const DeviceEvent& event) = 0;
   virtual Result<DeviceEvent> do_record_event(DeviceStream stream) = 0;
+  virtual Status do_enqueue_host(DeviceStream stream, std::function<void()> fn) = 0;
   virtual Status do_synchronize() = 0;
   virtual Status do_read(void* dst, const void* device_src, std::uint64_t bytes) = 0;
   virtual Status do_write(void* device_dst, const void* src, std::uint64_t bytes) = 0;

@@ -161,15 +161,17 @@ class FetchMixin:
                 self._gather_params([slot])
             else:
                 lease = self.native.acquire(slot.tid, "device", "read")
-                # The view owns the lease: it ends when nothing references the memory any more.
-                slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape)))
+                # The view owns the lease: it ends when nothing references the memory any more,
+                # and on CUDA only once the kernels queued by then on the stream have run.
+                stream = _activations.lease_stream(self.device)
+                slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape), stream=stream))
                 self._saved_params.placed(slot)
         slot.fetches += 1
 
     def _shard_of(self, slot, device):
         """This rank's stage-3 shard of a parameter (padded), on ``device``."""
         lease = self.native.acquire(slot.tid, "device", "read")
-        view = torch.from_dlpack(lease.as_tensor())
+        view = torch.from_dlpack(lease.as_tensor(stream=_activations.lease_stream(self.device)))
         out = view.to(device, copy=True)
         del view, lease
         return out
@@ -205,20 +207,9 @@ class FetchMixin:
         slot.fetches -= 1
         if slot.fetches == 0:
             self._saved_params.removed(slot)
-            if self.device.type == "cuda":
-                # Kernels queued on the stream may still read the memory: keep the view (and so the
-                # lease) until an event recorded after them has completed.
-                event = torch.cuda.Event()
-                event.record()
-                self._deferred.append((event, slot.param.data))
+            # Kernels queued on the stream may still read the memory: the view's lease ends after
+            # them (lease_stream at the fetch), not here.
             slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        self._end_finished_leases()
-
-    def _end_finished_leases(self, wait=False):
-        while self._deferred and (wait or self._deferred[0][0].query()):
-            event, _ = self._deferred.popleft()
-            if wait:
-                event.synchronize()
 
     def _enter_forward(self):
         # A forward that is not part of a training micro-step (under no_grad, or in an

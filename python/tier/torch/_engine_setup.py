@@ -35,7 +35,7 @@ class SetupMixin:
                 f"tier.activations.offload is {home!r} but the engine runs inference only (no optimizer): there is no "
                 "backward to keep checkpoints for; remove it"
             )
-        self._activations = _activations.ActivationOffload(self.native, home)
+        self._activations = _activations.ActivationOffload(self.native, home, self.device)
         self._saved_params.offload = self._activations
         _activations.mark_model_checkpoints(model)
 

@@ -374,14 +374,16 @@ class StateMixin:
                 self._join_delayed()
             except Exception as e:  # noqa: BLE001 (the engine goes anyway; say what was lost)
                 warnings.warn(f"engine.destroy(): the last delayed update failed and is dropped: {e}", stacklevel=2)
-        self._end_finished_leases(wait=True)
+        if self.device.type == "cuda":
+            # Device leases end after the kernels queued before their views were freed: let them
+            # run before the engine (and its device memory) goes.
+            torch.cuda.current_stream(self.device).synchronize()
         self.close()
         for mod, owned in self._module_slots.items():
             guard = _destroyed_guard([(s.param, s.numel) for s in owned])
             _DESTROYED_GUARDS[mod] = mod.register_forward_pre_hook(guard)
         self._grads.clear()
         self.__dict__.pop("_grad_staging_state", None)
-        self._deferred.clear()
         self._saved_params.offload = None
         self._saved_params.clear()
         self._activations = None

@@ -83,7 +83,6 @@ class StepMixin:
             while slot.backward_fetches > 0:
                 slot.backward_fetches -= 1
                 self._drop(slot)
-        self._end_finished_leases(wait=True)
         if self._in_step:
             self.native.end_step()
             self._in_step = False

@@ -109,11 +109,22 @@ class _Pool:
             self.free.setdefault(key, []).append(tid)
 
 
+def lease_stream(device):
+    """The stream a device lease taken now must end after: on CUDA the current stream's
+    ``cudaStream_t`` (an int), so a view's lease ends only once the kernels queued on it before the
+    view was freed have run (``Lease.as_tensor(stream=...)``); None elsewhere (the CPU computes as
+    it goes, the lease ends when the view is freed)."""
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 class ActivationOffload:
     """The pool of engine tensors that hold offloaded checkpoints, and the pack/unpack of one."""
 
-    def __init__(self, native, home):
+    def __init__(self, native, home, device=None):
         self._native = native
+        self._device = device  # where the checkpoints come back (leases end in its stream order)
         self.home = home  # "host" or "nvme"
         self._pool = _Pool()
         self._registered = 0
@@ -159,5 +170,5 @@ class ActivationOffload:
         # Traced: recorded in backward order, so the prefetcher brings it back ahead of the
         # recompute from the second step on. The tensor owns the device lease.
         lease = self._native.acquire(handle.tid, "device", "read")
-        return torch.from_dlpack(lease.as_tensor(list(handle.shape)))
+        return torch.from_dlpack(lease.as_tensor(list(handle.shape), stream=lease_stream(self._device)))
 

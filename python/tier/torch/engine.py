@@ -20,7 +20,6 @@ DeepSpeed's ZeRO-Inference: ``engine.module.generate(...)`` streams the weights 
 each token's forward a step of the access trace that the prefetch scheduler replays.
 """
 
-import collections
 import json
 import os
 import warnings
@@ -336,7 +335,6 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
         self.skipped_steps = 0
         self.last_report = None
         self._in_step = False
-        self._deferred = collections.deque()  # (CUDA event, view) whose leases end after the event
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}
 
         # Buffers (e.g. rotary frequencies) stay on the compute device for good; parameters move.
