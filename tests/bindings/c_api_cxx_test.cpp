@@ -308,6 +308,56 @@ TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAWriteLease) {
   tier_engine_destroy(e);
 }
 
+// A read lease ended through its deleter while the consumer's stream still has to read it, and a
+// second tensor that needs its memory (the 4 MiB device budget holds one 4 MiB tensor): the
+// second one is granted only after the stream has read the first, so a memset of it on another
+// stream cannot land in what the first stream copies out.
+TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAReadLease) {
+  TempDir dir;
+  std::string why;
+  tier_engine_t* e = cuda_engine_or_skip(dir, &why);
+  if (e == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  std::atomic<int> deleted{0};
+  constexpr std::size_t kElems = 1 << 20;  // 4 MiB
+  constexpr std::size_t kBytes = kElems * sizeof(float);
+  tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+  opt.home = TIER_TIER_HOST;
+  tier_tensor_t a{}, b{};
+  ASSERT_EQ(tier_tensor_register(e, "a", Producer::make(kElems, 1, &deleted), &opt, &a), TIER_OK) << tier_last_error();
+  ASSERT_EQ(tier_tensor_register(e, "b", Producer::make(kElems, 2, &deleted), &opt, &b), TIER_OK) << tier_last_error();
+  cudaStream_t reader = nullptr, writer = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&reader, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&writer, cudaStreamNonBlocking));
+  float* out = nullptr;
+  CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&out), kBytes, cudaHostAllocDefault));
+
+  tier_ticket_t* ticket = nullptr;
+  DLManagedTensor* dl = nullptr;
+  ASSERT_EQ(tier_tensor_acquire(e, a, TIER_TIER_DEVICE, TIER_ACCESS_READ, reader, &ticket), TIER_OK);
+  ASSERT_EQ(tier_ticket_wait(ticket, &dl), TIER_OK) << tier_last_error();
+  tier_ticket_destroy(ticket);
+  void* where = dl->dl_tensor.data;
+  CUDA_OK(cudaLaunchHostFunc(
+      reader, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr));
+  CUDA_OK(cudaMemcpyAsync(out, where, kBytes, cudaMemcpyDeviceToHost, reader));
+  dl->deleter(dl);  // returns at once; the lease ends after the copy
+
+  ASSERT_EQ(tier_tensor_acquire(e, b, TIER_TIER_DEVICE, TIER_ACCESS_WRITE, writer, &ticket), TIER_OK);
+  ASSERT_EQ(tier_ticket_wait(ticket, &dl), TIER_OK) << tier_last_error();
+  tier_ticket_destroy(ticket);
+  EXPECT_EQ(dl->dl_tensor.data, where) << "the test needs b placed in a's block";
+  CUDA_OK(cudaMemsetAsync(dl->dl_tensor.data, 0x33, kBytes, writer));
+  dl->deleter(dl);
+  CUDA_OK(cudaStreamSynchronize(reader));
+  CUDA_OK(cudaStreamSynchronize(writer));
+  for (std::size_t i = 0; i < kElems; i += 4093) ASSERT_EQ(out[i], 1.0f + static_cast<float>(i)) << "element " << i;
+  CUDA_OK(cudaFreeHost(out));
+  CUDA_OK(cudaStreamDestroy(reader));
+  CUDA_OK(cudaStreamDestroy(writer));
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
 // A kDLCUDA source is copied in after the work on the producer's stream.
 TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
   TempDir dir;
@@ -342,6 +392,9 @@ TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
   tier_engine_destroy(e);
 }
 #else
+TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAReadLease) {
+  GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
+}
 TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAWriteLease) {
   GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
 }
