@@ -185,6 +185,28 @@ struct StreamGate {
   ~StreamGate() { open(); }
 };
 
+Access parse_access(const std::string& access) {
+  if (access == "read") return Access::kRead;
+  if (access == "write") return Access::kWrite;
+  if (access == "read_write" || access == "readwrite" || access == "rw") return Access::kReadWrite;
+  raise(invalid_argument(str("access '", access, "' is not one of: read, write, read_write")));
+}
+
+// A granted lease as Python's Lease: the dtype comes with the lease, so an acquire costs one call
+// into the engine.
+PyLease py_lease(Engine& e, Lease lease) {
+  PyLease out;
+  const Tier t = lease.tier();
+  out.dtype = lease.dtype();
+  out.lease = std::make_shared<Lease>(std::move(lease));
+  out.engine_ref = nb::find(&e);
+  if (t == Tier::kDevice && e.device().info().kind == DeviceKind::kCuda) {
+    out.device_type = nb::device::cuda::value;
+    out.device_id = e.device().info().device_id;
+  }
+  return out;
+}
+
 }  // namespace
 
 // An optimizer step's report as a dict (binding_util.hpp).
@@ -375,31 +397,53 @@ NB_MODULE(_tier, m) {
           "acquire",
           [](Engine& e, TensorId id, const std::string& tier, const std::string& access, bool traced) {
             const Tier t = unwrap(parse_tier(tier));
-            Access a = Access::kRead;
-            if (access == "write") {
-              a = Access::kWrite;
-            } else if (access == "read_write" || access == "readwrite" || access == "rw") {
-              a = Access::kReadWrite;
-            } else if (access != "read") {
-              raise(invalid_argument(str("access '", access, "' is not one of: read, write, read_write")));
-            }
-            auto info = unwrap(e.info(id));
+            const Access a = parse_access(access);
             Result<Lease> lease{Status(StatusCode::kInternal, "not acquired")};
             {
               nb::gil_scoped_release unlocked;
               lease = e.acquire_now(id, t, a, traced);
             }
-            PyLease out;
-            out.lease = std::make_shared<Lease>(unwrap(std::move(lease)));
-            out.engine_ref = nb::find(&e);
-            out.dtype = info.desc.dtype;
-            if (t == Tier::kDevice && e.device().info().kind == DeviceKind::kCuda) {
-              out.device_type = nb::device::cuda::value;
-              out.device_id = e.device().info().device_id;
-            }
-            return out;
+            return py_lease(e, unwrap(std::move(lease)));
           },
           "id"_a, "tier"_a, "access"_a = "read", "traced"_a = true)
+      .def(
+          "acquire_many",
+          [](Engine& e, const std::vector<TensorId>& ids, const std::string& tier, const std::string& access,
+             bool traced) {
+            const Tier t = unwrap(parse_tier(tier));
+            const Access a = parse_access(access);
+            std::vector<Lease> leases;
+            Status failed;
+            {
+              nb::gil_scoped_release unlocked;
+              // Every acquire is started before any is waited for, so their loads overlap.
+              std::vector<AcquireFuture> futures;
+              futures.reserve(ids.size());
+              for (TensorId id : ids) futures.push_back(e.acquire(id, t, a, traced));
+              leases.reserve(ids.size());
+              for (auto& f : futures) {
+                if (!failed.ok()) {
+                  f.cancel();  // its lease, once granted, ends unused
+                  continue;
+                }
+                auto l = f.wait();
+                if (l.ok()) {
+                  leases.push_back(std::move(l).value());
+                } else {
+                  failed = l.status();
+                }
+              }
+              if (!failed.ok()) leases.clear();  // all or nothing: the granted ones end here
+            }
+            check(failed);
+            std::vector<PyLease> out;
+            out.reserve(leases.size());
+            for (auto& l : leases) out.push_back(py_lease(e, std::move(l)));
+            return out;
+          },
+          "ids"_a, "tier"_a, "access"_a = "read", "traced"_a = true,
+          "acquire() of several tensors in one call: every acquire starts before any is waited for; all or none "
+          "are granted (on an error the granted ones end and the rest are given up).")
       .def(
           "read",
           [](Engine& e, TensorId id, nb::handle out) {

@@ -80,6 +80,7 @@ class Lease {
 
   void* data() const noexcept;
   std::uint64_t bytes() const noexcept;
+  DType dtype() const noexcept;  // the tensor's, as registered
   Tier tier() const noexcept;
   Access access() const noexcept;
   TensorId tensor() const noexcept;

@@ -85,6 +85,9 @@ std::uint64_t Lease::bytes() const noexcept {
 Tier Lease::tier() const noexcept {
   return state_ ? state_->tier : Tier::kHost;
 }
+DType Lease::dtype() const noexcept {
+  return state_ ? state_->dtype : DType::kF32;
+}
 Access Lease::access() const noexcept {
   return state_ ? state_->access : Access::kRead;
 }
@@ -459,6 +462,7 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
   lease->access = access;
   lease->data = c.buf.ptr;
   lease->bytes = t.desc.bytes();
+  lease->dtype = t.desc.dtype;
   lease->generation = t.generation;
   if (counters->tracing()) lease->name = t.desc.name;
   std::unique_lock<std::mutex> lock(st->mu);

@@ -69,6 +69,7 @@ struct LeaseState {
   Access access = Access::kRead;
   void* data = nullptr;
   std::uint64_t bytes = 0;
+  DType dtype = DType::kF32;
   std::uint64_t generation = 0;  // the tensor registration it belongs to
   std::string name;              // the tensor's name, kept only while tracing (a stall span names it)
   std::atomic<bool> released{false};

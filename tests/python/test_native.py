@@ -1,6 +1,7 @@
 """The native module: configs, engine, leases as tensors, errors as exceptions."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -243,3 +244,25 @@ def test_communicator_refuses_bad_input_and_a_step_refuses_comm_with_a_wrong_typ
     assert not d.overlap_running
     assert d.group_step(0) == 0
     assert d.step(comm=comm)["applied"]
+
+
+def test_acquire_many_grants_all_in_one_call_or_none(swap_dir):
+    e = tier.Engine.create(engine_config(swap_dir))
+    tids = [e.register(f"w{i}", "fp32", 256, "param", 0, "nvme", np.full(256, i, dtype=np.float32)) for i in range(3)]
+    leases = e.acquire_many(tids, "device", "read")
+    assert [lease.tier for lease in leases] == ["device"] * 3
+    views = [np.from_dlpack(lease.as_tensor()) for lease in leases]
+    assert [float(v[5]) for v in views] == [0.0, 1.0, 2.0]
+    assert all(e.info(t)["readers"] == 1 for t in tids)
+    del views, leases
+    assert all(e.info(t)["readers"] == 0 for t in tids)
+    # One that cannot be granted (over the 1 MiB device budget): none is held afterwards.
+    big = e.register("big", "fp32", 1 << 19, "param", 0, "nvme")
+    with pytest.raises(tier.ResourceExhausted):
+        e.acquire_many([tids[0], big, tids[1]], "device", "read")
+    deadline = time.monotonic() + 5
+    while any(e.info(t)["readers"] for t in tids) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert all(e.info(t)["readers"] == 0 for t in tids)
+    with pytest.raises(tier.InvalidArgument):
+        e.acquire_many(tids, "device", "borrow")

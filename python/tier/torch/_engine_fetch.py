@@ -160,13 +160,15 @@ class FetchMixin:
             if self._zero is not None and self._zero.stage == 3:
                 self._gather_params([slot])
             else:
-                lease = self.native.acquire(slot.tid, "device", "read")
-                # The view owns the lease: it ends when nothing references the memory any more,
-                # and on CUDA only once the kernels queued by then on the stream have run.
-                stream = _activations.lease_stream(self.device)
-                slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape), stream=stream))
-                self._saved_params.placed(slot)
+                self._place(slot, self.native.acquire(slot.tid, "device", "read"))
         slot.fetches += 1
+
+    def _place(self, slot, lease):
+        # The view owns the lease: it ends when nothing references the memory any more, and on
+        # CUDA only once the kernels queued by then on the stream have run.
+        stream = _activations.lease_stream(self.device)
+        slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape), stream=stream))
+        self._saved_params.placed(slot)
 
     def _shard_of(self, slot, device):
         """This rank's stage-3 shard of a parameter (padded), on ``device``."""
@@ -271,15 +273,27 @@ class FetchMixin:
             for slot in slots:
                 slot.fetches += 1
             return
-        brought = []
-        try:
-            for slot in slots:
-                self._bring(slot)
-                brought.append(slot)
-        except BaseException:
-            for slot in brought:  # all or nothing: a failed fetch holds nothing
-                self._drop(slot)
-            raise
+        # The parameters not in place yet come in one call into the engine: their loads start
+        # together and the leases are granted all or none.
+        need = list({id(s): s for s in slots if s.fetches == 0}.values())
+        if len(need) == 1:
+            self._place(need[0], self.native.acquire(need[0].tid, "device", "read"))
+        elif need:
+            leases = self.native.acquire_many([s.tid for s in need], "device", "read")
+            placed = []
+            try:
+                for slot, lease in zip(need, leases):
+                    self._place(slot, lease)
+                    placed.append(slot)
+            except BaseException:
+                for slot in placed:  # all or nothing: a failed fetch holds nothing
+                    self._saved_params.removed(slot)
+                    slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+                raise
+            finally:
+                del leases
+        for slot in slots:
+            slot.fetches += 1
 
     def _fetch(self, module):
         self._bring_all(self._module_slots[module])
