@@ -6,7 +6,9 @@
 #      built by step 3's `pip install .`);
 #   2. runs the whole ctest suite with TIER_TEST_DEVICE=cuda and TIER_REQUIRE_CUDA=1: the device
 #      conformance suite's CUDA entries, the real engine on the GPU (tests/engine), the C ABI
-#      tests (bindings.*: a CUDA engine, CUDA tensors) must run rather than skip; so must the NCCL
+#      tests (bindings.*: a CUDA engine, CUDA tensors; leases ended through the DLPack deleter
+#      while the consumer's stream still reads or writes them, under a second stream that wants
+#      the memory) must run rather than skip; so must the NCCL
 #      communicator's (tests/comm: world 1 on every collective, a peer that never joins timing
 #      out), built against nccl.h from the CUDA toolkit or, failing that, from the nvidia-nccl
 #      Python wheel beside torch;
@@ -17,6 +19,8 @@
 #      memory measured in the same run (target: a ratio of at least 0.9 each way);
 #   4b. `tier-bench adam` with fp32, bf16 and int8 optimizer state on every core, each beside its
 #      roofline (issue #16's target: int8 at >= 0.8);
+#   4c. `tier-micro` BM_EngineAcquireEvicting with 1 Ki and 128 Ki tensors registered (issue #34's
+#      target: the 128 Ki throughput at >= 0.7 of the 1 Ki one);
 #   5. times the main job's Llama steps with params, gradients and optimizer state on NVMe (92M
 #      parameters on the GPU; the default small model with --no-gpu), then times
 #      tier.torch.OffloadedAdamW with the update after backward and during it (bench/
@@ -338,6 +342,19 @@ else
       fail "cpu adam, $sd state" "tier-bench adam failed (adam-$sd.log)"
     fi
   done
+fi
+
+# ---------------------------------------------------------------- 4c. placement with many tensors
+# Issue #34's target: an evicting acquire with 128 Ki tensors registered at >= 0.7 of the
+# throughput with 1 Ki (the engine's actor must not scan every tensor per placement). Reported.
+if [ "$(left)" -lt 40 ]; then
+  not_run "engine placement, many tensors" "the time budget is spent"
+elif timeout "$(step_limit 20)" "$bin/tier-micro" --benchmark_filter='BM_EngineAcquireEvicting/(1024|131072)/' \
+      --benchmark_repetitions=3 --benchmark_report_aggregates_only=true --benchmark_format=json \
+      >"$log_dir/many-tensors.json" 2>"$log_dir/many-tensors.log"; then
+  row "engine placement, many tensors" "$(python3 -c 'import json,sys; b={x["run_name"]: x["real_time"] for x in json.load(open(sys.argv[1]))["benchmarks"] if x.get("aggregate_name") == "median"}; a=b["BM_EngineAcquireEvicting/1024/real_time"]; z=b["BM_EngineAcquireEvicting/131072/real_time"]; print("%.1f us/op at 1 Ki, %.1f at 128 Ki: throughput ratio %.2f (target 0.7: %s)" % (a, z, a / z, "pass" if a / z >= 0.7 else "MISS"))' "$log_dir/many-tensors.json")"
+else
+  fail "engine placement, many tensors" "tier-micro failed (many-tensors.log)"
 fi
 
 # ---------------------------------------------------------------- 5. a Llama training step

@@ -823,7 +823,7 @@ bool Engine::Impl::try_place(Tier tier, std::uint64_t bytes, TensorId for_tensor
 
 void Engine::Impl::make_room(Tier tier, std::uint64_t tensor_bytes, TensorId for_tensor, std::size_t horizon,
                              std::function<void(Status, Buffer)> done, std::shared_ptr<detail::AcquireState> owner,
-                             bool for_load) {
+                             bool for_load, bool for_home) {
   const int ti = static_cast<int>(tier);
   // Counted as the store really allocates it (4 KiB blocks on host and NVMe).
   const std::uint64_t bytes = be.stores[ti] ? be.stores[ti]->footprint(tensor_bytes) : tensor_bytes;
@@ -840,6 +840,22 @@ void Engine::Impl::make_room(Tier tier, std::uint64_t tensor_bytes, TensorId for
   if (horizon != kNever) {
     prefetch_blocked = true;
     return done(resource_exhausted("no room for a prefetch"), Buffer{});
+  }
+  if (for_home && cached[ti].empty() && moves_in_flight == 0) {
+    // A new home copy on a tier that holds nothing evictable and has nothing in flight: only an
+    // unregister could make room, so waiting out the acquire timeout would just delay the error.
+    const std::string name = for_tensor < tensors.size() ? tensors[for_tensor].desc.name : std::string("?");
+    std::string why =
+        str("registering '", name, "' needs ", format_bytes(bytes), " on ", tier_name(tier), " but ",
+            format_bytes(budget[ti] - std::min(used[ti], budget[ti])), " of the ", format_bytes(budget[ti]),
+            " budget are free and the rest holds home copies, which are never "
+            "evicted; raise tier.budgets.",
+            tier_name(tier), " or unregister tensors first");
+    if (tier == Tier::kNvme && reserved_nvme > 0) {
+      why += str("; ", format_bytes(reserved_nvme),
+                 " of the budget is reserved by components sharing the swap space (an offloaded optimizer's state)");
+    }
+    return done(resource_exhausted(std::move(why)), Buffer{});
   }
   ++m_room_waits;
   const std::uint64_t gen = for_tensor < tensors.size() ? tensors[for_tensor].generation : 0;
@@ -1173,20 +1189,23 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
   // Home storage (may have to evict cached copies, which is asynchronous).
   std::promise<Status> placed;
   e.post([&] {
-    e.make_room(home, desc.bytes(), id, kNever, [&](Status s, Buffer b) {
-      if (s.ok()) {
-        Impl::Copy& c = e.tensors[id].copies[static_cast<int>(home)];
-        c.buf = std::move(b);
-        c.state = CopyState::kValid;
-        c.last_use = ++e.clock;
-        if (home == Tier::kNvme) {
-          e.tensors[id].zero_home = true;
-        } else {
-          s = e.be.mover->zero(home, c.buf, desc.bytes());
-        }
-      }
-      placed.set_value(s);
-    });
+    e.make_room(
+        home, desc.bytes(), id, kNever,
+        [&](Status s, Buffer b) {
+          if (s.ok()) {
+            Impl::Copy& c = e.tensors[id].copies[static_cast<int>(home)];
+            c.buf = std::move(b);
+            c.state = CopyState::kValid;
+            c.last_use = ++e.clock;
+            if (home == Tier::kNvme) {
+              e.tensors[id].zero_home = true;
+            } else {
+              s = e.be.mover->zero(home, c.buf, desc.bytes());
+            }
+          }
+          placed.set_value(s);
+        },
+        /*owner=*/nullptr, /*for_load=*/false, /*for_home=*/true);
   });
   Status s = placed.get_future().get();
   if (s.ok()) {

@@ -185,7 +185,7 @@ struct Engine::Impl {
   // `for_load`: the room is for the load of `for_tensor` on `tier` (see RoomRequest::for_load).
   void make_room(Tier tier, std::uint64_t bytes, TensorId for_tensor, std::size_t horizon,
                  std::function<void(Status, detail::Buffer)> done,
-                 std::shared_ptr<detail::AcquireState> owner = nullptr, bool for_load = false);
+                 std::shared_ptr<detail::AcquireState> owner = nullptr, bool for_load = false, bool for_home = false);
   // A queued room request nobody waits for any more: its acquire, or every acquire waiting for
   // its load, was given up.
   bool abandoned(const RoomRequest& r) const;

@@ -861,7 +861,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
             return rd.fill(im.chunks[i], b.state);
           },
           nullptr, nullptr, nullptr, nullptr, &written);
-      for (Chunk& c : im.chunks) im.drop_spare(c);
+      im.drop_spares();
     } else {
       for (const Chunk& c : im.chunks) {
         s = rd.fill(c, c.host.get());

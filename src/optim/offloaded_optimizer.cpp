@@ -150,6 +150,10 @@ void OffloadedOptimizer::Impl::drop_spare(Chunk& c) {
   pool.push_back(std::move(c.next));
 }
 
+void OffloadedOptimizer::Impl::drop_spares() {
+  for (Chunk& c : chunks) drop_spare(c);
+}
+
 void OffloadedOptimizer::Impl::commit_spare(Chunk& c) {
   std::swap(c.slot[c.committed], c.next);
   drop_spare(c);
@@ -1389,7 +1393,7 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
         walk && !walk->preloaded.empty() ? &walk->preloaded : nullptr, spec ? &spec->leftover : nullptr,
         im.once() ? &written : nullptr);
     if (!spec && im.once()) {
-      for (Chunk& c : im.chunks) im.drop_spare(c);  // writes that failed or were not issued
+      im.drop_spares();  // writes that failed or were not issued
     }
     if (walk)
       r.reused_chunks = static_cast<std::uint64_t>(std::count(walk->preloaded.begin(), walk->preloaded.end(), 1));
@@ -1692,9 +1696,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   Result<StepReport> pass = std::move(held->result);
   // state_copies 1: the chunks the pass wrote become the state (they are the step's), or are dropped.
-  auto drop_pass = [&] {
-    for (Chunk& c : im.chunks) im.drop_spare(c);
-  };
+  auto drop_pass = [&] { im.drop_spares(); };
   auto commit_pass = [&] {
     std::uint64_t n = 0;
     for (std::size_t i = 0; i < im.chunks.size(); ++i) {
@@ -1821,7 +1823,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   ov.thread.join();
   im.skipping.clear();
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
-  for (Chunk& c : im.chunks) im.drop_spare(c);
+  im.drop_spares();
   restore_steps(im, held->old_steps);
   // The params the pass delivered are not the committed state's: deliver those again.
   if (held->options.sink != nullptr) held->options.sink->abandoned();
@@ -2135,9 +2137,7 @@ Result<PassReport> OffloadedOptimizer::measure_io_seconds() {
   const std::function<void(std::size_t)> written = [&](std::size_t i) { im.drop_spare(im.chunks[i]); };
   struct DropLeft {
     OffloadedOptimizer::Impl& im;
-    ~DropLeft() {
-      for (Chunk& c : im.chunks) im.drop_spare(c);
-    }
+    ~DropLeft() { im.drop_spares(); }
   } drop_left{im};
   TIER_RETURN_IF_ERROR(detail::run_pipeline(
       *im.swap, im.chunks, im.bufs, true, true,

@@ -236,6 +236,8 @@ struct OffloadedOptimizer::Impl {
   bool take_spare(detail::Chunk& c);
   // Gives c.next back to the pool (when it holds one).
   void drop_spare(detail::Chunk& c);
+  // drop_spare for every chunk: the spares a pass took and did not commit.
+  void drop_spares();
   // Chunk c's write to `next` completed: `next` becomes its slot, its old slot a spare.
   void commit_spare(detail::Chunk& c);
 

@@ -274,6 +274,33 @@ TEST(RealEngine, FailedNvmeReadLeavesTheHomeCopyValidAndReportsTheError) {
   EXPECT_EQ(back, a_data);
 }
 
+// A home copy that cannot fit a tier holding only home copies is refused at once, with the
+// numbers, instead of waiting out the acquire timeout for room nothing would free.
+TEST(RealEngine, AHomeThatCannotFitIsRefusedAtOnce) {
+  TempDir dir(fs::temp_directory_path());
+  EngineConfig cfg = real_config(dir.path.string(), IoEngineKind::kPosix);
+  cfg.tier.nvme_budget = 1u << 20;
+  cfg.tier.acquire_timeout_ms = 20000;
+  auto engine = Engine::create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  const std::size_t n = 64 * 1024;  // 256 KiB
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.register_tensor({str("w", i), DType::kI32, n}, Tier::kNvme).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto more = e.register_tensor({"one_too_many", DType::kI32, n}, Tier::kNvme);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(more.ok());
+  EXPECT_EQ(more.status().code(), StatusCode::kResourceExhausted) << more.status();
+  EXPECT_NE(more.status().message().find("'one_too_many'"), std::string::npos) << more.status();
+  EXPECT_NE(more.status().message().find("tier.budgets.nvme"), std::string::npos) << more.status();
+  EXPECT_LT(waited, std::chrono::seconds(10));  // not the 20 s acquire timeout
+  EXPECT_FALSE(e.find("one_too_many").ok());    // nothing is left of it
+  EXPECT_TRUE(e.check_invariants().ok());
+  // Room made by an unregister serves the next registration.
+  ASSERT_TRUE(e.unregister_tensor(*e.find("w0")).ok());
+  EXPECT_TRUE(e.register_tensor({"fits_now", DType::kI32, n}, Tier::kNvme).ok());
+}
+
 TEST(RealEngine, OddSizedTensorsRoundTripThroughDirectIo) {
   TempDir dir(fs::temp_directory_path());
   EngineConfig cfg = real_config(dir.path.string(), IoEngineKind::kUring);

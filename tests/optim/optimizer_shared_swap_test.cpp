@@ -108,15 +108,15 @@ TEST_F(OptimizerSharedSwap, StepsBitForBitInTheEnginesFilesInsideItsBudget) {
   EXPECT_LE(s.nvme_bytes, reserved);
   EXPECT_EQ(files_under(swap_dir()), 1u);  // one file on the one path: the engine's
 
-  // Tensors homed on NVMe fill exactly what the reservation left; one page more waits for room
-  // (an unregistration could give it back) and times out, naming the budget and the reservation.
+  // Tensors homed on NVMe fill exactly what the reservation left; one page more is refused at once
+  // (nothing there could be evicted), naming the budget and the reservation.
   TensorDesc rest{.name = "rest", .dtype = DType::kU8, .numel = kBudget - reserved};
   auto rest_id = engine->register_tensor(rest, Tier::kNvme);
   ASSERT_TRUE(rest_id.ok()) << rest_id.status();
   TensorDesc page{.name = "page", .dtype = DType::kU8, .numel = 4096};
   auto over = engine->register_tensor(page, Tier::kNvme);
   ASSERT_FALSE(over.ok());
-  EXPECT_EQ(over.status().code(), StatusCode::kTimedOut) << over.status();
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
   EXPECT_NE(over.status().message().find("tier.budgets.nvme"), std::string::npos) << over.status();
   EXPECT_NE(over.status().message().find("reserved by components sharing the swap space"), std::string::npos)
       << over.status();
