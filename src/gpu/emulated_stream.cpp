@@ -16,16 +16,7 @@ EmulatedStream::EmulatedStream(std::string name, Link link, std::uint64_t bytes_
       rate_(bytes_per_second),
       latency_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::micro>(latency_us))),
       counters_(counters),
-      worker_([this] { run(); }) {}
-
-EmulatedStream::~EmulatedStream() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  work_cv_.notify_all();
-  worker_.join();
-}
+      worker_([this](Task& t) { execute(t); }) {}
 
 DeviceEvent EmulatedStream::submit(void* dst, const void* src, std::uint64_t bytes,
                                    const std::vector<DeviceEvent>& after) {
@@ -36,45 +27,14 @@ DeviceEvent EmulatedStream::submit(void* dst, const void* src, std::uint64_t byt
   t.after = after;
   t.state = EventState::pending(EventDomain::kHost);
   DeviceEvent ev(t.state);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    t.submitted = Clock::now();
-    if (counters_ && after.empty() && completed_ == submitted_) {
-      t.transfer = counters_->begin(link_);
-      t.transfer_begun = true;
+  worker_.push(std::move(t), [&](Task& q, bool idle) {
+    q.submitted = Clock::now();
+    if (counters_ && q.after.empty() && idle) {
+      q.transfer = counters_->begin(link_);
+      q.transfer_begun = true;
     }
-    queue_.push_back(std::move(t));
-    ++submitted_;
-  }
-  work_cv_.notify_one();
+  });
   return ev;
-}
-
-bool EmulatedStream::drain() {
-  if (std::this_thread::get_id() == worker_.get_id()) return false;
-  std::unique_lock<std::mutex> lock(mu_);
-  const std::uint64_t target = submitted_;
-  idle_cv_.wait(lock, [&] { return completed_ >= target; });
-  return true;
-}
-
-void EmulatedStream::run() {
-  for (;;) {
-    Task t;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and nothing left
-      t = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    execute(t);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++completed_;
-    }
-    idle_cv_.notify_all();
-  }
 }
 
 void EmulatedStream::execute(Task& t) {
@@ -124,86 +84,46 @@ void EmulatedStream::paced_copy(const Task& t, Clock::time_point start) {
   timeline_ = at(t.bytes);
 }
 
-EmulatedComputeStream::EmulatedComputeStream(std::string name) : name_(std::move(name)), worker_([this] { run(); }) {}
-
-EmulatedComputeStream::~EmulatedComputeStream() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  work_cv_.notify_all();
-  worker_.join();
-}
-
-void EmulatedComputeStream::push(Task t) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(t));
-    ++submitted_;
-  }
-  work_cv_.notify_one();
-}
+EmulatedComputeStream::EmulatedComputeStream(std::string name)
+    : name_(std::move(name)), worker_([this](Task& t) { execute(t); }) {}
 
 void EmulatedComputeStream::wait(DeviceEvent event) {
   Task t;
   t.after = std::move(event);
-  push(std::move(t));
+  worker_.push(std::move(t));
 }
 
 DeviceEvent EmulatedComputeStream::record() {
   Task t;
   t.marker = EventState::pending(EventDomain::kHost);
   DeviceEvent ev(t.marker);
-  push(std::move(t));
+  worker_.push(std::move(t));
   return ev;
 }
 
 void EmulatedComputeStream::enqueue(std::function<void()> fn) {
   Task t;
   t.fn = std::move(fn);
-  push(std::move(t));
+  worker_.push(std::move(t));
 }
 
-bool EmulatedComputeStream::drain() {
-  if (std::this_thread::get_id() == worker_.get_id()) return false;
-  std::unique_lock<std::mutex> lock(mu_);
-  const std::uint64_t target = submitted_;
-  idle_cv_.wait(lock, [&] { return completed_ >= target; });
-  return true;
-}
-
-void EmulatedComputeStream::run() {
-  for (;;) {
-    Task t;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and nothing left
-      t = std::move(queue_.front());
-      queue_.pop_front();
+void EmulatedComputeStream::execute(Task& t) {
+  if (t.after.valid()) {
+    Status s = t.after.wait();
+    if (!s.ok() && sticky_.ok()) {
+      sticky_ = cancelled(str(name_, ": the stream waited for an event that failed: ", s.to_string()));
     }
-    if (t.after.valid()) {
-      Status s = t.after.wait();
-      if (!s.ok() && sticky_.ok()) {
-        sticky_ = cancelled(str(name_, ": the stream waited for an event that failed: ", s.to_string()));
-      }
-    }
-    if (t.fn) {
-      try {
-        t.fn();
-      } catch (const std::exception& e) {
-        TIER_LOG(kError, name_, ": a host function threw: ", e.what());
-      } catch (...) {
-        TIER_LOG(kError, name_, ": a host function threw");
-      }
-    }
-    if (t.marker) t.marker->complete(sticky_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++completed_;
-    }
-    idle_cv_.notify_all();
   }
+  if (t.fn) {
+    try {
+      t.fn();
+    } catch (const std::exception& e) {
+      TIER_LOG(kError, name_, ": a host function threw: ", e.what());
+    } catch (...) {
+      TIER_LOG(kError, name_, ": a host function threw");
+    }
+  }
+  if (t.marker) t.marker->complete(sticky_);
 }
 
 }  // namespace tier::detail

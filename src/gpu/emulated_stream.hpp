@@ -32,12 +32,86 @@ namespace tier::detail {
 
 struct EventState;
 
+// A worker thread that runs queued tasks one at a time, in the order they were queued: the engine
+// of each of the emulated device's streams. The destructor runs what is queued, then stops.
+template <class Task>
+class OrderedWorker {
+ public:
+  explicit OrderedWorker(std::function<void(Task&)> execute)
+      : execute_(std::move(execute)), worker_([this] { run(); }) {}
+  ~OrderedWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    worker_.join();
+  }
+  OrderedWorker(const OrderedWorker&) = delete;
+  OrderedWorker& operator=(const OrderedWorker&) = delete;
+
+  // Queues `t`; `on_queue(t, idle)` runs first under the queue's lock, `idle` saying whether
+  // every task queued before has completed.
+  template <class F>
+  void push(Task t, F&& on_queue) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      on_queue(t, completed_ == submitted_);
+      queue_.push_back(std::move(t));
+      ++submitted_;
+    }
+    work_cv_.notify_one();
+  }
+  void push(Task t) {
+    push(std::move(t), [](Task&, bool) {});
+  }
+  // Waits until every task queued before the call has run. False, without waiting, from the
+  // worker itself (which cannot wait for itself).
+  bool drain() {
+    if (std::this_thread::get_id() == worker_.get_id()) return false;
+    std::unique_lock<std::mutex> lock(mu_);
+    const std::uint64_t target = submitted_;
+    idle_cv_.wait(lock, [&] { return completed_ >= target; });
+    return true;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop_ and nothing left
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      execute_(t);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++completed_;
+      }
+      idle_cv_.notify_all();
+    }
+  }
+
+  const std::function<void(Task&)> execute_;
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable idle_cv_;
+  std::deque<Task> queue_;
+  std::uint64_t submitted_ = 0;
+  std::uint64_t completed_ = 0;
+  bool stop_ = false;
+  std::thread worker_;  // last: started once the rest is built, joined before it goes
+};
+
 class EmulatedStream {
  public:
   // `bytes_per_second` 0: unlimited. `name` appears in messages ("emulated device h2d stream").
   EmulatedStream(std::string name, Link link, std::uint64_t bytes_per_second, double latency_us, Counters* counters);
   // Finishes the queued copies (and their callbacks), then stops the worker.
-  ~EmulatedStream();
+  ~EmulatedStream() = default;
   EmulatedStream(const EmulatedStream&) = delete;
   EmulatedStream& operator=(const EmulatedStream&) = delete;
 
@@ -46,7 +120,7 @@ class EmulatedStream {
   // Waits until every copy submitted before the call has completed and its callbacks have run.
   // Returns false, without waiting, when called from this stream's own worker (a callback), which
   // cannot wait for itself.
-  bool drain();
+  bool drain() { return worker_.drain(); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -63,7 +137,6 @@ class EmulatedStream {
     Counters::Transfer transfer;
     bool transfer_begun = false;
   };
-  void run();
   void execute(Task& t);
   void paced_copy(const Task& t, Clock::time_point start);
 
@@ -73,15 +146,8 @@ class EmulatedStream {
   const Clock::duration latency_;
   Counters* const counters_;
 
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable idle_cv_;
-  std::deque<Task> queue_;
-  std::uint64_t submitted_ = 0;
-  std::uint64_t completed_ = 0;
-  bool stop_ = false;
   Clock::time_point timeline_{};  // theoretical end of the last paced copy (worker only)
-  std::thread worker_;
+  OrderedWorker<Task> worker_;    // last: its thread uses the members above
 };
 
 // One compute stream of the emulated device in its delayed mode (tier.emulated.delayed_streams):
@@ -97,7 +163,7 @@ class EmulatedComputeStream {
  public:
   explicit EmulatedComputeStream(std::string name);
   // Runs what is queued, then stops the worker.
-  ~EmulatedComputeStream();
+  ~EmulatedComputeStream() = default;
   EmulatedComputeStream(const EmulatedComputeStream&) = delete;
   EmulatedComputeStream& operator=(const EmulatedComputeStream&) = delete;
 
@@ -106,7 +172,7 @@ class EmulatedComputeStream {
   void enqueue(std::function<void()> fn);
   // Waits until the work queued before the call has run. False, without waiting, from the
   // stream's own worker.
-  bool drain();
+  bool drain() { return worker_.drain(); }
 
  private:
   struct Task {
@@ -114,19 +180,11 @@ class EmulatedComputeStream {
     std::shared_ptr<EventState> marker;  // complete this (if set)
     std::function<void()> fn;            // run this (if set)
   };
-  void push(Task t);
-  void run();
+  void execute(Task& t);
 
   const std::string name_;
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable idle_cv_;
-  std::deque<Task> queue_;
-  std::uint64_t submitted_ = 0;
-  std::uint64_t completed_ = 0;
-  bool stop_ = false;
-  Status sticky_;  // worker only
-  std::thread worker_;
+  Status sticky_;               // worker only
+  OrderedWorker<Task> worker_;  // last: its thread uses the members above
 };
 
 }  // namespace tier::detail
