@@ -41,13 +41,7 @@ namespace {
 // may escape into the CUDA runtime's thread.
 void CUDART_CB run_host_fn(void* user) {
   std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(user));
-  try {
-    (*fn)();
-  } catch (const std::exception& e) {
-    TIER_LOG(kError, "enqueue_host: a host function on a CUDA stream threw: ", e.what());
-  } catch (...) {
-    TIER_LOG(kError, "enqueue_host: a host function on a CUDA stream threw");
-  }
+  detail::run_host_function(*fn, "enqueue_host on a CUDA stream");
 }
 
 Status cuda_status(cudaError_t err, const std::string& what) {

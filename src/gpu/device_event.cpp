@@ -53,6 +53,16 @@ void run_event_callback(const DeviceEvent::Callback& fn, const Status& s) noexce
   }
 }
 
+void run_host_function(const std::function<void()>& fn, const std::string& where) noexcept {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    TIER_LOG(kError, where, ": a host function threw (ignored): ", e.what());
+  } catch (...) {
+    TIER_LOG(kError, where, ": a host function threw a non-standard exception (ignored)");
+  }
+}
+
 }  // namespace detail
 
 namespace {

@@ -11,8 +11,8 @@
 
 #include "gpu/caching_allocator.hpp"
 #include "gpu/emulated_stream.hpp"
+#include "gpu/event_state.hpp"
 #include "tier/ext/device.hpp"
-#include "tier/log.hpp"
 #include "tier/units.hpp"
 
 namespace tier {
@@ -107,19 +107,9 @@ class EmulatedDevice final : public Device {
     d2h_ = std::make_unique<detail::EmulatedStream>("emulated device d2h stream", Link::kDeviceToHost,
                                                     o.emulated.d2h_bytes_per_second, o.emulated.latency_us, counters_);
   }
-  ~EmulatedDevice() override {
-    // The compute streams' queued work may still read or write device memory and post copies:
-    // it runs to its end before the copies drain and the memory goes.
-    std::vector<detail::EmulatedComputeStream*> streams;
-    {
-      std::lock_guard<std::mutex> lock(streams_mu_);
-      for (auto& [handle, stream] : streams_) streams.push_back(stream.get());
-    }
-    for (auto* c : streams) c->drain();
-    shutdown();
-    std::lock_guard<std::mutex> lock(streams_mu_);
-    streams_.clear();
-  }
+  // shutdown() synchronizes: the compute streams' queued work (which may still read or write
+  // device memory and post copies) runs to its end before the copies drain and the memory goes.
+  ~EmulatedDevice() override { shutdown(); }
 
  protected:
   Result<DeviceEvent> submit_copy(CopyDirection dir, void* dst, const void* src, std::uint64_t bytes,
@@ -143,17 +133,11 @@ class EmulatedDevice final : public Device {
     return compute(stream).record();
   }
   Status do_enqueue_host(DeviceStream stream, std::function<void()> fn) override {
-    if (!delayed_) {
-      try {
-        fn();
-      } catch (const std::exception& e) {
-        TIER_LOG(kError, "emulated device: a host function threw: ", e.what());
-      } catch (...) {
-        TIER_LOG(kError, "emulated device: a host function threw");
-      }
-      return Status();
+    if (delayed_) {
+      compute(stream).enqueue(std::move(fn));
+    } else {
+      detail::run_host_function(fn, "emulated device");
     }
-    compute(stream).enqueue(std::move(fn));
     return Status();
   }
   Status do_synchronize() override {

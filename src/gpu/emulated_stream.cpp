@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "gpu/event_state.hpp"
-#include "tier/log.hpp"
 #include "tier/units.hpp"
 
 namespace tier::detail {
@@ -114,15 +113,7 @@ void EmulatedComputeStream::execute(Task& t) {
       sticky_ = cancelled(str(name_, ": the stream waited for an event that failed: ", s.to_string()));
     }
   }
-  if (t.fn) {
-    try {
-      t.fn();
-    } catch (const std::exception& e) {
-      TIER_LOG(kError, name_, ": a host function threw: ", e.what());
-    } catch (...) {
-      TIER_LOG(kError, name_, ": a host function threw");
-    }
-  }
+  if (t.fn) run_host_function(t.fn, name_);
   if (t.marker) t.marker->complete(sticky_);
 }
 

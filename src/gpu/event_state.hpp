@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "tier/ext/device_event.hpp"
@@ -44,5 +46,8 @@ struct EventState {
 
 // Runs one callback; an exception escaping it is logged and swallowed (no exception leaves tier).
 void run_event_callback(const DeviceEvent::Callback& fn, const Status& s) noexcept;
+// Runs a host function queued in a stream's order (Device::enqueue_host); an exception escaping it
+// is logged, naming `where`, and swallowed.
+void run_host_function(const std::function<void()>& fn, const std::string& where) noexcept;
 
 }  // namespace tier::detail

@@ -276,9 +276,7 @@ class FetchMixin:
         # The parameters not in place yet come in one call into the engine: their loads start
         # together and the leases are granted all or none.
         need = list({id(s): s for s in slots if s.fetches == 0}.values())
-        if len(need) == 1:
-            self._place(need[0], self.native.acquire(need[0].tid, "device", "read"))
-        elif need:
+        if need:
             leases = self.native.acquire_many([s.tid for s in need], "device", "read")
             placed = []
             try:
