@@ -13,7 +13,8 @@
 #      out), built against nccl.h from the CUDA toolkit or, failing that, from the nvidia-nccl
 #      Python wheel beside torch;
 #   3. `pip install .` into a virtual environment (seeing the system's torch), then the Python
-#      tests with TIER_TEST_DEVICE=cuda: tier.torch trains on the GPU against PyTorch's AdamW;
+#      tests with TIER_TEST_DEVICE=cuda: tier.torch trains on the GPU against PyTorch's AdamW
+#      (test_torch_llama: gradients DMA'd straight into engine tensors and through pinned staging);
 #   4. `tier-bench copy` on the CUDA device: host-to-device and device-to-host bandwidth from the
 #      pinned arena through the device layer, beside plain cudaMemcpyAsync from cudaHostAlloc'd
 #      memory measured in the same run (target: a ratio of at least 0.9 each way);

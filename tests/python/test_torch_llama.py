@@ -121,8 +121,9 @@ def test_fp32_losses_match_pytorch_adamw_with_clipping_and_accumulation(swap_dir
 
 
 def test_gradients_leave_the_device_as_the_device_allows(swap_dir):
-    # On CUDA every gradient goes through an asynchronous copy into pinned staging, all of it
-    # consumed by the end of backward; on the CPU there is nothing to stage.
+    # On CUDA a step's first gradient of each tensor is DMA'd straight into its engine tensor, the
+    # second micro-step's (added to it) goes through an asynchronous copy into pinned staging, all
+    # of it consumed by the end of backward; on the CPU there is nothing to stage.
     engine, *_ = tier.torch.initialize(make_model(), tier_config(swap_dir))
     losses = tier_losses(engine, 2)
     expected = baseline_losses(2)
@@ -133,7 +134,11 @@ def test_gradients_leave_the_device_as_the_device_allows(swap_dir):
     staging = engine.__dict__.get("_grad_staging_state")
     if TEST_DEVICE != "cuda":
         assert staging is None, "CPU gradients are handed over directly, with no pinned staging"
+        assert engine._grads.direct == 0, "only device gradients are DMA'd"
         return
+    trained = sum(1 for slot in engine._slots if slot.pid is not None)
+    assert engine._grads.direct == 2 * trained, "each step's first micro-step goes straight into the engine"
+    assert not engine._grads._pending, "every device sum of squares was taken in by the step"
     assert staging is not None, "CUDA gradients must go through the pinned staging"
     assert not staging._pending, "backward must leave no gradient copy in flight"
     buffers = [b for free in staging._free.values() for b in free]

@@ -350,9 +350,13 @@ class FetchMixin:
                 # Across ranks: reduce-scattered in buckets; this rank's shard goes on to _grads.
                 self._reducer.add(slot, grad)
             elif grad.device.type == "cuda":
-                # Queued behind the backward kernels on the current stream; the optimizer takes it
-                # once the copy's event has completed (at the latest at the end of backward).
-                self._grad_staging().push(slot.pid, grad.detach())
+                # Queued behind the backward kernels on the current stream: DMA'd straight into its
+                # engine tensor where it can be (EngineGrads.add_device_grad), else through pinned
+                # staging, which the optimizer takes once the copy's event has completed (at the
+                # latest at the end of backward).
+                direct = getattr(self._grads, "add_device_grad", None)
+                if direct is None or not direct(slot.pid, grad, _activations.lease_stream(grad.device)):
+                    self._grad_staging().push(slot.pid, grad.detach())
             else:
                 t0 = time.perf_counter()
                 host = grad.detach().contiguous()

@@ -6,7 +6,8 @@ optimizer.
   in fp32 host tensors (or, under engine.backward with one micro-step per step, handed straight
   to the optimizer).
 - :class:`EngineGrads`: with the state on NVMe, the sums kept in engine tensors homed there and
-  declared to the optimizer at the step.
+  declared to the optimizer at the step. A CUDA gradient that starts its tensor's sum in the
+  tensor's dtype is DMA'd straight into the engine's pinned host copy (no staging, no host pass).
 
 After a failed step each keeps its gradients for a retry (``after_step(False)``); ``withdraw``
 forgets what the optimizer was told before they change.
@@ -146,18 +147,83 @@ class EngineGrads:
     (the step's ``grad_tensors``)."""
 
 
+    _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
     def __init__(self, engine, partition_count):
         self._engine = weakref.ref(engine)
         self.tensors = [-1] * partition_count  # partition -> engine tensor of its gradient
+        self.dtypes = [None] * partition_count  # partition -> torch dtype of that tensor
         self.held = set()  # partitions with a gradient this step
         self.sumsq = {}  # partition -> sum of squares of its final gradient (boundary micro-step)
         self.declared = set()  # declared already, to an overlapped step that is running
+        # Device gradients DMA'd straight into their engine tensors (add_device_grad): partition ->
+        # (pinned host scalar, event, boundary), their sums of squares on their way to the host.
+        self._pending = collections.OrderedDict()
+        self.direct = 0  # device gradients that went straight in (no staging, no host pass)
 
     def register(self, native, pid, name, numel, home, dtype="fp32"):
         """``dtype``: "fp32" sums in fp32; "bf16" or "fp16" (a model trained in that dtype, one
         micro-step per step: nothing is summed across micro-steps) stores the gradient as backward
         made it, half the bytes on disk and on the links."""
         self.tensors[pid] = native.register(f"grad/{name}", dtype, numel, "grad", 0, home)
+        self.dtypes[pid] = self._TORCH_DTYPES[dtype]
+
+    def add_device_grad(self, pid, grad, stream):
+        """A CUDA gradient copied by DMA straight into its engine tensor's host copy (the engine's
+        pinned arena), queued on ``stream`` behind the backward kernels that made it; its sum of
+        squares is taken on the device beside the copy. So the gradient crosses host memory twice
+        in all (this DMA, then the engine's write to NVMe) instead of through a staging buffer and a
+        host pass. The write lease ends, and the engine publishes the new contents, once the stream
+        has passed the copy (``Lease.as_tensor(stream=...)``).
+
+        Only a step's first gradient of a partition in the tensor's own dtype goes this way; the
+        caller stages the others (a sum to add to, or an upcast): returns False for those."""
+        if grad.dtype != self.dtypes[pid]:
+            return False
+        engine = self._engine()
+        engine._withdraw_failed_step()
+        if pid in self.held:
+            return False
+        lease = engine.native.acquire(self.tensors[pid], "host", "write", traced=not engine._delayed)
+        flat = torch.from_dlpack(lease.as_tensor(stream=stream))
+        g = grad.detach().reshape(-1)
+        flat.copy_(g, non_blocking=True)
+        del flat  # the lease ends after the copy, in the stream's order
+        boundary = engine.is_gradient_accumulation_boundary()
+        self.held.add(pid)
+        self.sumsq.pop(pid, None)  # (one kept from a failed step is stale now)
+        if boundary:
+            # On the device (a reduction that reads bf16/fp16 as fp32 without a copy), brought
+            # back behind the gradient and read once its event has completed.
+            sq = torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+            host = torch.empty((), dtype=torch.float64, pin_memory=True)
+            host.copy_(sq, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._pending[pid] = (host, done)
+        self.direct += 1
+        self.poll()
+        return True
+
+    def poll(self, wait=False):
+        """Takes in the device sums of squares whose copies have completed (all of them with
+        ``wait``), declaring each to an overlapped step that is running."""
+        while self._pending:
+            pid, (host, done) = next(iter(self._pending.items()))
+            if wait:
+                done.synchronize()
+            elif not done.query():
+                return
+            del self._pending[pid]
+            self.sumsq[pid] = float(host)
+            self._declare_if_running(pid)
+
+    def _declare_if_running(self, pid):
+        engine = self._engine()
+        if pid in self.sumsq and engine.native_optimizer.overlap_running:
+            # Final: the overlapped step's pass may take it now.
+            engine.native_optimizer.declare_grad(pid, self.sumsq[pid])
+            self.declared.add(pid)
 
     @staticmethod
     def _sum_of_squares(flat):
@@ -166,6 +232,7 @@ class EngineGrads:
     def add_grad(self, pid, grad):
         engine = self._engine()
         engine._withdraw_failed_step()
+        self._pending.pop(pid, None)  # (a device sum of squares this sum replaces)
         first = pid not in self.held
         # Intake is part of the access trace (the prefetcher brings a sum back before the next
         # micro-step adds to it), except with overlap "delayed", which alternates two sets of
@@ -192,15 +259,13 @@ class EngineGrads:
         else:
             self.sumsq.pop(pid, None)  # (one kept from a failed step is stale now)
         del flat  # ends the lease
-        if pid in self.sumsq and engine.native_optimizer.overlap_running:
-            # Final: the overlapped step's pass may take it now.
-            engine.native_optimizer.declare_grad(pid, self.sumsq[pid])
-            self.declared.add(pid)
+        self._declare_if_running(pid)
 
     def flush(self, optimizer):
         """Declares every gradient of the step not declared yet. They stay held (and declared)
         until the step has succeeded (after_step): a failed step keeps them for a retry."""
         engine = self._engine()
+        self.poll(wait=True)
         for pid in sorted(self.held):
             if pid in self.declared:
                 continue
@@ -224,6 +289,7 @@ class EngineGrads:
             self.clear()
 
     def clear(self):
+        self._pending.clear()  # (their pinned scalars are the caching host allocator's until copied)
         self.held.clear()
         self.sumsq.clear()
         self.declared.clear()
