@@ -9,6 +9,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -257,6 +258,18 @@ tier_engine_t* cuda_engine_or_skip(const TempDir& dir, std::string* why) {
   return e;
 }
 
+// A CUDA engine in `e`, or the test skips (fails under TIER_REQUIRE_CUDA=1, as bench/gpu_check.sh
+// runs it, so that a GPU machine cannot pass these tests by skipping them).
+#define CUDA_ENGINE_OR_SKIP(e, dir)                                                \
+  std::string why_##e;                                                             \
+  tier_engine_t* e = cuda_engine_or_skip(dir, &why_##e);                           \
+  if (e == nullptr) {                                                              \
+    if (std::getenv("TIER_REQUIRE_CUDA") != nullptr) {                             \
+      GTEST_FAIL() << "TIER_REQUIRE_CUDA is set, but no CUDA engine: " << why_##e; \
+    }                                                                              \
+    GTEST_SKIP() << "no usable CUDA device: " << why_##e;                          \
+  }
+
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
 // A write lease released through its deleter while the consumer's stream still has work queued
@@ -265,9 +278,7 @@ tier_engine_t* cuda_engine_or_skip(const TempDir& dir, std::string* why) {
 // the lease's memory; the deleter is called right after queueing them.
 TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAWriteLease) {
   TempDir dir;
-  std::string why;
-  tier_engine_t* e = cuda_engine_or_skip(dir, &why);
-  if (e == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  CUDA_ENGINE_OR_SKIP(e, dir);
   DLDevice device{};
   ASSERT_EQ(tier_engine_device(e, &device), TIER_OK);
   EXPECT_EQ(device.device_type, kDLCUDA);
@@ -314,9 +325,7 @@ TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAWriteLease) {
 // stream cannot land in what the first stream copies out.
 TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAReadLease) {
   TempDir dir;
-  std::string why;
-  tier_engine_t* e = cuda_engine_or_skip(dir, &why);
-  if (e == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  CUDA_ENGINE_OR_SKIP(e, dir);
   std::atomic<int> deleted{0};
   constexpr std::size_t kElems = 1 << 20;  // 4 MiB
   constexpr std::size_t kBytes = kElems * sizeof(float);
@@ -361,9 +370,7 @@ TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAReadLease) {
 // A kDLCUDA source is copied in after the work on the producer's stream.
 TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
   TempDir dir;
-  std::string why;
-  tier_engine_t* e = cuda_engine_or_skip(dir, &why);
-  if (e == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  CUDA_ENGINE_OR_SKIP(e, dir);
   constexpr std::size_t kBytes = 1 << 20;
   void* dev = nullptr;
   CUDA_OK(cudaMalloc(&dev, kBytes));
