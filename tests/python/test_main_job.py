@@ -94,13 +94,22 @@ def test_lora_in_bf16_with_checkpointing_trains_and_saves_an_adapter_plain_peft_
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{\n"):])["summary"]
     args = finetune_llama.main.__globals__["argparse"].Namespace(
-        hidden=64, layers=1, heads=2, kv_heads=1, intermediate=96, vocab=320, seq=16, dtype="bf16", lora_r=4,
+        hidden=64, layers=1, heads=2, kv_heads=1, intermediate=96, vocab=320, seq=16, dtype="bf16", lora_r=4, seed=0,
         lora_targets="q_proj,k_proj,v_proj,o_proj")
     n_params, _, _, trainable = finetune_llama.model_shape(args)
     assert summary["parameters"] == n_params
     assert trainable == 4 * 4 * (64 + 64) - 2 * 4 * (64 - 32)  # k and v project to one kv head of 32
-    # Plain PEFT loads the adapter onto the same base (built eagerly with the same seed) and the
-    # trained adapter differs from a fresh one (LoRA's B starts at zero).
+    # The build wrote every bf16 weight at least once, at most twice (only changed values again).
+    assert 2 * n_params <= summary["build_bytes_written"] <= 2 * 2 * n_params and summary["build_seconds"] > 0
+    # Plain PEFT loads the adapter onto the same base (built eagerly with the same seed) and
+    # computes the trained model's logits, saved by the run beside the adapter.
+    probe = torch.load(adapter / finetune_llama.PROBE_FILE)
+    assert probe["input_ids"].shape == (1, 16)  # min(32, --seq)
+    plain = finetune_llama.plain_peft_logits(args, adapter, probe["input_ids"])
+    assert plain.shape == probe["logits"].shape == (1, 16, 320)
+    assert torch.allclose(plain, probe["logits"], rtol=1e-5, atol=1e-5), (plain - probe["logits"]).abs().max()
+    # The trained adapter differs from a fresh one (LoRA's B starts at zero): its logits are not
+    # the base's.
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -108,12 +117,13 @@ def test_lora_in_bf16_with_checkpointing_trains_and_saves_an_adapter_plain_peft_
         base = transformers.LlamaForCausalLM(finetune_llama.llama_config(args))
     finally:
         torch.set_default_dtype(previous)
-    model = peft.PeftModel.from_pretrained(base, str(adapter))
+    model = peft.PeftModel.from_pretrained(base, str(adapter), autocast_adapter_dtype=False)
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 4
     assert all(p.abs().max() > 0 for p in lora_b)
-    ids = torch.randint(0, 256, (1, 16))
-    assert torch.isfinite(model(input_ids=ids).logits.float()).all()
+    with torch.no_grad(), model.disable_adapter():
+        untrained = model(input_ids=probe["input_ids"]).logits.float()
+    assert not torch.allclose(untrained, plain, rtol=1e-3, atol=1e-3)
 
 
 def test_a_preset_the_disk_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):

@@ -138,21 +138,24 @@ class BuildProgress:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        self.seconds = time.perf_counter() - self.t0
+        self.written = self.store.written_bytes
         if exc[0] is None:
             self.say(self._line() + f" in {time.perf_counter() - self.t0:.1f} s", flush=True)
         return False
 
 
-def make_model(args, config, say=print):
+def make_model(args, config, say=print, build=None):
     """The model, built under tier.torch.init: each module's parameters go into the engine as it
     is constructed, so the model never exists whole in host memory (same weights as an eager
     build with the same seed). In bf16 with --dtype bf16; with --lora-r, wrapped by PEFT's LoRA
-    inside the same context (the adapters are staged like the rest, the base is frozen)."""
+    inside the same context (the adapters are staged like the rest, the base is frozen). ``build``
+    (a dict), when given, gets the build's seconds and bytes written."""
     torch.manual_seed(args.seed)
     n_params = model_shape(args)[0]
     esize = _esize(args)
     previous = torch.get_default_dtype()
-    with tier.torch.init(config) as ctx, BuildProgress(ctx.store, n_params * esize, say):
+    with tier.torch.init(config) as ctx, BuildProgress(ctx.store, n_params * esize, say) as progress:
         torch.set_default_dtype(_dtype(args))
         try:
             model = transformers.LlamaForCausalLM(llama_config(args))
@@ -166,7 +169,42 @@ def make_model(args, config, say=print):
                 model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
         finally:
             torch.set_default_dtype(previous)
+    if build is not None:
+        build.update(build_seconds=progress.seconds, build_bytes_written=progress.written)
     return model
+
+
+PROBE_FILE = "tier_probe.pt"
+
+
+def probe_ids(args, length=32):
+    """The fixed token ids the adapter's round trip is judged on (bytes, from the run's seed)."""
+    g = torch.Generator().manual_seed(args.seed + 7)
+    return torch.randint(0, 256, (1, min(length, args.seq)), generator=g)
+
+
+def plain_peft_logits(args, adapter_dir, ids, timings=None):
+    """The logits of ``ids`` through plain transformers + PEFT, without tier: the base built
+    eagerly with the run's seed and dtype (the same weights tier.torch.init made), the adapter
+    loaded by ``peft.PeftModel.from_pretrained`` in the model's dtype, as the run trained it.
+    Holds the whole base in host memory (13.5 GB at the 7b-lora preset). ``timings`` (a dict), when
+    given, gets ``init_seconds``: the eager build alone, torch's init without tier."""
+    import peft
+
+    torch.manual_seed(args.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(_dtype(args))
+    t0 = time.perf_counter()
+    try:
+        base = transformers.LlamaForCausalLM(llama_config(args))
+    finally:
+        torch.set_default_dtype(previous)
+    if timings is not None:
+        timings["init_seconds"] = time.perf_counter() - t0
+    model = peft.PeftModel.from_pretrained(base, str(adapter_dir), autocast_adapter_dtype=False)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
 
 
 def _state_copies(config):
@@ -312,7 +350,8 @@ def parser():
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
                    help="the projections LoRA adapts (comma-separated module names)")
     p.add_argument("--save-adapter", metavar="DIR", help="with --lora-r: save the trained adapter to DIR with "
-                   "PEFT's save_pretrained (loads with peft.PeftModel.from_pretrained)")
+                   "PEFT's save_pretrained (loads with peft.PeftModel.from_pretrained), and beside it "
+                   f"{PROBE_FILE}, the trained model's logits on a fixed probe")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-fraction", type=float, default=0.4, help="device budget as a fraction of the model")
@@ -333,14 +372,20 @@ def parser():
     return p
 
 
-def main(argv=None):
-    p = parser()
-    args = p.parse_args(argv)
+def resolve_args(argv=None, p=None):
+    """The job's arguments as ``argv`` gives them, a preset's values filling what it does not."""
+    args = (p or parser()).parse_args(argv)
     if args.preset:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
         for key, value in PRESETS[args.preset].items():
             if "--" + key.replace("_", "-") not in given:
                 setattr(args, key, value)
+    return args
+
+
+def main(argv=None):
+    p = parser()
+    args = resolve_args(argv, p)
     if args.vocab < 256:
         p.error("--vocab must be at least 256: the corpus is bytes")
     if args.save_adapter and not args.lora_r:
@@ -408,7 +453,8 @@ def run(args, swap_dir):
         if isinstance(config, str):
             raise SystemExit("--trace with --config: set \"tier\": {\"trace_file\": ...} in the config instead")
         config.setdefault("tier", {})["trace_file"] = os.path.abspath(args.trace)
-    model = make_model(args, config, say)
+    build = {}
+    model = make_model(args, config, say, build)
     acts = {}
     if args.checkpoint_activations:
         acts = {"checkpoint_activations": True, "offload_activations": args.offload_activations}
@@ -467,10 +513,17 @@ def run(args, swap_dir):
         # Only the adapters are gathered from the engine, not the frozen base.
         engine.module.save_pretrained(args.save_adapter,
                                       state_dict=engine.module_state_dict(exclude_frozen_parameters=True))
+        # The trained model's own logits on a fixed probe, beside the adapter: what a plain PEFT
+        # load of it must reproduce (plain_peft_logits; bench/lora_roundtrip.py at 7B).
+        ids = probe_ids(args)
+        with torch.no_grad():
+            logits = engine(input_ids=ids.to(engine.device)).logits.float().cpu()
+        torch.save({"input_ids": ids, "logits": logits}, os.path.join(args.save_adapter, PROBE_FILE))
     s = engine.stats()
     summary = {
         "parameters": n_params,
         "steps": args.steps,
+        **build,  # build_seconds, build_bytes_written
         "seconds": total,
         "tokens_per_second": tokens_per_step * args.steps / total,
         "first_loss": history[0]["loss"],
@@ -525,7 +578,8 @@ def run(args, swap_dir):
                 f"{args.offload_activations}; at most device {fmt_bytes(ap['device'])}, host {fmt_bytes(ap['host'])}, "
                 f"nvme {fmt_bytes(ap['nvme'])} at once")
         if args.save_adapter:
-            say(f"  adapter: saved to {args.save_adapter} (peft.PeftModel.from_pretrained loads it)")
+            say(f"  adapter: saved to {args.save_adapter} (peft.PeftModel.from_pretrained loads it; "
+                f"{PROBE_FILE} holds the trained model's logits on a probe)")
         say(f"  disk: swap files took {fmt_bytes(summary['nvme_allocated_peak_bytes'])} = "
             f"{summary['nvme_bytes_per_param']:.1f} bytes per parameter")
         say(f"  host memory: peak RSS {fmt_bytes(summary['peak_rss_bytes'])} = "
