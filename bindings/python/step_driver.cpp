@@ -228,6 +228,26 @@ void bind_step_driver(nb::module_& m) {
       "acc = grad (first) or acc + grad, in float32, in one pass that also returns the float64 sum of squares "
       "of the result (the intake of a gradient summed outside the driver, then declared).");
   m.def(
+      "copy_grad",
+      [](nb::handle dst, nb::handle grad) {
+        nb::ndarray<nb::c_contig, nb::device::cpu> d;
+        if (!nb::try_cast(dst, d, /*convert=*/false)) {  // (not a converted copy: it is written)
+          raise_status(invalid_argument("copy_grad: dst must be a writable C-contiguous CPU array"));
+        }
+        const InArray g = in_array(grad, "copy_grad");
+        const DType dt = unwrap(dtype_from(g.a.dtype(), std::nullopt, "copy_grad"));
+        if (d.dtype() != g.a.dtype() || d.size() != g.a.size()) {
+          raise_status(invalid_argument(str("copy_grad: dst must have the gradient's dtype and its ", g.a.size(),
+                                            " elements (it has ", d.size(), ")")));
+        }
+        void* out = d.data();
+        const std::uint64_t n = g.a.size();
+        return unwrap(unlocked([&] { return step::copy_grad(out, g.view(dt), n); }));
+      },
+      "dst"_a, "grad"_a,
+      "dst = grad (the same dtype: float32, bfloat16 or float16) in one pass that also returns the float64 sum "
+      "of squares of it (the intake of a gradient kept in its own dtype, then declared).");
+  m.def(
       "sum_of_squares",
       [](nb::handle x) {
         const InArray in = in_array(x, "sum_of_squares");

@@ -123,6 +123,11 @@ struct StepArgs {
 // memory: the sum comes with the addition (the same value cpu::sum_of_squares gives for acc).
 Result<double> accumulate_grad(float* acc, const HostTensor& grad, std::uint64_t numel, bool first);
 
+// The intake of a gradient kept in its own dtype (a bf16/fp16 model's, not summed across
+// micro-steps): dst = grad for `numel` elements of grad's dtype, returning its fp64 sum of squares
+// from the same pass (the value cpu::sum_of_squares gives for it).
+Result<double> copy_grad(void* dst, const HostTensor& grad, std::uint64_t numel);
+
 class StepDriver {
  public:
   // The optimizer from `config` (its "optimizer" section, zero_optimization.offload_optimizer for

@@ -111,6 +111,8 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
+#include <algorithm>
+#include <mutex>
 #include <vector>
 
 #include "optim/workers.hpp"
@@ -163,6 +165,44 @@ Status accumulate_grad(float* acc, cpu::ConstTensorRef g, bool first, double* su
     *sumsq = total;
   }
   return {};
+}
+
+Result<double> copy_grad(void* dst, cpu::ConstTensorRef g, const Workers* workers) {
+  if (!cpu::is_float_dtype(g.dtype)) {
+    return invalid_argument(str("gradient: dtype ", dtype_name(g.dtype), " is not supported; use fp32, fp16 or bf16"));
+  }
+  if (g.numel > 0 && (g.data == nullptr || dst == nullptr)) return invalid_argument("gradient: null data");
+  const std::size_t es = dtype_size(g.dtype);
+  const auto* gp = static_cast<const std::uint8_t*>(g.data);
+  auto* dp = static_cast<std::uint8_t*>(dst);
+  if (dp < gp + g.numel * es && gp < dp + g.numel * es) return invalid_argument("copy_grad: dst overlaps the gradient");
+  const std::uint64_t blocks = (g.numel + kBlock - 1) / kBlock;
+  std::vector<double> partial(blocks, 0.0);
+  Status failed;
+  std::mutex failed_mu;
+  auto run = [&](std::uint64_t b, std::uint64_t e) {
+    for (std::uint64_t lo = b; lo < e; lo += kBlock) {
+      const std::uint64_t hi = std::min(e, lo + kBlock);
+      std::memcpy(dp + lo * es, gp + lo * es, (hi - lo) * es);
+      // One block of cpu::sum_of_squares' blocking, read back from cache: its partial as is.
+      Result<double> s = cpu::sum_of_squares(cpu::ConstTensorRef(dp + lo * es, g.dtype, hi - lo), 1);
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(failed_mu);
+        failed = s.status();
+        return;
+      }
+      partial[lo / kBlock] = *s;
+    }
+  };
+  if (workers && g.numel > 4 * kBlock) {
+    workers->for_ranges(g.numel, kBlock, run);
+  } else {
+    run(0, g.numel);
+  }
+  TIER_RETURN_IF_ERROR(failed);
+  double total = 0;
+  for (const double p : partial) total += p;  // in block order, like cpu::sum_of_squares
+  return total;
 }
 
 Result<double> sum_of_squares(cpu::ConstTensorRef x, const Workers* workers) {

@@ -20,6 +20,12 @@ class Workers;
 // the fp64 sum of squares of the resulting acc there. `workers` may be null (calling thread).
 Status accumulate_grad(float* acc, cpu::ConstTensorRef g, bool first, double* sumsq, const Workers* workers);
 
+// A gradient kept in its own dtype (fp32, bf16 or fp16): dst = g, element for element, and the
+// fp64 sum of squares of it, block by block while the block is still in cache (so host memory is
+// crossed once, not once for the copy and again for the norm). The sum equals
+// cpu::sum_of_squares(g) bit for bit. `dst` must not overlap g.
+Result<double> copy_grad(void* dst, cpu::ConstTensorRef g, const Workers* workers);
+
 // cpu::sum_of_squares on the workers' threads (the same value for any thread count).
 Result<double> sum_of_squares(cpu::ConstTensorRef x, const Workers* workers);
 

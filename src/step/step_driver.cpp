@@ -88,6 +88,14 @@ struct StepDriver::Async {
   }
 };
 
+Result<double> copy_grad(void* dst, const HostTensor& grad, std::uint64_t numel) {
+  if (!is_param_dtype(grad.dtype)) {
+    return invalid_argument(
+        str("copy_grad: dtype ", dtype_name(grad.dtype), "; gradients are float32, bfloat16 or float16"));
+  }
+  return optim::detail::copy_grad(dst, cpu::ConstTensorRef(grad.data, grad.dtype, numel), nullptr);
+}
+
 Result<double> accumulate_grad(float* acc, const HostTensor& grad, std::uint64_t numel, bool first) {
   if (!is_param_dtype(grad.dtype)) {
     return invalid_argument(

@@ -98,6 +98,36 @@ TEST_P(GradAccumulate, NonFiniteShowsInTheSum) {
             StatusCode::kInvalidArgument);
 }
 
+// A gradient kept in its own dtype: copied as is, with cpu::sum_of_squares' value for it, on one
+// thread or two, across block boundaries; bad calls are refused with the destination untouched.
+TEST_P(GradAccumulate, CopyInItsOwnDtypeGivesTheSumOfSquaresBitForBit) {
+  Workers two(2);
+  for (std::uint64_t n : {1ull, 7ull, 1000ull, 65536ull, 65537ull, 300001ull}) {
+    for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      const auto g = random_grad(n, dt, n + 5);
+      const std::size_t bytes = n * dtype_size(dt);
+      const double want = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), dt, n)).value();
+      for (const Workers* w : {static_cast<const Workers*>(nullptr), static_cast<const Workers*>(&two)}) {
+        std::vector<std::uint8_t> dst(bytes, 0xAB);
+        const Result<double> s = copy_grad(dst.data(), cpu::ConstTensorRef(g.data(), dt, n), w);
+        ASSERT_TRUE(s.ok()) << s.status().to_string();
+        EXPECT_EQ(*s, want) << n << dtype_name(dt) << (w ? " two threads" : " one");
+        ASSERT_EQ(std::memcmp(dst.data(), g.data(), bytes), 0) << n << dtype_name(dt);
+      }
+    }
+  }
+  std::vector<std::uint16_t> g(1000, 0x3C00);  // fp16 1.0
+  g[500] = 0x7E00;                             // NaN shows in the sum
+  std::vector<std::uint16_t> dst(1000);
+  EXPECT_TRUE(std::isnan(copy_grad(dst.data(), cpu::ConstTensorRef(g.data(), DType::kF16, 1000), nullptr).value()));
+  std::vector<std::uint16_t> kept(1000, 7);
+  EXPECT_EQ(copy_grad(kept.data(), cpu::ConstTensorRef(g.data(), DType::kI32, 10), nullptr).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(copy_grad(g.data() + 10, cpu::ConstTensorRef(g.data(), DType::kF16, 1000), nullptr).status().code(),
+            StatusCode::kInvalidArgument);  // overlapping
+  EXPECT_EQ(kept, std::vector<std::uint16_t>(1000, 7));
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, GradAccumulate, testing::ValuesIn(cpu::simd_targets()),
                          [](const testing::TestParamInfo<std::string>& i) { return i.param; });
 

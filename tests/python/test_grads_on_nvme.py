@@ -115,6 +115,28 @@ def test_a_gradient_is_summed_with_its_sum_of_squares_in_one_pass(dtype):
         _tier.accumulate_grad(acc.double(), b, False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_gradient_kept_in_its_dtype_is_copied_with_its_sum_of_squares_in_one_pass(dtype):
+    """The intake of a bf16/fp16 model's gradient into an engine tensor of its own dtype: copied as
+    is, and the sum of squares from the same pass is the one a separate pass gives, bit for bit."""
+    from tier import _tier
+
+    g = torch.Generator().manual_seed(4)
+    grad = torch.randn(300_001, generator=g).to(dtype)
+    dst = torch.full_like(grad, 5.0)
+    sumsq = _tier.copy_grad(dst, grad)
+    assert torch.equal(dst, grad)
+    assert sumsq == _tier.sum_of_squares(grad)
+    assert sumsq == pytest.approx(float(grad.double().pow(2).sum()), rel=1e-12)
+    kept = torch.full((300_001,), 5.0)
+    if dtype != torch.float32:  # another dtype, or another length, is refused: nothing written
+        with pytest.raises(tier.InvalidArgument, match="dtype"):
+            _tier.copy_grad(kept, grad)
+    with pytest.raises(tier.InvalidArgument, match="300001 elements"):
+        _tier.copy_grad(kept[:10], grad.float())
+    assert torch.equal(kept, torch.full((300_001,), 5.0))
+
+
 # ("delayed" refuses fp16 loss scaling.)
 @pytest.mark.parametrize(
     "dtype,overlap", [("bf16", "exact"), ("bf16", "serial"), ("bf16", "delayed"), ("fp16", "exact"), ("fp16", "serial")]

@@ -249,10 +249,10 @@ class EngineGrads:
             # Kept in the model's dtype: written as backward made it, or added there as torch adds
             # a second backward into a bf16/fp16 .grad (a backward without a step between).
             if first:
-                flat.copy_(g)
+                sumsq = _tier.copy_grad(flat, g)  # (its sum of squares from the same pass)
             else:
                 flat.add_(g)
-            sumsq = self._sum_of_squares(flat)
+                sumsq = self._sum_of_squares(flat)
         self.held.add(pid)
         if engine.is_gradient_accumulation_boundary():
             self.sumsq[pid] = sumsq
