@@ -168,9 +168,14 @@ def test_an_auto_without_counterpart_and_a_client_optimizer_are_refused(swap_dir
 
 def other_family(name):
     """Small models of families the other tests do not build: Phi-3 (fused qkv and gate_up
-    projections), GPT-J (attention and MLP in parallel, partial rotary) and BLOOM (ALiBi, fused
-    query_key_value)."""
+    projections), GPT-J (attention and MLP in parallel, partial rotary), BLOOM (ALiBi, fused
+    query_key_value) and Mamba (no attention: a state-space mixer whose forward uses its conv1d's
+    and dt_proj's weights without calling them)."""
     torch.manual_seed(0)
+    if name == "mamba":
+        cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8,
+                                       use_cache=False)
+        return transformers.MambaForCausalLM(cfg)
     if name == "phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**SMALL, pad_token_id=0))
     if name == "gptj":
@@ -180,7 +185,7 @@ def other_family(name):
     return transformers.BloomForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("family", ["phi3", "gptj", "bloom"])
+@pytest.mark.parametrize("family", ["phi3", "gptj", "bloom", "mamba"])
 def test_other_families_with_the_trainers_gradient_checkpointing(swap_dir, tmp_path, family):
     """TrainingArguments(gradient_checkpointing=True), as a Trainer user turns it on: the Trainer
     enables it on the model before tier wraps it, and the losses are the plain Trainer's."""

@@ -7,7 +7,10 @@ on NVMe, a device budget below the model) against plain PyTorch AdamW:
   again in one step);
 - a parameter on the root module;
 - a module using another module's weight outside that module's forward (``F.linear(h,
-  self.emb.weight)``, a hand-tied head)."""
+  self.emb.weight)``, a hand-tied head);
+- a module using its children's weights without calling them, through calls that save nothing of
+  them for backward (Mamba's mixer: ``self.conv1d.weight.squeeze(1)``), with and without
+  activation checkpointing."""
 
 import pytest
 
@@ -67,12 +70,49 @@ class _BorrowedWeight(torch.nn.Module):
         return _output(F.linear(h, self.emb.weight), labels)  # the embedding's weight, outside its forward
 
 
+class _Mixer(torch.nn.Module):
+    """Mamba's mixer, in small: the forward uses its children's parameters without calling their
+    forwards, through calls that save nothing of them for backward (`weight.squeeze(1)`), and one
+    that hands back the parameter itself (`bias.float()` in fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(64, 64, kernel_size=4, groups=64, padding=3)
+        self.dt = torch.nn.Linear(64, 64)
+
+    def forward(self, h):
+        seq = h.shape[1]
+        w = self.conv.weight.squeeze(1)  # (64, 4)
+        x = F.conv1d(h.transpose(1, 2), w.unsqueeze(1), self.conv.bias, padding=3, groups=64)[..., :seq]
+        t = self.dt.weight @ x  # (B, 64, seq)
+        return torch.tanh(t.transpose(1, 2) + self.dt.bias.float())
+
+
+class _ChildWeightsInAParentsForward(torch.nn.Module):
+    def __init__(self, checkpointed=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.emb = torch.nn.Embedding(256, 64)
+        self.mixers = torch.nn.ModuleList(_Mixer() for _ in range(2))
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for mixer in self.mixers:
+            # Recomputed in backward when checkpointed: the children's weights are brought again.
+            h = torch.utils.checkpoint.checkpoint(mixer, h, use_reentrant=False) if self.checkpointed else mixer(h)
+        return _output(self.head(h), labels)
+
+
 # (the model, a device budget below its parameters that holds its largest modules)
 MODELS = {
     "falcon": (_falcon, "160K"),
     "albert": (_albert, "160K"),
     "root_parameter": (_RootParameter, "96K"),
     "borrowed_weight": (_BorrowedWeight, "96K"),
+    "child_weights_in_a_parents_forward": (_ChildWeightsInAParentsForward, "96K"),
+    "child_weights_checkpointed": (lambda: _ChildWeightsInAParentsForward(checkpointed=True), "96K"),
 }
 
 
@@ -92,5 +132,5 @@ def test_model_code_trains_as_plain_pytorch(swap_dir, name, overlap):
     engine.destroy()
     assert max_rel_diff(got, expected) <= 1e-5, (got, expected)
     assert metrics["prefetch.order_changes"] == 0
-    if name == "borrowed_weight":
+    if name in ("borrowed_weight", "child_weights_in_a_parents_forward", "child_weights_checkpointed"):
         assert brought > 0, "the borrowed weight is brought for the call that uses it"

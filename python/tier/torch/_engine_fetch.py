@@ -76,6 +76,34 @@ def _hook_backward(ref, module, args, out):
             t.register_hook(end)
 
 
+def _hook_use_backward(ref, slots, out):
+    """A trainable parameter used outside its module's forward (FetchOnUse): its gradient reaches
+    it through this call's backward, which may save nothing of it (`weight.squeeze(1)`), so the
+    first gradient to reach the call's result brings it back, in place with its shape when its
+    gradient is accumulated; the final gradient (_grad_ready) or the end of backward releases it,
+    as for a module's backward fetch."""
+    if not torch.is_grad_enabled():
+        return
+    trainable = [s for s in slots if s.trainable]
+    # (A result that is a parameter itself, `bias.float()` in fp32, is no call's output: the call
+    # that uses it next is hooked instead; a hook on a leaf would stay for every later step.)
+    outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+    if not trainable or not outs:
+        return
+    started = [False]
+
+    def start(_grad):
+        engine = ref()
+        if engine is not None and not started[0]:
+            started[0] = True
+            engine._bring_all(trainable)
+            for slot in trainable:
+                slot.backward_fetches += 1
+
+    for t in outs:
+        t.register_hook(start)
+
+
 def _release(ref, module):
     engine = ref()
     if engine is not None:
@@ -117,7 +145,10 @@ class FetchMixin:
         self._saved_hooks = None
         # A parameter used outside its module's forward is brought for the call that uses it.
         self._fetch_on_use = _saved_params.FetchOnUse(
-            self._slot_of, lambda slots, r=ref: r()._bring_all(slots), lambda slot, r=ref: r()._drop(slot)
+            self._slot_of,
+            lambda slots, r=ref: r()._bring_all(slots),
+            lambda slot, r=ref: r()._drop(slot),
+            lambda slots, out, r=ref: _hook_use_backward(r, slots, out),
         )
         self._fetch_on_use_active = False
         for mod in model.modules():
@@ -221,10 +252,17 @@ class FetchMixin:
         # the next. The outermost module called brackets the step (a PEFT model's generate() calls
         # the base model's).
         self._forward_depth += 1
-        if self._forward_depth > 1 or self._in_backward or torch._C._current_graph_task_id() != -1:
-            # An inner module, or a forward recomputed during backward (activation checkpointing):
-            # part of the micro-step already running, and under the recompute's own saved-tensor
-            # hooks, which must stay the innermost.
+        if self._forward_depth > 1:
+            return  # an inner module
+        if self._in_backward or torch._C._current_graph_task_id() != -1:
+            # A forward recomputed during backward (activation checkpointing): part of the
+            # micro-step already running, and under the recompute's own saved-tensor hooks, which
+            # must stay the innermost. A parameter it uses outside its module's forward is brought
+            # for the call, as in the forward it repeats.
+            if not self._fetch_on_use_active and not self.inference_only:
+                self._fetch_on_use.__enter__()
+                self._fetch_on_use_active = True
+                self._fetch_on_use_recompute = True
             return
         if torch.is_grad_enabled() and not self.inference_only and self._saved_hooks is None:
             if self._activations is not None:
@@ -245,6 +283,11 @@ class FetchMixin:
 
     def _exit_forward(self):
         self._forward_depth -= 1
+        if self._forward_depth == 0 and self.__dict__.get("_fetch_on_use_recompute"):
+            self._fetch_on_use_recompute = False
+            self._fetch_on_use_active = False
+            self._fetch_on_use.__exit__(None, None, None)
+            return
         if self._forward_depth == 0 and self._saved_hooks is not None:
             if self._fetch_on_use_active:
                 self._fetch_on_use_active = False

@@ -117,13 +117,17 @@ class FetchOnUse(torch.overrides.TorchFunctionMode):
     """During a training forward: a streamed parameter handed to a torch function while it is not
     in place (a module using another module's weight, `F.linear(h, self.emb.weight)`, outside that
     module's forward) is brought for the call and released after it. What the call saves of it
-    for backward is a reference (SavedParams), brought again then."""
+    for backward is a reference (SavedParams), brought again then. ``used(slots, out)`` is told of
+    each such call and its result, so that backward can bring a trainable one back before its
+    gradient is accumulated (a call that saves nothing of it, `weight.squeeze(1)`, brings nothing
+    at unpack)."""
 
-    def __init__(self, slot_of, bring, drop):
+    def __init__(self, slot_of, bring, drop, used=None):
         super().__init__()
         self._slot_of = slot_of  # id(Parameter) -> slot
         self._bring = bring
         self._drop = drop
+        self._used = used
         self.brought = 0  # parameters brought this way (observability, tests)
 
     def _absent(self, obj, out):
@@ -153,7 +157,10 @@ class FetchOnUse(torch.overrides.TorchFunctionMode):
         self._bring(absent)
         self.brought += len(absent)
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self._used is not None:
+                self._used(absent, out)
+            return out
         finally:
             for slot in absent:
                 self._drop(slot)
