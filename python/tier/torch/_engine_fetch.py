@@ -41,6 +41,22 @@ def _tensors(obj, depth=0):
             yield from _tensors(o, depth + 1)
 
 
+def _once_on_grad(tensors, ref, action, when=None):
+    """Runs ``action(engine)`` once, on the first gradient to reach any of ``tensors`` (for which
+    ``when()``, if given, holds); returns the flag that says it ran."""
+    ran = [False]
+
+    def hook(_grad):
+        engine = ref()
+        if engine is not None and not ran[0] and (when is None or when()):
+            ran[0] = True
+            action(engine)
+
+    for t in tensors:
+        t.register_hook(hook)
+    return ran
+
+
 def _hook_backward(ref, module, args, out):
     """One use of a module's backward, bracketed by hooks on the tensors of its forward: the first
     gradient to reach one of its outputs (their total gradient, so every consumer's backward is
@@ -53,27 +69,9 @@ def _hook_backward(ref, module, args, out):
     outs = [t for t in _tensors(out) if t.requires_grad]
     if not outs:
         return
-    started = [False]
-
-    def start(_grad):
-        engine = ref()
-        if engine is not None and not started[0]:
-            started[0] = True
-            engine._fetch_for_backward(module)
-
-    for t in outs:
-        t.register_hook(start)
-    ended = [False]
-
-    def end(_grad):
-        engine = ref()
-        if engine is not None and started[0] and not ended[0]:
-            ended[0] = True
-            engine._after_module_backward(module)
-
-    for t in _tensors(args):
-        if t.requires_grad:
-            t.register_hook(end)
+    started = _once_on_grad(outs, ref, lambda engine: engine._fetch_for_backward(module))
+    inputs = [t for t in _tensors(args) if t.requires_grad]
+    _once_on_grad(inputs, ref, lambda engine: engine._after_module_backward(module), when=lambda: started[0])
 
 
 def _hook_use_backward(ref, slots, out):
@@ -88,20 +86,8 @@ def _hook_use_backward(ref, slots, out):
     # (A result that is a parameter itself, `bias.float()` in fp32, is no call's output: the call
     # that uses it next is hooked instead; a hook on a leaf would stay for every later step.)
     outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
-    if not trainable or not outs:
-        return
-    started = [False]
-
-    def start(_grad):
-        engine = ref()
-        if engine is not None and not started[0]:
-            started[0] = True
-            engine._bring_all(trainable)
-            for slot in trainable:
-                slot.backward_fetches += 1
-
-    for t in outs:
-        t.register_hook(start)
+    if trainable and outs:
+        _once_on_grad(outs, ref, lambda engine: engine._bring_for_backward_use(trainable))
 
 
 def _release(ref, module):
@@ -364,6 +350,13 @@ class FetchMixin:
         while slot.recompute_holds > 0:
             slot.recompute_holds -= 1
             self._drop(slot)
+
+    def _bring_for_backward_use(self, slots):
+        # Used outside their modules' forwards (_hook_use_backward): brought for their gradients,
+        # released with them, as a module's backward fetch is.
+        self._bring_all(slots)
+        for slot in slots:
+            slot.backward_fetches += 1
 
     def _bring_for_unpack(self, slot):
         # A saved view of a parameter whose module's backward pre-hook did not bring it (a module
