@@ -10,7 +10,10 @@ on NVMe, a device budget below the model) against plain PyTorch AdamW:
   self.emb.weight)``, a hand-tied head);
 - a module using its children's weights without calling them, through calls that save nothing of
   them for backward (Mamba's mixer: ``self.conv1d.weight.squeeze(1)``), with and without
-  activation checkpointing."""
+  activation checkpointing;
+- projections whose input is a leaf (a reentrant checkpoint's detached input, as Whisper's
+  cross-attention reads the encoder's states), whose gradient autograd accumulates in no set order
+  with the projections' own."""
 
 import pytest
 
@@ -105,6 +108,36 @@ class _ChildWeightsInAParentsForward(torch.nn.Module):
         return _output(self.head(h), labels)
 
 
+class _CrossAttentionLike(torch.nn.Module):
+    """Whisper's decoder layer under reentrant checkpointing, in small: two projections without
+    bias read the same input, which the recompute sees as a leaf (the checkpoint detaches its
+    inputs), so that input's gradient is accumulated beside the projections' weights, in no set
+    order."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = torch.nn.Linear(64, 64, bias=False)
+        self.v = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, h):
+        return torch.tanh(self.k(h)) * self.v(h)
+
+
+class _LeafInputsCheckpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(256, 64)
+        self.blocks = torch.nn.ModuleList(_CrossAttentionLike() for _ in range(2))
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return _output(self.head(h), labels)
+
+
 # (the model, a device budget below its parameters that holds its largest modules)
 MODELS = {
     "falcon": (_falcon, "160K"),
@@ -113,6 +146,7 @@ MODELS = {
     "borrowed_weight": (_BorrowedWeight, "96K"),
     "child_weights_in_a_parents_forward": (_ChildWeightsInAParentsForward, "96K"),
     "child_weights_checkpointed": (lambda: _ChildWeightsInAParentsForward(checkpointed=True), "96K"),
+    "leaf_inputs_checkpointed": (_LeafInputsCheckpointed, "96K"),
 }
 
 

@@ -61,8 +61,8 @@ def _hook_backward(ref, module, args, out):
     """One use of a module's backward, bracketed by hooks on the tensors of its forward: the first
     gradient to reach one of its outputs (their total gradient, so every consumer's backward is
     done) starts it, which fetches its parameters; the gradient reaching its inputs ends it, which
-    releases them (without inputs that take a gradient: the parameter's final gradient, or the end
-    of backward, does). Tensor hooks stay with a tensor modified in place, so model code may do
+    releases them (without inputs that an operator made and that take a gradient: the parameter's
+    final gradient, or the end of backward, does). Tensor hooks stay with a tensor modified in place, so model code may do
     that to a module's output."""
     if not torch.is_grad_enabled():
         return
@@ -70,7 +70,12 @@ def _hook_backward(ref, module, args, out):
     if not outs:
         return
     started = _once_on_grad(outs, ref, lambda engine: engine._fetch_for_backward(module))
-    inputs = [t for t in _tensors(args) if t.requires_grad]
+    # The end is hooked on inputs made by an operator only: their gradient reaches them through
+    # that operator's node, which autograd runs after the accumulation of the gradients the
+    # module's backward gave its parameters (accumulations go first). A leaf input's gradient is
+    # an accumulation too, in no set order with the parameters' (a reentrant checkpoint's detached
+    # inputs): releasing there could take a parameter away before its gradient is added.
+    inputs = [t for t in _tensors(args) if t.requires_grad and t.grad_fn is not None]
     _once_on_grad(inputs, ref, lambda engine: engine._after_module_backward(module), when=lambda: started[0])
 
 
