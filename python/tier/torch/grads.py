@@ -156,8 +156,9 @@ class EngineGrads:
         self.held = set()  # partitions with a gradient this step
         self.sumsq = {}  # partition -> sum of squares of its final gradient (boundary micro-step)
         self.declared = set()  # declared already, to an overlapped step that is running
-        # Device gradients DMA'd straight into their engine tensors (add_device_grad): partition ->
-        # (pinned host scalar, event, boundary), their sums of squares on their way to the host.
+        # Device gradients DMA'd straight into their engine tensors on a boundary micro-step
+        # (add_device_grad): partition -> (pinned host scalar, event after its copy), their sums of
+        # squares on their way to the host.
         self._pending = collections.OrderedDict()
         self.direct = 0  # device gradients that went straight in (no staging, no host pass)
 
@@ -189,6 +190,9 @@ class EngineGrads:
         g = grad.detach().reshape(-1)
         flat.copy_(g, non_blocking=True)
         del flat  # the lease ends after the copy, in the stream's order
+        # The caller drops the gradient now: its block goes back to the caching allocator only
+        # once this stream has passed the copy, whichever stream made it.
+        g.record_stream(torch.cuda.current_stream(g.device))
         boundary = engine.is_gradient_accumulation_boundary()
         self.held.add(pid)
         self.sumsq.pop(pid, None)  # (one kept from a failed step is stale now)
