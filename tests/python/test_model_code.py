@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import torch.nn.functional as F  # noqa: E402
 
 import tier.torch  # noqa: E402
-from test_torch_llama import baseline_losses, max_rel_diff, tier_config, tier_losses  # noqa: E402
+from test_torch_llama import baseline_losses, batch, max_rel_diff, tier_config, tier_losses  # noqa: E402
 
 STEPS = 3
 
@@ -168,3 +168,20 @@ def test_model_code_trains_as_plain_pytorch(swap_dir, name, overlap):
     assert metrics["prefetch.order_changes"] == 0
     if name in ("borrowed_weight", "child_weights_in_a_parents_forward", "child_weights_checkpointed"):
         assert brought > 0, "the borrowed weight is brought for the call that uses it"
+
+
+def test_frozen_modules_with_leaf_inputs_are_released_in_backward(swap_dir):
+    """Frozen modules whose inputs are leaves (a reentrant checkpoint's), under `loss.backward()`
+    of the caller's own: the gradient reaching the leaf input releases them during backward (they
+    have no final gradient to do it), so the next layers' fetches find room in a device budget
+    that does not hold every layer, and nothing is left fetched after step()."""
+    model = _LeafInputsCheckpointed()
+    for p in model.blocks.parameters():
+        p.requires_grad_(False)
+    engine, *_ = tier.torch.initialize(model, tier_config(swap_dir, gas=1, device_budget="96K"))
+    for i in range(3):
+        engine(**batch(i)).loss.backward()
+        engine.step()
+        held = [s.name for s in engine._slots if s.fetches or s.backward_fetches or s.recompute_holds]
+        assert not held, f"still fetched after step {i}: {held}"
+    engine.destroy()

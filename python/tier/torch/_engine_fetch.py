@@ -70,13 +70,26 @@ def _hook_backward(ref, module, args, out):
     if not outs:
         return
     started = _once_on_grad(outs, ref, lambda engine: engine._fetch_for_backward(module))
-    # The end is hooked on inputs made by an operator only: their gradient reaches them through
-    # that operator's node, which autograd runs after the accumulation of the gradients the
-    # module's backward gave its parameters (accumulations go first). A leaf input's gradient is
-    # an accumulation too, in no set order with the parameters' (a reentrant checkpoint's detached
-    # inputs): releasing there could take a parameter away before its gradient is added.
-    inputs = [t for t in _tensors(args) if t.requires_grad and t.grad_fn is not None]
-    _once_on_grad(inputs, ref, lambda engine: engine._after_module_backward(module), when=lambda: started[0])
+    # An input made by an operator ends it: its gradient reaches it through that operator's node,
+    # which autograd runs after the accumulation of the gradients the module's backward gave its
+    # parameters (accumulations go first). A leaf input's gradient is an accumulation too, in no
+    # set order with the parameters' (a reentrant checkpoint's detached inputs): there only the
+    # frozen parameters are released, the trainable ones at their final gradient, which could
+    # otherwise be taken away before their gradient is added.
+    inputs = [t for t in _tensors(args) if t.requires_grad]
+    ended = {"frozen": False, "trainable": False}  # (this use's, whichever input comes first)
+
+    def end(engine, parts):
+        todo = [p for p in parts if not ended[p]]
+        for p in todo:
+            ended[p] = True
+        if todo:
+            engine._after_module_backward(module, frozen="frozen" in todo, trainable="trainable" in todo)
+
+    made = [t for t in inputs if t.grad_fn is not None]
+    leaves = [t for t in inputs if t.grad_fn is None]
+    _once_on_grad(made, ref, lambda engine: end(engine, ("frozen", "trainable")), when=lambda: started[0])
+    _once_on_grad(leaves, ref, lambda engine: end(engine, ("frozen",)), when=lambda: started[0])
 
 
 def _hook_use_backward(ref, slots, out):
@@ -370,12 +383,15 @@ class FetchMixin:
         self._bring_all([slot])
         slot.backward_fetches += 1
 
-    def _after_module_backward(self, module):
+    def _after_module_backward(self, module, frozen=True, trainable=True):
         # One use of the module has its backward done (the gradient reached its inputs): the fetch
-        # that use made ends. A module run several times in a step (ALBERT's shared layer) so
-        # holds its parameters during each use's backward only, not from the last use's to the
-        # first's, where a trainable parameter's gradient is final (_grad_ready ends what is left).
+        # that use made ends, for its frozen and/or trainable parameters (see _hook_backward). A
+        # module run several times in a step (ALBERT's shared layer) so holds its parameters
+        # during each use's backward only, not from the last use's to the first's, where a
+        # trainable parameter's gradient is final (_grad_ready ends what is left).
         for slot in self._module_slots[module]:
+            if not (trainable if slot.trainable else frozen):
+                continue
             if slot.backward_fetches > 0:
                 slot.backward_fetches -= 1
                 self._drop(slot)
@@ -427,6 +443,8 @@ class FetchMixin:
         # A forward between the boundary backward and step() must see the committed params.
         self._cancel_overlap()
         self._repair_params()
+        if not self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._release_backward_leftovers()  # (a backward of the caller's own is over)
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         if not self._in_step and torch.is_grad_enabled() and not self.inference_only:

@@ -77,18 +77,24 @@ class StepMixin:
             self._engine_backward = False
         if self._prefetcher is not None:
             self._prefetcher.drop()
-        # Parameters that took part in forward but got no gradient still hold a fetch: end it.
-        for slot in self._slots:
-            self._end_recompute_holds(slot)
-            while slot.backward_fetches > 0:
-                slot.backward_fetches -= 1
-                self._drop(slot)
+        self._release_backward_leftovers()
         if self._in_step:
             self.native.end_step()
             self._in_step = False
         self._timers["backward"] += time.perf_counter() - t0
         self._span("backward", t0_ns)
         return loss
+
+    def _release_backward_leftovers(self):
+        """Parameters that took part in forward but got no gradient, or whose module's backward had
+        no end to hook (leaf inputs), still hold a fetch once backward is over: it ends here. Called
+        at the end of engine.backward(), and for a backward of the caller's own at the next
+        forward or step()."""
+        for slot in self._slots:
+            self._end_recompute_holds(slot)
+            while slot.backward_fetches > 0:
+                slot.backward_fetches -= 1
+                self._drop(slot)
 
     def is_gradient_accumulation_boundary(self):
         """Whether the current micro-step ends a step: the value set by
@@ -133,6 +139,7 @@ class StepMixin:
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         self._drain_grads()  # gradients of a backward run outside engine.backward()
+        self._release_backward_leftovers()  # (and what that backward left fetched)
         if self._delayed:
             report = self._start_delayed(lr_kwargs)
             self._grads_in_window = False
