@@ -2,6 +2,7 @@
 own files (issue #19, Python side)."""
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -94,6 +95,33 @@ def _save_killed_at(engine, ckpt, tag, n):
     finally:
         fault.restore_power()
         fault.uninstall()
+
+
+def test_a_save_first_removes_what_killed_saves_left(engine, tmp_path, monkeypatch):
+    """A killed save leaves its version folder behind; the next save removes it before writing
+    anything, not only once it completes, so saves killed one after another leave no more than
+    the last one's debris."""
+    import tier.torch.checkpoint as ck
+
+    ckpt = str(tmp_path / "ckpt")
+    kc.train_step(engine)
+    engine.save_checkpoint(ckpt, tag="a")
+    published = set(os.listdir(ckpt))
+    # Killed at its first file operation after which something of it is left (its version folder).
+    for n in range(50):
+        assert _save_killed_at(engine, ckpt, "a", n), "the save finished before leaving anything behind"
+        if any("~" in name for name in set(os.listdir(ckpt)) - published):
+            break
+    else:
+        raise AssertionError("no killed save left its version folder")
+
+    def killed(*args, **kwargs):
+        raise OSError(errno.EIO, "killed as it starts writing")
+
+    monkeypatch.setattr(ck, "_save_locked", killed)
+    with pytest.raises(OSError, match="killed as it starts"):
+        engine.save_checkpoint(ckpt, tag="a")
+    assert set(os.listdir(ckpt)) == published
 
 
 @pytest.mark.parametrize("tag", ["same", "other"])

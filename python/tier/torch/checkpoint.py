@@ -87,6 +87,7 @@ import secrets
 import socket
 import stat
 import time
+import warnings
 
 import torch
 
@@ -295,8 +296,19 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
     _check_replaceable(final, tag)  # before the lock too: a refused tag leaves the directory as it was
     with writer_lock(save_dir):
         _check_replaceable(final, tag)
+        collect_garbage_first(save_dir)
         _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest)
     return final
+
+
+def collect_garbage_first(save_dir):
+    """Before a save writes anything: what earlier killed saves left goes now, not only once a
+    save completes, so saves killed one after another leave no more than the last one's debris.
+    A failure here is reported and the save goes on (the end of the save collects again)."""
+    try:
+        _collect_garbage(save_dir)
+    except OSError as e:
+        warnings.warn(f"tier: could not remove the leftovers of earlier saves in {save_dir}: {e}", stacklevel=3)
 
 
 def _save_locked(engine, save_dir, tag, final, meta_bytes, save_latest):

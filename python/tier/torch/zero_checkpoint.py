@@ -125,6 +125,7 @@ def save(engine, save_dir, tag, client_state, save_latest=True):
             _ck._check_replaceable(os.path.join(save_dir, tag), tag)
             lock.enter_context(_ck.writer_lock(save_dir))
             _ck._check_replaceable(os.path.join(save_dir, tag), tag)
+            _ck.collect_garbage_first(save_dir)
             version = _ck._new_version(tag)
             _fs.mkdir(os.path.join(save_dir, version), 0o700)
         except Exception as e:  # noqa: BLE001 (every rank must hear of it)
