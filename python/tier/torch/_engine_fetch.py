@@ -61,9 +61,9 @@ def _hook_backward(ref, module, args, out):
     """One use of a module's backward, bracketed by hooks on the tensors of its forward: the first
     gradient to reach one of its outputs (their total gradient, so every consumer's backward is
     done) starts it, which fetches its parameters; the gradient reaching its inputs ends it, which
-    releases them (without inputs that an operator made and that take a gradient: the parameter's
-    final gradient, or the end of backward, does). Tensor hooks stay with a tensor modified in place, so model code may do
-    that to a module's output."""
+    releases them (without inputs that take a gradient: the parameter's final gradient, or the end
+    of backward, does; at a leaf input, see below). Tensor hooks stay with a tensor modified in
+    place, so model code may do that to a module's output."""
     if not torch.is_grad_enabled():
         return
     outs = [t for t in _tensors(out) if t.requires_grad]
