@@ -69,7 +69,7 @@ def _hook_backward(ref, module, args, out):
     outs = [t for t in _tensors(out) if t.requires_grad]
     if not outs:
         return
-    started = _once_on_grad(outs, ref, lambda engine: engine._fetch_for_backward(module))
+    started = _once_on_grad(outs, ref, lambda engine: engine._bring_for_backward(engine._module_slots[module]))
     # An input made by an operator ends it: its gradient reaches it through that operator's node,
     # which autograd runs after the accumulation of the gradients the module's backward gave its
     # parameters (accumulations go first). A leaf input's gradient is an accumulation too, in no
@@ -105,7 +105,7 @@ def _hook_use_backward(ref, slots, out):
     # that uses it next is hooked instead; a hook on a leaf would stay for every later step.)
     outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
     if trainable and outs:
-        _once_on_grad(outs, ref, lambda engine: engine._bring_for_backward_use(trainable))
+        _once_on_grad(outs, ref, lambda engine: engine._bring_for_backward(trainable))
 
 
 def _release(ref, module):
@@ -145,7 +145,7 @@ class FetchMixin:
         ref = weakref.ref(self)
         # Saved views of streamed parameters become references for the duration of a training
         # forward (the hooks are entered by the outermost module call and exited after it).
-        self._saved_params = _saved_params.SavedParams(lambda slot, r=ref: r()._bring_for_unpack(slot))
+        self._saved_params = _saved_params.SavedParams(lambda slot, r=ref: r()._bring_for_backward([slot]))
         self._saved_hooks = None
         # A parameter used outside its module's forward is brought for the call that uses it.
         self._fetch_on_use = _saved_params.FetchOnUse(
@@ -359,29 +359,18 @@ class FetchMixin:
         for slot in self._module_slots[module]:
             self._drop(slot)
 
-    def _fetch_for_backward(self, module):
-        self._bring_all(self._module_slots[module])
-        for slot in self._module_slots[module]:
+    def _bring_for_backward(self, slots):
+        # A backward fetch: a module's (its outputs' first gradient), a saved view's unpack, or a
+        # parameter used outside its module (_hook_use_backward). It ends when the module's
+        # backward ends, at the parameter's final gradient, or at the end of backward.
+        self._bring_all(slots)
+        for slot in slots:
             slot.backward_fetches += 1
 
     def _end_recompute_holds(self, slot):
         while slot.recompute_holds > 0:
             slot.recompute_holds -= 1
             self._drop(slot)
-
-    def _bring_for_backward_use(self, slots):
-        # Used outside their modules' forwards (_hook_use_backward): brought for their gradients,
-        # released with them, as a module's backward fetch is.
-        self._bring_all(slots)
-        for slot in slots:
-            slot.backward_fetches += 1
-
-    def _bring_for_unpack(self, slot):
-        # A saved view of a parameter whose module's backward pre-hook did not bring it (a module
-        # using another's weight): brought now, released when its gradient is final or at the end
-        # of backward, as a module's backward fetch is.
-        self._bring_all([slot])
-        slot.backward_fetches += 1
 
     def _after_module_backward(self, module, frozen=True, trainable=True):
         # One use of the module has its backward done (the gradient reached its inputs): the fetch

@@ -147,12 +147,9 @@ class EngineGrads:
     (the step's ``grad_tensors``)."""
 
 
-    _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
     def __init__(self, engine, partition_count):
         self._engine = weakref.ref(engine)
         self.tensors = [-1] * partition_count  # partition -> engine tensor of its gradient
-        self.dtypes = [None] * partition_count  # partition -> torch dtype of that tensor
         self.held = set()  # partitions with a gradient this step
         self.sumsq = {}  # partition -> sum of squares of its final gradient (boundary micro-step)
         self.declared = set()  # declared already, to an overlapped step that is running
@@ -167,7 +164,6 @@ class EngineGrads:
         micro-step per step: nothing is summed across micro-steps) stores the gradient as backward
         made it, half the bytes on disk and on the links."""
         self.tensors[pid] = native.register(f"grad/{name}", dtype, numel, "grad", 0, home)
-        self.dtypes[pid] = self._TORCH_DTYPES[dtype]
 
     def add_device_grad(self, pid, grad, stream):
         """A CUDA gradient copied by DMA straight into its engine tensor's host copy (the engine's
@@ -179,9 +175,10 @@ class EngineGrads:
 
         Only a step's first gradient of a partition in the tensor's own dtype goes this way; the
         caller stages the others (a sum to add to, or an upcast): returns False for those."""
-        if grad.dtype != self.dtypes[pid]:
-            return False
         engine = self._engine()
+        # Every gradient tensor has the engine's gradient dtype: fp32 sums, or the model's own.
+        if grad.dtype != (torch.float32 if engine._grad_dtype == "fp32" else engine.compute_dtype):
+            return False
         engine._withdraw_failed_step()
         if pid in self.held:
             return False
