@@ -16,17 +16,15 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 
 #include "gpu/caching_allocator.hpp"
 #include "gpu/cuda_error.hpp"
 #include "gpu/event_state.hpp"
+#include "gpu/ordered_worker.hpp"
 #include "tier/ext/cuda_probe.hpp"
 #include "tier/ext/device.hpp"
 #include "tier/log.hpp"
@@ -119,78 +117,39 @@ class CudaRawMemory final : public detail::RawDeviceMemory {
 class CompletionQueue {
  public:
   CompletionQueue(std::string name, int device_id)
-      : name_(std::move(name)), device_id_(device_id), worker_([this] { run(); }) {}
-  ~CompletionQueue() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    work_cv_.notify_all();
-    worker_.join();
-  }
-  CompletionQueue(const CompletionQueue&) = delete;
-  CompletionQueue& operator=(const CompletionQueue&) = delete;
+      : name_(std::move(name)), device_id_(device_id), worker_([this](Item& item) { complete(item); }) {}
 
   void push(std::shared_ptr<detail::EventState> state, Counters::Transfer transfer, std::uint64_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      items_.push_back(Item{std::move(state), std::move(transfer), bytes});
-      ++pushed_;
-    }
-    work_cv_.notify_one();
+    worker_.push(Item{std::move(state), std::move(transfer), bytes});
   }
 
   // Waits until every event pushed before the call has completed and its callbacks have run;
   // false without waiting when called from this queue's own thread (a callback).
-  bool drain() {
-    if (std::this_thread::get_id() == worker_.get_id()) return false;
-    std::unique_lock<std::mutex> lock(mu_);
-    const std::uint64_t target = pushed_;
-    idle_cv_.wait(lock, [&] { return done_ >= target; });
-    return true;
-  }
+  bool drain() { return worker_.drain(); }
 
  private:
   struct Item {
     std::shared_ptr<detail::EventState> state;
     Counters::Transfer transfer;
-    std::uint64_t bytes;
+    std::uint64_t bytes = 0;
   };
 
-  void run() {
-    cudaSetDevice(device_id_);
-    for (;;) {
-      Item item;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [&] { return stop_ || !items_.empty(); });
-        if (items_.empty()) return;
-        item = std::move(items_.front());
-        items_.pop_front();
-      }
-      const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(item.state->native));
-      Status s = err == cudaSuccess ? Status() : cuda_status(err, str(name_, ": the copy failed"));
-      item.transfer.finish(item.bytes, s.ok());
-      item.state->complete(std::move(s));
-      item.state.reset();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++done_;
-      }
-      idle_cv_.notify_all();
+  void complete(Item& item) {
+    if (!device_set_) {  // (the worker's thread, on its first item)
+      cudaSetDevice(device_id_);
+      device_set_ = true;
     }
+    const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(item.state->native));
+    Status s = err == cudaSuccess ? Status() : cuda_status(err, str(name_, ": the copy failed"));
+    item.transfer.finish(item.bytes, s.ok());
+    item.state->complete(std::move(s));
+    item.state.reset();
   }
 
   const std::string name_;
   const int device_id_;
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable idle_cv_;
-  std::deque<Item> items_;
-  std::uint64_t pushed_ = 0;
-  std::uint64_t done_ = 0;
-  bool stop_ = false;
-  std::thread worker_;  // last: starts once the members above exist
+  bool device_set_ = false;             // used by the worker's thread only
+  detail::OrderedWorker<Item> worker_;  // last: its thread uses the members above
 };
 
 class CudaDevice final : public Device {
