@@ -717,6 +717,28 @@ tier_status_t tier_tensor_acquire(tier_engine_t* engine, tier_tensor_t tensor, t
   });
 }
 
+tier_status_t tier_tensor_acquire_on_stream(tier_engine_t* engine, tier_tensor_t tensor, void* stream,
+                                            tier_ticket_t** out_ticket) {
+  return guarded("tier_tensor_acquire_on_stream", [&]() -> Status {
+    TIER_C_REQUIRE(out_ticket);
+    *out_ticket = nullptr;
+    TIER_C_REQUIRE(engine);
+    const auto& core = engine->core;
+    auto ticket = std::make_unique<tier_ticket>();
+    ticket->core = core;
+    ticket->where = Tier::kDevice;
+    ticket->access = Access::kRead;
+    ticket->stream = stream;
+    TIER_RETURN_IF_ERROR(core->with_tensor(tensor.id, [&](TensorId id, const TensorMeta& meta) -> Status {
+      ticket->meta = meta;
+      ticket->future = core->engine().acquire_on_stream(id, stream);
+      return Status::Ok();
+    }));
+    *out_ticket = ticket.release();
+    return Status::Ok();
+  });
+}
+
 tier_status_t tier_ticket_poll(tier_ticket_t* ticket, int* out_ready) {
   return guarded("tier_ticket_poll", [&]() -> Status {
     TIER_C_REQUIRE(out_ready);

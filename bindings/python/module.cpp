@@ -192,6 +192,22 @@ Access parse_access(const std::string& access) {
   raise(invalid_argument(str("access '", access, "' is not one of: read, write, read_write")));
 }
 
+// A stream-ordered acquire (`stream` given) is a device read.
+Status stream_ordered_read(Tier t, Access a, const std::optional<std::uintptr_t>& stream) {
+  if (!stream || (t == Tier::kDevice && a == Access::kRead)) return Status();
+  const char* access = a == Access::kRead ? "read" : a == Access::kWrite ? "write" : "read_write";
+  return invalid_argument(
+      str("acquire with a stream is for reading the device copy (tier 'device', access 'read'), "
+          "not tier '",
+          tier_name(t), "', access '", access, "'"));
+}
+
+AcquireFuture start_acquire(Engine& e, TensorId id, Tier t, Access a, bool traced,
+                            const std::optional<std::uintptr_t>& stream) {
+  if (stream) return e.acquire_on_stream(id, reinterpret_cast<DeviceStream>(*stream), traced);
+  return e.acquire(id, t, a, traced);
+}
+
 // A granted lease as Python's Lease: the dtype comes with the lease, so an acquire costs one call
 // into the engine.
 PyLease py_lease(Engine& e, Lease lease) {
@@ -395,23 +411,29 @@ NB_MODULE(_tier, m) {
           "Renames a registered tensor and sets its role and group; its copies stay where they are.")
       .def(
           "acquire",
-          [](Engine& e, TensorId id, const std::string& tier, const std::string& access, bool traced) {
+          [](Engine& e, TensorId id, const std::string& tier, const std::string& access, bool traced,
+             std::optional<std::uintptr_t> stream) {
             const Tier t = unwrap(parse_tier(tier));
             const Access a = parse_access(access);
+            check(stream_ordered_read(t, a, stream));
             Result<Lease> lease{Status(StatusCode::kInternal, "not acquired")};
             {
               nb::gil_scoped_release unlocked;
-              lease = e.acquire_now(id, t, a, traced);
+              lease = start_acquire(e, id, t, a, traced, stream).wait();
             }
             return py_lease(e, unwrap(std::move(lease)));
           },
-          "id"_a, "tier"_a, "access"_a = "read", "traced"_a = true)
+          "id"_a, "tier"_a, "access"_a = "read", "traced"_a = true, "stream"_a = nb::none(),
+          "A lease of the tensor's copy on `tier`. With `stream` (a device read only; the consumer's cudaStream_t "
+          "as an integer) it is granted once the copy's transfer is queued, with the stream made to wait for it "
+          "(Engine::acquire_on_stream): use the memory on that stream only.")
       .def(
           "acquire_many",
           [](Engine& e, const std::vector<TensorId>& ids, const std::string& tier, const std::string& access,
-             bool traced) {
+             bool traced, std::optional<std::uintptr_t> stream) {
             const Tier t = unwrap(parse_tier(tier));
             const Access a = parse_access(access);
+            check(stream_ordered_read(t, a, stream));
             std::vector<Lease> leases;
             Status failed;
             {
@@ -419,7 +441,7 @@ NB_MODULE(_tier, m) {
               // Every acquire is started before any is waited for, so their loads overlap.
               std::vector<AcquireFuture> futures;
               futures.reserve(ids.size());
-              for (TensorId id : ids) futures.push_back(e.acquire(id, t, a, traced));
+              for (TensorId id : ids) futures.push_back(start_acquire(e, id, t, a, traced, stream));
               leases.reserve(ids.size());
               for (auto& f : futures) {
                 if (!failed.ok()) {
@@ -441,9 +463,9 @@ NB_MODULE(_tier, m) {
             for (auto& l : leases) out.push_back(py_lease(e, std::move(l)));
             return out;
           },
-          "ids"_a, "tier"_a, "access"_a = "read", "traced"_a = true,
+          "ids"_a, "tier"_a, "access"_a = "read", "traced"_a = true, "stream"_a = nb::none(),
           "acquire() of several tensors in one call: every acquire starts before any is waited for; all or none "
-          "are granted (on an error the granted ones end and the rest are given up).")
+          "are granted (on an error the granted ones end and the rest are given up). `stream` as for acquire().")
       .def(
           "read",
           [](Engine& e, TensorId id, nb::handle out) {

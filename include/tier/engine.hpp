@@ -178,6 +178,17 @@ class Engine {
   // such as an optimizer pass overlapped with backward: traced, its acquires would interleave with
   // backward's differently each step, and each step would drop the trace as a new order.
   AcquireFuture acquire(TensorId id, Tier tier, Access access, bool traced = true);
+  // A read lease of the device copy for a consumer that uses it on the GPU stream `stream`:
+  // granted once the copy's transfer to the device is queued, not once it is done, with `stream`
+  // made to wait for that transfer (Device::stream_wait). Work queued on `stream` after the grant
+  // sees the tensor's bytes; the host must not read data() itself, and other streams are the
+  // caller's to order after `stream`. So the host runs ahead of the transfers, as with a GPU's own
+  // copies; end the lease with release_after(stream). If the transfer fails, `stream` fails too
+  // (a GPU: the copy's error; the emulated device: the stream's later events) and the engine keeps
+  // the tensor's other copies. A copy already in place is granted as acquire() grants it. On a
+  // device without GPU streams (the emulated device, unless tier.emulated.delayed_streams) the host
+  // is the stream: this is acquire(id, Tier::kDevice, Access::kRead, traced).
+  AcquireFuture acquire_on_stream(TensorId id, DeviceStream stream, bool traced = true);
   // acquire(...).wait().
   Result<Lease> acquire_now(TensorId id, Tier tier, Access access, bool traced = true) {
     return acquire(id, tier, access, traced).wait();

@@ -323,6 +323,20 @@ TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_acquire(tier_engine_t* engi
                                                              tier_tier_t where, tier_access_t access, void* stream,
                                                              tier_ticket_t** out_ticket);
 
+/* A read of `tensor`'s device copy for a consumer that uses it on `stream` only (a cudaStream_t;
+ * NULL is the legacy default stream): as tier_tensor_acquire(engine, tensor, TIER_TIER_DEVICE,
+ * TIER_ACCESS_READ, stream, ...), except that the ticket is ready once the copy's transfer to the
+ * device is queued rather than done, with `stream` made to wait for it. Work queued on `stream`
+ * after the wait sees the contents; the host and other streams must not read them before `stream`
+ * has passed that point. So a consumer fetching the next layer's tensors goes on queueing work
+ * while they are copied. If the transfer fails, `stream`'s later work fails with it (a CUDA error)
+ * and the tensor keeps its other copies. A copy already on the device is handed out as
+ * tier_tensor_acquire hands it out. On a device without GPU streams (the emulated device, unless
+ * tier.emulated.delayed_streams) the contents are complete when the ticket is ready.
+ * Errors here: those of tier_tensor_acquire. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_tensor_acquire_on_stream(tier_engine_t* engine, tier_tensor_t tensor,
+                                                                       void* stream, tier_ticket_t** out_ticket);
+
 /* *out_ready = 1 when the acquire has completed (successfully or not), 0 while it is pending.
  * Never blocks. */
 TIER_API TIER_CHECK_RESULT tier_status_t tier_ticket_poll(tier_ticket_t* ticket, int* out_ready);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tier/config.hpp"
+#include "tier/ext/device_event.hpp"
 #include "tier/stats.hpp"
 #include "tier/status.hpp"
 #include "tier/types.hpp"
@@ -59,8 +60,12 @@ class Mover {
  public:
   virtual ~Mover() = default;
   // Starts copying `bytes` from `src` on tier `from` to `dst` on the adjacent tier `to`
-  // (nvme<->host or host<->device). `done` is called exactly once, from any thread.
-  virtual void move(Tier from, const Buffer& src, Tier to, const Buffer& dst, std::uint64_t bytes, Done done) = 0;
+  // (nvme<->host or host<->device). `done` is called exactly once, from any thread. Returns the
+  // copy's device event for a host<->device move once it is queued, which a consumer's GPU stream
+  // may wait on instead of the host waiting for `done`; an empty event when there is none (NVMe
+  // moves, a copy that failed to start, a mover without device events).
+  virtual DeviceEvent move(Tier from, const Buffer& src, Tier to, const Buffer& dst, std::uint64_t bytes,
+                           Done done) = 0;
   // Fills a host or device buffer with zeros (synchronously).
   virtual Status zero(Tier tier, const Buffer& dst, std::uint64_t bytes) = 0;
   // Makes every completed NVMe write durable.

@@ -372,7 +372,7 @@ void Engine::Impl::note_resident(Tier tier, std::int64_t delta) {
 // Acquire
 
 void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st,
-                                 bool first, bool traced) {
+                                 bool first, bool traced, std::optional<DeviceStream> order) {
   auto fail = [&](Status s) {
     std::lock_guard<std::mutex> lock(st->mu);
     st->status = std::move(s);
@@ -402,7 +402,8 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
   }
   const bool writes = access != Access::kRead;
   if ((writes && (t.readers > 0 || t.writer)) || (!writes && t.writer)) {
-    t.blocked.push_back({st, [this, id, tier, access, st] { start_acquire(id, tier, access, st, false, false); }});
+    t.blocked.push_back(
+        {st, [this, id, tier, access, st, order] { start_acquire(id, tier, access, st, false, false, order); }});
     return;
   }
   if (writes) {
@@ -423,10 +424,17 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
   const std::uint64_t gen = t.generation;
   ensure_copy(
       id, tier, access != Access::kWrite, kNever,
-      [this, id, tier, access, st, gen](Status s) {
+      [this, id, tier, access, st, gen, order](Status s) {
         TensorRec& t2 = tensors[id];
         if (!t2.live || t2.generation != gen) {
           s = cancelled("the tensor was unregistered while it was being acquired");
+        }
+        if (s.ok() && order) {
+          // Granted while the copy to the device is in flight: the consumer's stream waits for it.
+          const Copy& c2 = t2.copies[static_cast<int>(tier)];
+          if (c2.state == CopyState::kLoading && c2.queued.valid()) {
+            s = be.device->stream_wait(*order, c2.queued).with_context("ordering the consumer's stream after the copy");
+          }
         }
         if (!s.ok()) {
           if (t2.generation == gen) {
@@ -446,7 +454,7 @@ void Engine::Impl::start_acquire(TensorId id, Tier tier, Access access, std::sha
         }
         grant(id, tier, access, st);
       },
-      /*staging=*/false, st);
+      /*staging=*/false, st, /*queued=*/order.has_value());
   issue_prefetches();
 }
 
@@ -481,15 +489,15 @@ void Engine::Impl::grant(TensorId id, Tier tier, Access access, std::shared_ptr<
 
 // Makes the copy of `id` on `tier` valid (need_data) or reserved for a writer (!need_data).
 void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, Done done, bool staging,
-                               std::shared_ptr<detail::AcquireState> owner) {
+                               std::shared_ptr<detail::AcquireState> owner, bool queued) {
   TensorRec& t = tensors[id];
   Copy& c = t.copies[static_cast<int>(tier)];
   switch (c.state) {
     case CopyState::kValid:  // a writer overwrites it in place; its release makes it the newest
       return done(Status::Ok());
     case CopyState::kLoading:
-      c.on_ready.push_back(std::move(done));
       want(c, horizon, owner);
+      wait_for_load(c, std::move(done), queued);
       return;
     case CopyState::kReserved:
       return done(
@@ -522,26 +530,28 @@ void Engine::Impl::ensure_copy(TensorId id, Tier tier, bool need_data, std::size
   const auto valid = [&](Tier x) { return t.copies[static_cast<int>(x)].state == CopyState::kValid; };
   if (tier == Tier::kHost) {
     if (valid(Tier::kDevice))
-      return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done), staging, std::move(owner));
+      return load_from(id, Tier::kHost, Tier::kDevice, horizon, std::move(done), staging, std::move(owner), queued);
     if (valid(Tier::kNvme))
-      return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done), staging, std::move(owner));
+      return load_from(id, Tier::kHost, Tier::kNvme, horizon, std::move(done), staging, std::move(owner), queued);
     return done(internal_error(str("tensor '", t.desc.name, "' has no valid copy to load from")));
   }
   // Device or NVMe: through the host copy.
-  if (valid(Tier::kHost)) return load_from(id, tier, Tier::kHost, horizon, std::move(done), staging, std::move(owner));
+  if (valid(Tier::kHost)) {
+    return load_from(id, tier, Tier::kHost, horizon, std::move(done), staging, std::move(owner), queued);
+  }
   const std::uint64_t gen = t.generation;
   ensure_copy(
       id, Tier::kHost, true, horizon,
-      [this, id, tier, horizon, gen, done, staging, owner](Status s) {
+      [this, id, tier, horizon, gen, done, staging, owner, queued](Status s) {
         TensorRec& t2 = tensors[id];
         if (s.ok() && (!t2.live || t2.generation != gen)) s = cancelled("tensor unregistered");
         if (!s.ok()) return done(s);
         if (owner != nullptr && owner->given_up) return done(cancelled("the acquire was given up between two hops"));
         if (t2.copies[static_cast<int>(Tier::kHost)].state != CopyState::kValid) {
           // Evicted between the two hops (possible when the host tier is tight): start again.
-          return ensure_copy(id, tier, true, horizon, done, staging, owner);
+          return ensure_copy(id, tier, true, horizon, done, staging, owner, queued);
         }
-        load_from(id, tier, Tier::kHost, horizon, done, staging, owner);
+        load_from(id, tier, Tier::kHost, horizon, done, staging, owner, queued);
       },
       /*staging=*/true, owner);
 }
@@ -551,6 +561,16 @@ void Engine::Impl::want(Copy& c, std::size_t horizon, const std::shared_ptr<deta
     c.wanted_by.push_back(owner);
   } else if (horizon == kNever) {
     ++c.wanted_unowned;
+  }
+}
+
+void Engine::Impl::wait_for_load(Copy& c, Done done, bool queued) {
+  if (!queued) {
+    c.on_ready.push_back(std::move(done));
+  } else if (c.queued.valid()) {
+    done(Status::Ok());
+  } else {
+    c.on_queued.push_back(std::move(done));
   }
 }
 
@@ -568,13 +588,13 @@ bool Engine::Impl::abandoned(const RoomRequest& r) const {
 }
 
 void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizon, Done done, bool staging,
-                             std::shared_ptr<detail::AcquireState> owner) {
+                             std::shared_ptr<detail::AcquireState> owner, bool queued) {
   TensorRec& t = tensors[id];
   Copy& dst = t.copies[static_cast<int>(to)];
   if (dst.state == CopyState::kValid) return done(Status::Ok());
   if (dst.state == CopyState::kLoading) {
-    dst.on_ready.push_back(std::move(done));
     want(dst, horizon, owner);
+    wait_for_load(dst, std::move(done), queued);
     return;
   }
   const bool prefetch = horizon != kNever;
@@ -606,14 +626,25 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
       return;
     }
     ++moves_in_flight;
-    be.mover->move(from, s2.buf, to, d.buf, bytes, [this, id, to, from, gen, counted](Status st) {
+    DeviceEvent ev = be.mover->move(from, s2.buf, to, d.buf, bytes, [this, id, to, from, gen, counted](Status st) {
       post([this, id, to, from, gen, counted, st] { complete_load(id, to, from, gen, counted, st); });
     });
+    // The copy is queued (its completion is posted, so the load is still in flight here): the
+    // stream-ordered acquires waiting for it are granted on its event.
+    if (ev.valid() && to == Tier::kDevice) {
+      Copy& d2 = tensors[id].copies[static_cast<int>(to)];
+      d2.queued = std::move(ev);
+      auto waiters = std::move(d2.on_queued);
+      d2.on_queued.clear();
+      for (auto& w : waiters) w(Status::Ok());
+    }
   };
-  const bool home_storage = dst.state == CopyState::kStale;  // write into the existing home storage
-  dst.state = CopyState::kLoading;                           // later ensure_copy calls queue on on_ready from now on
-  dst.on_ready.push_back(std::move(done));
+  // Storage already there: the home's, or a copy whose load failed while stream-ordered leases
+  // held it (complete_load).
+  const bool home_storage = dst.state == CopyState::kStale;
+  dst.state = CopyState::kLoading;  // later ensure_copy calls queue on on_ready from now on
   want(dst, horizon, owner);
+  wait_for_load(dst, std::move(done), queued);
   if (home_storage) {
     start(Buffer{});
     return;
@@ -630,10 +661,14 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
             --s2.pins;
             --t2.readers;
             --t2.transfers;
+            // A copy in kLoading whose room never came holds no storage (a stale one keeps its own
+            // and never waits for room).
             d.state = CopyState::kAbsent;
             d.forget_wanted();
             auto waiters = std::move(d.on_ready);
             d.on_ready.clear();
+            for (auto& w : d.on_queued) waiters.push_back(std::move(w));
+            d.on_queued.clear();
             for (auto& w : waiters) w(s);
             wake_blocked(t2);
           }
@@ -653,6 +688,7 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
   Copy& d = t.copies[static_cast<int>(to)];
   Copy& src = t.copies[static_cast<int>(from)];
   d.forget_wanted();
+  d.queued = DeviceEvent{};
   --src.pins;
   --t.readers;
   --t.transfers;
@@ -663,14 +699,19 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
   } else {
     TIER_LOG(kError, "tensor '", t.desc.name, "': ", tier_name(from), " -> ", tier_name(to), " failed; the ",
              tier_name(from), " copy stays the valid one: ", s.to_string());
-    if (to == t.home) {
-      d.state = CopyState::kStale;  // home storage stays allocated; the source copy is still valid
+    if (to == t.home || d.pins > 0) {
+      // Home storage stays allocated; so does a copy that stream-ordered leases were granted on
+      // (their streams waited for the failed copy, so they fail too), until the last one ends.
+      // The source copy is still valid.
+      d.state = CopyState::kStale;
     } else {
       drop_copy(t, to);
     }
   }
   auto waiters = std::move(d.on_ready);
   d.on_ready.clear();
+  for (auto& w : d.on_queued) waiters.push_back(std::move(w));  // a mover without events, or a failure
+  d.on_queued.clear();
   // The new copy stays pinned until every waiter had its turn: one waiter's callback may release
   // or make room (e.g. a given-up acquire), which must not evict the copy the next one is granted.
   const bool pin = s.ok();
@@ -742,6 +783,7 @@ void Engine::Impl::drop_copy(TensorRec& t, Tier tier) {
   c.state = CopyState::kAbsent;
   c.prefetched = false;
   c.writing_back = false;
+  c.queued = DeviceEvent{};
   c.forget_wanted();
 }
 
@@ -991,6 +1033,8 @@ void Engine::Impl::on_release(TensorId id, Tier tier, Access access, std::uint64
   c.last_use = ++clock;
   if (access == Access::kRead) {
     if (t.readers > 0) --t.readers;
+    // The last stream-ordered lease on a copy whose load failed (complete_load): its storage goes.
+    if (tier != t.home && c.state == CopyState::kStale && c.pins == 0) drop_copy(t, tier);
     // An activation checkpoint is read once per step, by its recompute: once that lease ends its
     // device copy is garbage until the next step writes the tensor again, so it goes now rather
     // than when room is short (the device then holds the checkpoint in use and the one prefetched).
@@ -1312,6 +1356,19 @@ AcquireFuture Engine::acquire(TensorId id, Tier tier, Access access, bool traced
   st->link = impl_->link;
   Impl* e = impl_.get();
   e->post([e, id, tier, access, st, traced] { e->start_acquire(id, tier, access, st, true, traced); });
+  return AcquireFuture(st);
+}
+
+AcquireFuture Engine::acquire_on_stream(TensorId id, DeviceStream stream, bool traced) {
+  Impl* e = impl_.get();
+  if (e->be.device == nullptr || !e->be.device->has(DeviceCap::kGpuStreams)) {
+    return acquire(id, Tier::kDevice, Access::kRead, traced);  // the host is the stream: wait on it
+  }
+  auto st = std::make_shared<detail::AcquireState>();
+  st->link = e->link;
+  e->post([e, id, st, traced, stream] {
+    e->start_acquire(id, Tier::kDevice, Access::kRead, st, true, traced, std::optional<DeviceStream>(stream));
+  });
   return AcquireFuture(st);
 }
 

@@ -108,6 +108,13 @@ struct Engine::Impl {
     std::uint32_t cached_pos = kNotCached;
     Clock::time_point retry_writeback_after{};  // after a failed write-back, wait before the next
     std::vector<detail::Done> on_ready;         // waiters for a load in flight
+    // A load to the device whose copy is queued: its event (empty until then, and once the load
+    // ends). Stream-ordered acquires are granted on it: their stream waits for the event, not the
+    // host (Engine::acquire_on_stream).
+    DeviceEvent queued;
+    // Stream-ordered acquires waiting for the load's copy to be queued (or for the load to end,
+    // when the mover gives no event).
+    std::vector<detail::Done> on_queued;
     // Who a load in flight is for, while it waits for room: the acquires among its waiters, and
     // how many waiters no acquire owns (a flush, a write-back, a registration; a prefetch is not
     // counted). Once every one of them is a given-up acquire, the load stops waiting (and lets go
@@ -168,18 +175,24 @@ struct Engine::Impl {
   // ---- state machine (scheduler thread only)
   // `first`: the acquire's first attempt (a retry after a lock conflict is not counted again);
   // `traced`: recorded in / matched against the access trace (Engine::acquire).
+  // `order`: a stream-ordered device read (Engine::acquire_on_stream) for that consumer stream.
   void start_acquire(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st, bool first,
-                     bool traced);
+                     bool traced, std::optional<DeviceStream> order = std::nullopt);
   void grant(TensorId id, Tier tier, Access access, std::shared_ptr<detail::AcquireState> st);
   // `horizon`: kNever for a demand (may wait for room, may write back); for a prefetch, the trace
   // distance of its target (only copies used later than that may be evicted, nothing waits).
   // `staging`: the copy is an intermediate hop of a longer move (NVMe -> host on the way to the
   // device); a prefetch counts only its final hop against max_inflight_bytes.
   // `owner`: the acquire a writer's reservation is for (see RoomRequest::owner).
+  // `queued`: `done` may run as soon as the final hop's device copy is queued (Copy::queued), not
+  // once it is done (stream-ordered acquires).
   void ensure_copy(TensorId id, Tier tier, bool need_data, std::size_t horizon, detail::Done done, bool staging = false,
-                   std::shared_ptr<detail::AcquireState> owner = nullptr);
+                   std::shared_ptr<detail::AcquireState> owner = nullptr, bool queued = false);
   void load_from(TensorId id, Tier to, Tier from, std::size_t horizon, detail::Done done, bool staging = false,
-                 std::shared_ptr<detail::AcquireState> owner = nullptr);
+                 std::shared_ptr<detail::AcquireState> owner = nullptr, bool queued = false);
+  // Adds `done` to the waiters of the load in flight of `c`: run now when its copy is queued and
+  // the waiter only needs that (`queued`), else when it is queued or done as asked.
+  static void wait_for_load(Copy& c, detail::Done done, bool queued);
   // Records who waits for the load of `c` (see Copy::wanted_by); a prefetch (horizon set) does not count.
   static void want(Copy& c, std::size_t horizon, const std::shared_ptr<detail::AcquireState>& owner);
   // `for_load`: the room is for the load of `for_tensor` on `tier` (see RoomRequest::for_load).

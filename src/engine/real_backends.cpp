@@ -110,7 +110,8 @@ class RealMover : public detail::Mover {
  public:
   RealMover(Device* d, HostArena* a, nvme::SwapSpace* s) : d_(d), a_(a), s_(s) {}
 
-  void move(Tier from, const Buffer& src, Tier to, const Buffer& dst, std::uint64_t bytes, detail::Done done) override {
+  DeviceEvent move(Tier from, const Buffer& src, Tier to, const Buffer& dst, std::uint64_t bytes,
+                   detail::Done done) override {
     // The engine keeps both buffers alive until `done`; the extra references here only guard against
     // misuse, and are dropped before `done` so that storage freed by the engine is free at once.
     auto finish = [done, keep_src = src.holder, keep_dst = dst.holder](const Status& s) mutable {
@@ -129,16 +130,25 @@ class RealMover : public detail::Mover {
     } else if (from == Tier::kHost && to == Tier::kDevice) {
       auto* buf = static_cast<DeviceBuffer*>(dst.holder.get());
       auto ev = d_->copy_to_device(*buf, 0, src.ptr, bytes);
-      if (!ev.ok()) return done(ev.status());
+      if (!ev.ok()) {
+        done(ev.status());
+        return DeviceEvent{};
+      }
       ev->on_complete(finish);
+      return *ev;
     } else if (from == Tier::kDevice && to == Tier::kHost) {
       auto* buf = static_cast<DeviceBuffer*>(src.holder.get());
       auto ev = d_->copy_to_host(dst.ptr, *buf, 0, bytes);
-      if (!ev.ok()) return done(ev.status());
+      if (!ev.ok()) {
+        done(ev.status());
+        return DeviceEvent{};
+      }
       ev->on_complete(finish);
+      return *ev;
     } else {
       done(internal_error(str("no link from ", tier_name(from), " to ", tier_name(to))));
     }
+    return DeviceEvent{};
   }
 
   Status zero(Tier tier, const Buffer& dst, std::uint64_t bytes) override {

@@ -206,6 +206,36 @@ TEST(CApiCxx, DeletersRunExactlyOnceUnderConcurrency) {
 }
 
 // Read-modify-write leases from several threads are exclusive: no increment is lost.
+// On the emulated device (no GPU streams) a stream-ordered read is a device read whose contents
+// are there when the ticket is; bad arguments are refused and hand out nothing.
+TEST(CApiCxx, AStreamOrderedReadOnTheEmulatedDeviceHandsOutTheContents) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  std::atomic<int> deleted{0};
+  tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+  opt.home = TIER_TIER_NVME;
+  tier_tensor_t t{};
+  ASSERT_EQ(tier_tensor_register(e, "w", Producer::make(4096, 5, &deleted), &opt, &t), TIER_OK) << tier_last_error();
+  tier_ticket_t* ticket = nullptr;
+  DLManagedTensor* dl = nullptr;
+  ASSERT_EQ(tier_tensor_acquire_on_stream(e, t, nullptr, &ticket), TIER_OK) << tier_last_error();
+  ASSERT_EQ(tier_ticket_wait(ticket, &dl), TIER_OK) << tier_last_error();
+  tier_ticket_destroy(ticket);
+  const float* v = static_cast<const float*>(dl->dl_tensor.data);
+  for (int i = 0; i < 4096; i += 97) ASSERT_EQ(v[i], 5.0f + static_cast<float>(i)) << i;
+  dl->deleter(dl);
+  EXPECT_EQ(tier_tensor_acquire_on_stream(e, t, nullptr, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(tier_tensor_acquire_on_stream(nullptr, t, nullptr, &ticket), TIER_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ticket, nullptr);
+  tier_tensor_t stale = t;
+  ASSERT_EQ(tier_tensor_unregister(e, t), TIER_OK) << tier_last_error();
+  EXPECT_EQ(tier_tensor_acquire_on_stream(e, stale, nullptr, &ticket), TIER_ERROR_NOT_FOUND);
+  EXPECT_EQ(ticket, nullptr);
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
 TEST(CApiCxx, ReadWriteLeasesAreExclusive) {
   TempDir dir;
   tier_engine_t* e = make_engine(dir.path);
@@ -367,6 +397,42 @@ TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAReadLease) {
   tier_engine_destroy(e);
 }
 
+// A stream-ordered read (tier_tensor_acquire_on_stream): the ticket is ready once the copy to the
+// device is queued; the consumer's stream, made to wait for it, reads the tensor's bytes. The
+// stream is busy first (a sleeping host function) so the engine's copy and the stream's wait
+// really overlap the host's progress.
+TEST(CApiCxx, CudaStreamOrderedReadIsSeenByItsStream) {
+  TempDir dir;
+  CUDA_ENGINE_OR_SKIP(e, dir);
+  std::atomic<int> deleted{0};
+  constexpr std::size_t kElems = 1 << 20;  // 4 MiB
+  constexpr std::size_t kBytes = kElems * sizeof(float);
+  tier_tensor_options_t opt = TIER_TENSOR_OPTIONS_INIT;
+  opt.home = TIER_TIER_HOST;
+  tier_tensor_t a{};
+  ASSERT_EQ(tier_tensor_register(e, "a", Producer::make(kElems, 3, &deleted), &opt, &a), TIER_OK) << tier_last_error();
+  cudaStream_t reader = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&reader, cudaStreamNonBlocking));
+  float* out = nullptr;
+  CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&out), kBytes, cudaHostAllocDefault));
+  CUDA_OK(cudaLaunchHostFunc(
+      reader, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(100)); }, nullptr));
+  tier_ticket_t* ticket = nullptr;
+  DLManagedTensor* dl = nullptr;
+  ASSERT_EQ(tier_tensor_acquire_on_stream(e, a, reader, &ticket), TIER_OK) << tier_last_error();
+  ASSERT_EQ(tier_ticket_wait(ticket, &dl), TIER_OK) << tier_last_error();
+  tier_ticket_destroy(ticket);
+  EXPECT_EQ(dl->dl_tensor.device.device_type, kDLCUDA);
+  CUDA_OK(cudaMemcpyAsync(out, dl->dl_tensor.data, kBytes, cudaMemcpyDeviceToHost, reader));
+  dl->deleter(dl);  // the lease ends after the stream's copy
+  CUDA_OK(cudaStreamSynchronize(reader));
+  for (std::size_t i = 0; i < kElems; i += 4093) ASSERT_EQ(out[i], 3.0f + static_cast<float>(i)) << "element " << i;
+  CUDA_OK(cudaFreeHost(out));
+  CUDA_OK(cudaStreamDestroy(reader));
+  EXPECT_EQ(tier_engine_check(e), TIER_OK) << tier_last_error();
+  tier_engine_destroy(e);
+}
+
 // A kDLCUDA source is copied in after the work on the producer's stream.
 TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
   TempDir dir;
@@ -399,6 +465,9 @@ TEST(CApiCxx, CudaSourceIsCopiedAfterTheProducersStream) {
   tier_engine_destroy(e);
 }
 #else
+TEST(CApiCxx, CudaStreamOrderedReadIsSeenByItsStream) {
+  GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
+}
 TEST(CApiCxx, CudaConsumerStreamOrdersTheEndOfAReadLease) {
   GTEST_SKIP() << "built without CUDA (TIER_WITH_CUDA=OFF)";
 }

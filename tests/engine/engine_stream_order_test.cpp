@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "memory_backends.hpp"
 #include "tier/engine.hpp"
 #include "tier/ext/device.hpp"
 
@@ -66,6 +67,7 @@ class StreamOrder : public ::testing::Test {
     c.tier.host_budget = 8 * kBytes;
     c.tier.acquire_timeout_ms = 10000;
     c.tier.debug_checks = true;
+    configure(c);
     auto e = Engine::create(c);
     ASSERT_TRUE(e.ok()) << e.status();
     engine_ = std::move(e).value();
@@ -73,6 +75,8 @@ class StreamOrder : public ::testing::Test {
     a_ = add("a", pattern(1));
     b_ = add("b", pattern(2));
   }
+
+  virtual void configure(EngineConfig&) {}
 
   TensorId add(const char* name, const std::vector<std::uint32_t>& init) {
     TensorDesc d;
@@ -276,6 +280,241 @@ TEST_F(StreamOrder, ALeaseThatOutlivesItsEngineEndsHarmlessly) {
   opener.join();
   EXPECT_TRUE(la.release_after(kStream).ok());  // the engine is gone: the lease just ends
   EXPECT_FALSE(la.valid());
+}
+
+// Stream-ordered acquires (Engine::acquire_on_stream): copies to the device take 150 ms here, so
+// a grant that came before the copy landed, and a stream that did not wait for it, both show.
+class StreamOrderedAcquire : public StreamOrder {
+ protected:
+  void configure(EngineConfig& c) override {
+    c.tier.emulated.latency_us = 150000;
+    c.tier.device_budget = 4 * kBytes;
+  }
+  const char* device_state(TensorId id) {
+    auto i = engine_->info(id);
+    EXPECT_TRUE(i.ok()) << i.status();
+    return i.ok() ? i->copy_state[static_cast<int>(Tier::kDevice)] : "?";
+  }
+};
+
+TEST_F(StreamOrderedAcquire, IsGrantedWhileTheCopyIsInFlightAndItsStreamSeesTheBytes) {
+  // A module's fetch: both loads start, both leases come back before either copy has landed, and
+  // the "kernels" queued on the stream after the grants read the tensors' bytes.
+  AcquireFuture fa = engine_->acquire_on_stream(a_, kStream);
+  AcquireFuture fb = engine_->acquire_on_stream(b_, kStream);
+  auto la = fa.wait();
+  auto lb = fb.wait();
+  ASSERT_TRUE(la.ok()) << la.status();
+  ASSERT_TRUE(lb.ok()) << lb.status();
+  EXPECT_STREQ(device_state(a_), "loading");  // the host did not wait for the copies
+  EXPECT_STREQ(device_state(b_), "loading");
+  EXPECT_EQ(la->tier(), Tier::kDevice);
+  EXPECT_EQ(la->access(), Access::kRead);
+  auto seen_a = read_on_stream(*la);
+  auto seen_b = read_on_stream(*lb);
+  ASSERT_TRUE(la->release_after(kStream).ok());
+  ASSERT_TRUE(lb->release_after(kStream).ok());
+  ASSERT_TRUE(engine_->device().synchronize().ok());
+  EXPECT_EQ(*seen_a, pattern(1));
+  EXPECT_EQ(*seen_b, pattern(2));
+  EXPECT_STREQ(device_state(a_), "valid_clean");
+  EXPECT_TRUE(engine_->check_invariants().ok()) << engine_->check_invariants();
+  // Both leases ended: a writer gets the tensor.
+  Lease w = acquire(a_, Tier::kHost, Access::kWrite);
+  EXPECT_TRUE(w.valid());
+  EXPECT_TRUE(w.abandon().ok());
+}
+
+TEST_F(StreamOrderedAcquire, ACopyAlreadyInPlaceIsGrantedAsAcquireGrantsIt) {
+  Lease first = acquire(a_, Tier::kDevice, Access::kRead);
+  ASSERT_TRUE(first.release().ok());
+  ASSERT_STREQ(device_state(a_), "valid_clean");
+  auto l = engine_->acquire_on_stream(a_, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();
+  auto seen = read_on_stream(*l);
+  ASSERT_TRUE(l->release_after(kStream).ok());
+  ASSERT_TRUE(engine_->device().synchronize().ok());
+  EXPECT_EQ(*seen, pattern(1));
+}
+
+TEST_F(StreamOrderedAcquire, ALeaseEndedBeforeItsCopyLandedLeavesTheEngineConsistent) {
+  // Wrong use (the stream may still read), but the engine's books must stay right: the load goes
+  // on to completion and the copy becomes valid, unpinned.
+  auto l = engine_->acquire_on_stream(a_, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();
+  ASSERT_STREQ(device_state(a_), "loading");
+  ASSERT_TRUE(l->release().ok());
+  ASSERT_TRUE(engine_->device().synchronize().ok());
+  Lease again = acquire(a_, Tier::kDevice, Access::kRead);  // waits for the load in flight
+  ASSERT_TRUE(again.valid());
+  std::vector<std::uint32_t> got(kWords);
+  std::memcpy(got.data(), again.data(), kBytes);
+  EXPECT_EQ(got, pattern(1));
+  ASSERT_TRUE(again.release().ok());
+  Lease w = acquire(a_, Tier::kDevice, Access::kWrite);  // no reader is left behind
+  EXPECT_TRUE(w.valid());
+  EXPECT_TRUE(w.abandon().ok());
+  EXPECT_TRUE(engine_->check_invariants().ok()) << engine_->check_invariants();
+}
+
+TEST_F(StreamOrderedAcquire, AWriterWaitsForTheStreamOrderedReader) {
+  auto l = engine_->acquire_on_stream(a_, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();
+  AcquireFuture fw = engine_->acquire(a_, Tier::kHost, Access::kWrite);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(fw.ready());
+  ASSERT_TRUE(l->release_after(kStream).ok());
+  auto w = fw.wait();
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(w->abandon().ok());
+}
+
+TEST(StreamOrderPlain, WithoutDelayedStreamsAStreamOrderedAcquireWaitsForTheCopy) {
+  EngineConfig c;
+  c.tier.device = DeviceKind::kEmulated;
+  c.tier.emulated.latency_us = 50000;
+  c.tier.device_budget = kBytes;
+  c.tier.host_budget = 4 * kBytes;
+  auto e = Engine::create(c);
+  ASSERT_TRUE(e.ok()) << e.status();
+  Engine& engine = **e;
+  TensorDesc d;
+  d.name = "a";
+  d.dtype = DType::kF32;
+  d.numel = kWords;
+  const auto init = pattern(1);
+  auto id = engine.register_tensor(d, Tier::kHost, init.data());
+  ASSERT_TRUE(id.ok());
+  auto l = engine.acquire_on_stream(*id, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();
+  // The caller's thread is the stream: the bytes are there when the lease is.
+  EXPECT_STREQ(engine.info(*id)->copy_state[static_cast<int>(Tier::kDevice)], "valid_clean");
+  std::vector<std::uint32_t> got(kWords);
+  std::memcpy(got.data(), l->data(), kBytes);
+  EXPECT_EQ(got, init);
+  EXPECT_TRUE(l->release_after(kStream).ok());
+}
+
+// The engine's state machine over in-memory tiers whose mover gives device events (as a GPU's
+// copies do), with the emulated device's delayed streams as the consumer's streams: the two-hop
+// load from NVMe and a copy that fails after it was queued.
+class StreamOrderedMemory : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DeviceOptions o;
+    o.emulated.delayed_streams = true;
+    o.budget_bytes = 1 << 20;
+    auto d = create_emulated_device(o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    streams_ = std::move(d).value();
+    EngineConfig c;
+    c.tier.acquire_timeout_ms = 10000;
+    c.tier.debug_checks = true;
+    auto m = testing::make_memory_engine(c, 4 * kBytes, 4 * kBytes, 8 * kBytes, 1, streams_.get());
+    ASSERT_TRUE(m.ok()) << m.status();
+    m_ = std::move(m).value();
+    m_.mover->device_events = true;
+    m_.mover->delay_us = 40000;
+  }
+  void TearDown() override {
+    if (streams_) {
+      EXPECT_TRUE(streams_->synchronize().ok());
+    }
+    m_.engine.reset();
+  }
+  TensorId add(const char* name, Tier home, const std::vector<std::uint32_t>& init) {
+    TensorDesc d;
+    d.name = name;
+    d.dtype = DType::kF32;
+    d.numel = kWords;
+    auto id = m_.engine->register_tensor(d, home, init.data());
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : kInvalidTensor;
+  }
+  const char* state(TensorId id, Tier t) { return m_.engine->info(id)->copy_state[static_cast<int>(t)]; }
+  std::shared_ptr<std::vector<std::uint32_t>> read_on_stream(const Lease& l) {
+    auto seen = std::make_shared<std::vector<std::uint32_t>>(kWords);
+    const void* src = l.data();
+    EXPECT_TRUE(streams_->enqueue_host(kStream, [seen, src] { std::memcpy(seen->data(), src, kBytes); }).ok());
+    return seen;
+  }
+
+  std::unique_ptr<Device> streams_;  // outlives the engine (declared first, reset last)
+  testing::MemoryEngine m_;
+};
+
+TEST_F(StreamOrderedMemory, ATensorOnNvmeIsGrantedOnceItsCopyToTheDeviceIsQueued) {
+  const TensorId a = add("a", Tier::kNvme, pattern(7));
+  auto l = m_.engine->acquire_on_stream(a, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();
+  // The NVMe -> host hop was waited for (the host copy is the device copy's source); the copy to
+  // the device was only queued.
+  EXPECT_STREQ(state(a, Tier::kHost), "valid_clean");
+  EXPECT_STREQ(state(a, Tier::kDevice), "loading");
+  auto seen = read_on_stream(*l);
+  ASSERT_TRUE(l->release_after(kStream).ok());
+  ASSERT_TRUE(streams_->synchronize().ok());
+  EXPECT_EQ(*seen, pattern(7));
+  EXPECT_TRUE(m_.engine->check_invariants().ok()) << m_.engine->check_invariants();
+}
+
+TEST_F(StreamOrderedMemory, ACopyThatFailsAfterTheGrantFailsTheStreamAndKeepsTheTensor) {
+  const TensorId a = add("a", Tier::kHost, pattern(8));
+  m_.mover->fail_link(Tier::kHost, Tier::kDevice, true);
+  auto l = m_.engine->acquire_on_stream(a, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();  // granted on the queued copy, which then fails
+  auto after = streams_->record_event(kStream);
+  ASSERT_TRUE(after.ok());
+  Status s = after->wait();
+  EXPECT_FALSE(s.ok());  // the stream waited for the failed copy: its later work fails
+  EXPECT_NE(s.message().find("injected failure"), std::string::npos) << s;
+  // The leased memory stays the lease's until it ends; the host copy is still the tensor.
+  for (int i = 0; i < 500 && std::string(state(a, Tier::kDevice)) == "loading"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_STREQ(state(a, Tier::kDevice), "stale");
+  EXPECT_TRUE(m_.engine->check_invariants().ok()) << m_.engine->check_invariants();
+  ASSERT_TRUE(l->release().ok());
+  EXPECT_STREQ(state(a, Tier::kDevice), "absent");
+  EXPECT_TRUE(m_.engine->check_invariants().ok()) << m_.engine->check_invariants();
+  EXPECT_EQ(m_.engine->stats().tiers[static_cast<int>(Tier::kDevice)].resident_bytes, 0u);
+  // With the link back, the next acquire loads the tensor's bytes.
+  m_.mover->fail_link(Tier::kHost, Tier::kDevice, false);
+  auto again = m_.engine->acquire(a, Tier::kDevice, Access::kRead).wait();
+  ASSERT_TRUE(again.ok()) << again.status();
+  std::vector<std::uint32_t> got(kWords);
+  std::memcpy(got.data(), again->data(), kBytes);
+  EXPECT_EQ(got, pattern(8));
+}
+
+TEST_F(StreamOrderedMemory, ASecondStreamOrderedAcquireOfAFailedLeasedCopyLoadsIntoItsStorage) {
+  const TensorId a = add("a", Tier::kHost, pattern(9));
+  m_.mover->fail_link(Tier::kHost, Tier::kDevice, true);
+  auto l = m_.engine->acquire_on_stream(a, kStream).wait();
+  ASSERT_TRUE(l.ok()) << l.status();
+  for (int i = 0; i < 500 && std::string(state(a, Tier::kDevice)) == "loading"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_STREQ(state(a, Tier::kDevice), "stale");
+  m_.mover->fail_link(Tier::kHost, Tier::kDevice, false);
+  const DeviceStream other = reinterpret_cast<DeviceStream>(0x61);
+  auto l2 = m_.engine->acquire_on_stream(a, other).wait();
+  ASSERT_TRUE(l2.ok()) << l2.status();
+  EXPECT_EQ(l2->data(), l->data());  // the same storage, loaded again
+  auto seen = std::make_shared<std::vector<std::uint32_t>>(kWords);
+  const void* src = l2->data();
+  ASSERT_TRUE(streams_->enqueue_host(other, [seen, src] { std::memcpy(seen->data(), src, kBytes); }).ok());
+  ASSERT_TRUE(l->release().ok());
+  ASSERT_TRUE(l2->release_after(other).ok());
+  auto done = streams_->record_event(other);
+  ASSERT_TRUE(done.ok());
+  EXPECT_TRUE(done->wait().ok());
+  EXPECT_EQ(*seen, pattern(9));
+  for (int i = 0; i < 500 && std::string(state(a, Tier::kDevice)) == "loading"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_STREQ(state(a, Tier::kDevice), "valid_clean");
+  EXPECT_TRUE(m_.engine->check_invariants().ok()) << m_.engine->check_invariants();
 }
 
 TEST(StreamOrderPlain, WithoutDelayedStreamsReleaseAfterIsRelease) {

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "engine/backend.hpp"
+#include "gpu/event_state.hpp"
 
 namespace tier::testing {
 
@@ -62,11 +63,15 @@ class ThreadMover : public detail::Mover {
     worker_.join();
   }
 
-  void move(Tier from, const detail::Buffer& src, Tier to, const detail::Buffer& dst, std::uint64_t bytes,
-            detail::Done done) override {
+  DeviceEvent move(Tier from, const detail::Buffer& src, Tier to, const detail::Buffer& dst, std::uint64_t bytes,
+                   detail::Done done) override {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(Job{from, to, src, dst, bytes, std::move(done)});
+    std::shared_ptr<detail::EventState> ev;
+    // As a GPU's copy gives one: an event that completes once the bytes have landed.
+    if (device_events.load() && to == Tier::kDevice) ev = detail::EventState::pending();
+    jobs_.push_back(Job{from, to, src, dst, bytes, std::move(done), ev});
     cv_.notify_one();
+    return ev ? DeviceEvent(ev) : DeviceEvent{};  // without: nothing for a stream to wait on
   }
   Status zero(Tier, const detail::Buffer& dst, std::uint64_t bytes) override {
     std::memset(dst.ptr, 0, bytes);
@@ -84,6 +89,8 @@ class ThreadMover : public detail::Mover {
   }
   std::atomic<int> delay_us{0};
   std::atomic<int> syncs{0};
+  // Copies to the device return an event (see move) while set.
+  std::atomic<bool> device_events{false};
 
  private:
   struct Job {
@@ -91,6 +98,7 @@ class ThreadMover : public detail::Mover {
     detail::Buffer src, dst;
     std::uint64_t bytes;
     detail::Done done;
+    std::shared_ptr<detail::EventState> event;  // the copy's device event, if move() gave one
   };
   static Link link_of(Tier from, Tier to) {
     if (from == Tier::kNvme) return Link::kNvmeToHost;
@@ -116,7 +124,10 @@ class ThreadMover : public detail::Mover {
         job.src = detail::Buffer{};
         job.dst = detail::Buffer{};
         t.finish(0, false);
-        job.done(errno_status(EIO, str("injected failure ", tier_name(job.from), " -> ", tier_name(job.to))));
+        const Status failed =
+            errno_status(EIO, str("injected failure ", tier_name(job.from), " -> ", tier_name(job.to)));
+        if (job.event) job.event->complete(failed);
+        job.done(failed);
         continue;
       }
       std::memcpy(job.dst.ptr, job.src.ptr, job.bytes);
@@ -124,6 +135,7 @@ class ThreadMover : public detail::Mover {
       // Drop this thread's references before completing: the engine may free the storage at once.
       job.src = detail::Buffer{};
       job.dst = detail::Buffer{};
+      if (job.event) job.event->complete(Status::Ok());
       job.done(Status::Ok());
     }
   }
@@ -144,8 +156,11 @@ struct MemoryEngine {
 
 // device/host/nvme capacities in bytes (0: tier absent).
 // `host_granule`: the host store's allocation granule (see MemoryStore).
+// `streams`: a device whose streams the engine orders consumers on (Engine::acquire_on_stream);
+// the caller keeps it alive past the engine.
 inline Result<MemoryEngine> make_memory_engine(EngineConfig cfg, std::uint64_t device, std::uint64_t host,
-                                               std::uint64_t nvme, std::uint64_t host_granule = 1) {
+                                               std::uint64_t nvme, std::uint64_t host_granule = 1,
+                                               Device* streams = nullptr) {
   MemoryEngine m;
   m.counters = std::make_shared<Counters>();
   detail::Backends b;
@@ -155,6 +170,7 @@ inline Result<MemoryEngine> make_memory_engine(EngineConfig cfg, std::uint64_t d
   auto mover = std::make_unique<ThreadMover>(m.counters);
   m.mover = mover.get();
   b.mover = std::move(mover);
+  b.device = streams;
   TIER_ASSIGN_OR_RETURN(m.engine, detail::make_engine(cfg, std::move(b), m.counters));
   return m;
 }

@@ -152,14 +152,14 @@ TEST(StepDriverEngine, ASerialStepReadsDeclaredGradientsAndWritesTheParamsIntoTh
 }
 
 // Training steps whose "kernels" run on a delayed stream (tier.emulated.delayed_streams), later
-// than the host queues them, as a GPU runs them: forward reads each parameter's device copy,
-// backward fetches it again (the saved weight) and writes its gradient into the gradient tensor's
-// device copy; every lease ends in stream order. The host runs ahead to the optimizer's step,
-// which must read the gradients the stream wrote and write the params back only after the stream
-// read them. Each kernel sees the params of its step, and the result is the plain engine's bits.
-// Ending the gradient leases with release() instead fails here (the step reads gradients the
-// stream has not written yet). Nothing reuses a parameter's device memory before the stream reads
-// it in this loop, so a read lease's early end is caught by engine_stream_order_test.cpp instead.
+// than the host queues them, as a GPU runs them: forward reads each parameter's device copy
+// (stream-ordered acquires, as tier.torch fetches on a GPU), backward fetches it again (the saved weight) and writes
+// its gradient into the gradient tensor's device copy; every lease ends in stream order. The host runs ahead to the
+// optimizer's step, which must read the gradients the stream wrote and write the params back only after the stream read
+// them. Each kernel sees the params of its step, and the result is the plain engine's bits. Ending the gradient leases
+// with release() instead fails here (the step reads gradients the stream has not written yet). Nothing reuses a
+// parameter's device memory before the stream reads it in this loop, so a read lease's early end is caught by
+// engine_stream_order_test.cpp instead.
 TEST(StepDriverEngine, ATrainingLoopOnDelayedStreamsGivesThePlainEnginesBits) {
   const std::string base = nvme::test::shm_base();
   ScratchDir dir_a(base, "driver-plain"), dir_b(base, "driver-streams");
@@ -186,8 +186,8 @@ TEST(StepDriverEngine, ATrainingLoopOnDelayedStreamsGivesThePlainEnginesBits) {
     // The stream is held until the host has queued the whole step and gone on to the optimizer.
     auto gate = std::make_shared<std::promise<void>>();
     ASSERT_TRUE(dev.enqueue_host(s, [f = gate->get_future().share()] { f.wait(); }).ok());
-    for (std::size_t k = 0; k < n; ++k) {  // forward
-      auto w = engine->acquire(static_cast<TensorId>(rig.param_tensors[k]), Tier::kDevice, Access::kRead).wait();
+    for (std::size_t k = 0; k < n; ++k) {  // forward: stream-ordered fetches, granted on the queued copies
+      auto w = engine->acquire_on_stream(static_cast<TensorId>(rig.param_tensors[k]), s).wait();
       ASSERT_TRUE(w.ok()) << w.status();
       const void* src = w->data();
       std::uint16_t* out = fwd[k].data();
@@ -197,7 +197,7 @@ TEST(StepDriverEngine, ATrainingLoopOnDelayedStreamsGivesThePlainEnginesBits) {
     }
     std::vector<double> sumsq(n);
     for (std::size_t k = n; k-- > 0;) {  // backward, in reverse
-      auto w = engine->acquire(static_cast<TensorId>(rig.param_tensors[k]), Tier::kDevice, Access::kRead).wait();
+      auto w = engine->acquire_on_stream(static_cast<TensorId>(rig.param_tensors[k]), s).wait();
       auto g = engine->acquire(static_cast<TensorId>(rig.grad_tensors[k]), Tier::kDevice, Access::kWrite).wait();
       ASSERT_TRUE(w.ok() && g.ok());
       auto grad = std::make_shared<std::vector<float>>(grad_of(k, rig.numels[k], step));

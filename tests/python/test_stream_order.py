@@ -10,10 +10,10 @@ import pytest
 import tier
 
 
-def _engine(swap_dir, delayed=True):
+def _engine(swap_dir, delayed=True, latency_us=0):
     t = {
         "device": "emulated",
-        "emulated": {"delayed_streams": delayed},
+        "emulated": {"delayed_streams": delayed, "latency_us": latency_us},
         "budgets": {"device": "1M", "host": "4M", "nvme": "32M"},
         "swap_paths": [swap_dir],
     }
@@ -68,3 +68,35 @@ def test_a_view_without_a_stream_ends_at_once_and_plain_devices_refuse_the_gate(
     assert _readers_become(e, tid, 0, timeout=2.0)
     with pytest.raises(tier.FailedPrecondition):
         e._hold_stream(STREAM)
+
+
+def test_a_stream_ordered_fetch_is_granted_while_its_copies_are_in_flight(swap_dir):
+    # Copies to the device take 200 ms: the leases come back before they land (the stream waits
+    # for them, not the host), and end once the stream has passed the point they were ended at.
+    e = _engine(swap_dir, latency_us=200000)
+    a = e.register("a", "fp32", 1000, "param", 0, "host", np.arange(1000, dtype=np.float32))
+    b = e.register("b", "fp32", 1000, "param", 0, "nvme", np.full(1000, 2.0, dtype=np.float32))
+    leases = e.acquire_many([a, b], "device", "read", stream=STREAM)
+    assert [e.info(t)["copies"]["device"] for t in (a, b)] == ["loading", "loading"]
+    assert e.info(b)["copies"]["host"] == "valid_clean"  # the hop from NVMe was waited for
+    for lease in leases:
+        lease.release_after(STREAM)
+    assert _readers_become(e, a, 0) and _readers_become(e, b, 0)
+    assert e.info(a)["copies"]["device"] == "valid_clean"
+    one = e.acquire(b, "device", "read", stream=STREAM)
+    assert one.tier == "device"
+    one.release_after(STREAM)
+    assert _readers_become(e, b, 0)
+    out = np.empty(1000, dtype=np.float32)
+    e.read(b, out)
+    assert (out == 2.0).all()
+
+
+def test_a_stream_is_for_device_reads(swap_dir):
+    e = _engine(swap_dir)
+    tid = e.register("w", "fp32", 256, "param", 0, "host", np.ones(256, dtype=np.float32))
+    with pytest.raises(ValueError, match="device copy"):
+        e.acquire(tid, "host", "read", stream=STREAM)
+    with pytest.raises(ValueError, match="access 'write'"):
+        e.acquire_many([tid], "device", "write", stream=STREAM)
+    assert e.info(tid)["readers"] == 0 and not e.info(tid)["writer"]

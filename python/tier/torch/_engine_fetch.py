@@ -195,7 +195,8 @@ class FetchMixin:
             if self._zero is not None and self._zero.stage == 3:
                 self._gather_params([slot])
             else:
-                self._place(slot, self.native.acquire(slot.tid, "device", "read"))
+                stream = _activations.lease_stream(self.device)
+                self._place(slot, self.native.acquire(slot.tid, "device", "read", stream=stream))
         slot.fetches += 1
 
     def _place(self, slot, lease):
@@ -207,8 +208,9 @@ class FetchMixin:
 
     def _shard_of(self, slot, device):
         """This rank's stage-3 shard of a parameter (padded), on ``device``."""
-        lease = self.native.acquire(slot.tid, "device", "read")
-        view = torch.from_dlpack(lease.as_tensor(stream=_activations.lease_stream(self.device)))
+        stream = _activations.lease_stream(self.device)
+        lease = self.native.acquire(slot.tid, "device", "read", stream=stream)
+        view = torch.from_dlpack(lease.as_tensor(stream=stream))
         out = view.to(device, copy=True)
         del view, lease
         return out
@@ -321,10 +323,13 @@ class FetchMixin:
                 slot.fetches += 1
             return
         # The parameters not in place yet come in one call into the engine: their loads start
-        # together and the leases are granted all or none.
+        # together and the leases are granted all or none. On CUDA they are granted once their
+        # copies are queued, with the current stream made to wait for them (stream-ordered
+        # acquires): the host goes on queueing the module's kernels while the weights are copied.
         need = list({id(s): s for s in slots if s.fetches == 0}.values())
         if need:
-            leases = self.native.acquire_many([s.tid for s in need], "device", "read")
+            stream = _activations.lease_stream(self.device)
+            leases = self.native.acquire_many([s.tid for s in need], "device", "read", stream=stream)
             placed = []
             try:
                 for slot, lease in zip(need, leases):

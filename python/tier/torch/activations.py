@@ -168,7 +168,9 @@ class ActivationOffload:
 
     def unpack(self, handle):
         # Traced: recorded in backward order, so the prefetcher brings it back ahead of the
-        # recompute from the second step on. The tensor owns the device lease.
-        lease = self._native.acquire(handle.tid, "device", "read")
-        return torch.from_dlpack(lease.as_tensor(list(handle.shape), stream=lease_stream(self._device)))
+        # recompute from the second step on. The tensor owns the device lease. On CUDA it is
+        # granted once its copy is queued, the current stream waiting for it (stream-ordered).
+        stream = lease_stream(self._device)
+        lease = self._native.acquire(handle.tid, "device", "read", stream=stream)
+        return torch.from_dlpack(lease.as_tensor(list(handle.shape), stream=stream))
 
