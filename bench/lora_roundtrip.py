@@ -79,6 +79,8 @@ def main(argv=None):
         "parameters": summary["parameters"],
         "steps": args.steps,
         "losses": [summary["first_loss"], summary["last_loss"]],
+        # One fixed batch before the first step and after the last: whether the adapter learned.
+        "held_out_losses": [summary["held_out_loss_before"], summary["held_out_loss_after"]],
         "tier_peak_rss_bytes": summary["peak_rss_bytes"],
         "tier_seconds": tier_seconds,
         "plain_seconds": plain_seconds,
@@ -105,7 +107,8 @@ def main(argv=None):
         print(json.dumps(result, indent=1))
     else:
         print(f"{args.preset} ({result['parameters'] / 1e9:.2f} B params, {result['layers']} layers): "
-              f"loss {result['losses'][0]:.3f} -> {result['losses'][1]:.3f}, tier peak RSS "
+              f"loss {result['losses'][0]:.3f} -> {result['losses'][1]:.3f} (held-out batch "
+              f"{result['held_out_losses'][0]:.4f} -> {result['held_out_losses'][1]:.4f}), tier peak RSS "
               f"{result['tier_peak_rss_bytes'] / 2**30:.2f} GiB in {tier_seconds:.0f} s")
         print(f"build: {result['build_seconds']:.0f} s, {result['build_write_rate'] / 2**20:.0f} MiB/s written; "
               f"torch's eager init of the same model alone: {result['eager_init_seconds']:.0f} s "

@@ -46,6 +46,24 @@ def test_a_long_enough_run_judges_the_loss(tmp_path, monkeypatch, capsys):
     assert "the loss did not go down" in capsys.readouterr().err
 
 
+def test_the_held_out_loss_falls_as_the_model_learns_and_rises_as_it_diverges(tmp_path, capsys):
+    # One fixed batch, scored before the first step and after the last: at a sane learning rate
+    # the tiny model learns the corpus's byte statistics within a few steps; at lr 50 it diverges.
+    def held_out(lr, sub):
+        assert finetune_llama.main(TINY + ["--steps", "3", "--lr", lr, "--swap-dir", str(tmp_path / sub),
+                                           "--json"]) == 0
+        out = capsys.readouterr().out
+        s = json.loads(out[out.index("{\n"):])["summary"]
+        assert "fixed held-out batch" not in out  # --json prints the summary as JSON only
+        return s["held_out_loss_before"], s["held_out_loss_after"]
+
+    before, after = held_out("3e-3", "a")
+    assert 0 < after < before
+    before_again, diverged = held_out("50", "b")
+    assert before_again == pytest.approx(before)  # the same batch and the same initial model
+    assert diverged > before
+
+
 def test_presets_set_the_shape_unless_given(monkeypatch, tmp_path):
     seen = {}
 

@@ -183,6 +183,20 @@ def probe_ids(args, length=32):
     return torch.randint(0, 256, (1, min(length, args.seq)), generator=g)
 
 
+def held_out_batch(args, data):
+    """A fixed batch of the corpus (its own generator, apart from the training draws): the loss on
+    it before the first step and after the last one says whether the model learned, where the
+    training losses are each on other windows and so go up and down by the batch."""
+    g = torch.Generator().manual_seed(args.seed + 99)
+    starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=g)
+    return torch.stack([data[s:s + args.seq] for s in starts])
+
+
+def held_out_loss(engine, ids):
+    with torch.no_grad():
+        return engine(input_ids=ids.to(engine.device), labels=ids.to(engine.device)).loss.item()
+
+
 def plain_peft_logits(args, adapter_dir, ids, timings=None):
     """The logits of ``ids`` through plain transformers + PEFT, without tier: the base built
     eagerly with the run's seed and dtype (the same weights tier.torch.init made), the adapter
@@ -469,12 +483,15 @@ def run(args, swap_dir):
           f"({s0['info'].get('io_engine', '?')})", flush=True)
 
     data = corpus_bytes(args.corpus)
+    held_out = held_out_batch(args, data)
+    held_out_before = held_out_loss(engine, held_out)
     g = torch.Generator().manual_seed(args.seed + 1000 * rank)
     tokens_per_step = args.batch * args.seq * args.gas
     history = []
     t_start = time.perf_counter()
     prev = engine.stats()
     prev_phases = dict(engine.timers())
+    phases_at_start = dict(prev_phases)
     for step in range(args.steps):
         t0 = time.perf_counter()
         losses = []
@@ -509,6 +526,9 @@ def run(args, swap_dir):
               flush=True)
 
     total = time.perf_counter() - t_start
+    # The training steps' phases (the held-out forwards before and after are not theirs).
+    train_phases = {k: v - phases_at_start.get(k, 0.0) for k, v in engine.timers().items()}
+    held_out_after = held_out_loss(engine, held_out)
     if args.save_adapter:
         # Only the adapters are gathered from the engine, not the frozen base.
         engine.module.save_pretrained(args.save_adapter,
@@ -528,6 +548,9 @@ def run(args, swap_dir):
         "tokens_per_second": tokens_per_step * args.steps / total,
         "first_loss": history[0]["loss"],
         "last_loss": history[-1]["loss"],
+        # The loss on one fixed batch, before the first step and after the last (held_out_batch).
+        "held_out_loss_before": held_out_before,
+        "held_out_loss_after": held_out_after,
         "device": s["info"].get("device"),
         "io_engine": s["info"].get("io_engine"),
         "links": {k: s["links"][k]["bytes"] for k, _ in LINKS},
@@ -542,7 +565,7 @@ def run(args, swap_dir):
         "host_budget": s["tiers"]["host"]["budget_bytes"],
         "peak_rss_bytes": peak_rss_bytes(),
         "host_bytes_per_param": peak_rss_bytes() / n_params,
-        "phase_seconds": engine.timers(),
+        "phase_seconds": train_phases,
         "skipped_steps": engine.skipped_steps,
         # Checkpointed activations (--offload-activations): the most each tier held at once.
         "activation_peak_bytes": {t: s["metrics"].get(f"activations.{t}.peak_bytes", 0.0)
@@ -561,7 +584,8 @@ def run(args, swap_dir):
         say()
         say("summary")
         say(f"  {args.steps} steps in {total:.1f} s, {summary['tokens_per_second']:.0f} tokens/s; "
-              f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
+              f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; on a fixed held-out batch "
+              f"{held_out_before:.4f} -> {held_out_after:.4f}")
         say("  moved: " + ", ".join(f"{short} {fmt_bytes(summary['links'][k])}" for k, short in LINKS))
         say(f"  peak: device {fmt_bytes(summary['peak_bytes']['device'])} of a {fmt_bytes(summary['device_budget'])} "
               f"budget (model {fmt_bytes(n_params * esize)}), host {fmt_bytes(summary['peak_bytes']['host'])}, "

@@ -312,6 +312,12 @@ class FetchMixin:
         if self._forward_depth == 0 and self._inference_step:
             self._inference_step = False
             self.native.end_step()
+            if self._prefetcher is not None:
+                # No backward follows: the stage-3 gathers started ahead of this forward's end
+                # (the record's backward fetches) are waited out now, not left in flight, where
+                # a process that ends after an evaluation would meet them (gloo aborts on work
+                # still pending at exit).
+                self._prefetcher.drop()
 
     def _bring_all(self, slots):
         if self._zero is not None and self._zero.stage == 3:

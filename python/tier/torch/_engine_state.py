@@ -357,6 +357,8 @@ class StateMixin:
 
     def close(self):
         """Removes the hooks; the engine's files are removed when it is destroyed."""
+        if self.__dict__.get("_prefetcher") is not None:
+            self._prefetcher.drop()  # stage 3: no all-gather left in flight
         for h in self._hook_handles + self.__dict__.get("_excluded_grad_hooks", []):
             h.remove()
         self._hook_handles = []
