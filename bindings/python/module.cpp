@@ -377,7 +377,7 @@ NB_MODULE(_tier, m) {
       .def(
           "register",
           [](Engine& e, const std::string& name, const std::string& dtype, std::uint64_t numel, const std::string& role,
-             int group, const std::string& home, nb::handle initial) {
+             int group, const std::string& home, nb::handle initial, bool durable) {
             TensorDesc d;
             d.name = name;
             d.dtype = unwrap(parse_dtype(dtype));
@@ -390,11 +390,14 @@ NB_MODULE(_tier, m) {
             Result<TensorId> id{Status(StatusCode::kInternal, "not registered")};
             {
               nb::gil_scoped_release unlocked;
-              id = e.register_tensor(d, h, src);
+              id = e.register_tensor(d, h, src, durable);
             }
             return unwrap(std::move(id));
           },
-          "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host", "initial"_a = nb::none())
+          "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host", "initial"_a = nb::none(),
+          "durable"_a = true,
+          "Registers a tensor. With `initial` and durable=False it returns once the contents are in the host tier, "
+          "their write home started (flush() makes them durable).")
       .def("unregister", [](Engine& e, TensorId id) { check(e.unregister_tensor(id)); })
       .def(
           "retag",

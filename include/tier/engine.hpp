@@ -163,7 +163,15 @@ class Engine {
   // without it the tensor reads as zeros. Errors: kInvalidArgument (bad descriptor, home tier not
   // configured), kAlreadyExists (name taken), kResourceExhausted (the home tier's budget cannot
   // hold it).
-  Result<TensorId> register_tensor(const TensorDesc& desc, Tier home, const void* initial = nullptr);
+  // `durable` (with `initial`, on a home other than the host): true returns once the contents are
+  // written home; false returns once they are copied into the host tier, with the write home
+  // started and not waited for, so that a loader registering many tensors prepares the next one
+  // while this one is written (the host budget bounds what is in flight). Its contents are the
+  // tensor's either way; a failed write home is logged and leaves the host copy the valid one,
+  // which flush() writes home again (and reports). Call flush() after the last such registration
+  // for durability.
+  Result<TensorId> register_tensor(const TensorDesc& desc, Tier home, const void* initial = nullptr,
+                                   bool durable = true);
   // Drops every copy of an idle tensor. kFailedPrecondition while leases are held. The engine's
   // own transfers of it (a prefetch, an eviction's write-back) are waited for, up to
   // tier.acquire_timeout_ms (then kTimedOut).

@@ -1196,7 +1196,7 @@ Engine::~Engine() {
   }
 }
 
-Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, const void* initial) {
+Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, const void* initial, bool durable) {
   TIER_RETURN_IF_ERROR(desc.validate());
   Impl& e = *impl_;
   auto reserved = e.call([&]() -> Result<TensorId> {
@@ -1260,7 +1260,26 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
   }
   if (s.ok() && initial != nullptr) {
     s = write(id, initial);
-    if (s.ok()) {
+    if (s.ok() && !durable) {
+      // The write home starts now and is not waited for (see the header). Its transfer counts as
+      // a reader, as a load's does, so an unregister waits for it.
+      const std::uint64_t gen = e.call([&] { return e.tensors[id].generation; });
+      e.post([&e, id, home, gen] {
+        Impl::TensorRec& t = e.tensors[id];
+        if (t.generation != gen || t.copies[static_cast<int>(home)].state == CopyState::kValid) return;
+        ++t.readers;
+        e.ensure_copy(id, home, true, kNever, [&e, id, gen](Status st) {
+          Impl::TensorRec& t2 = e.tensors[id];
+          if (t2.generation != gen) return;
+          if (t2.readers > 0) --t2.readers;
+          if (!st.ok()) {
+            TIER_LOG(kError, "register '", t2.desc.name, "': writing its contents home failed (", st.to_string(),
+                     "); the host copy stays the valid one and flush() writes it home again");
+          }
+          e.wake_blocked(t2);
+        });
+      });
+    } else if (s.ok()) {
       // Make the registered contents durable at home before returning.
       std::promise<Status> homed;
       e.post([&] {

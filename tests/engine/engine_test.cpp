@@ -459,6 +459,46 @@ TEST(Engine, FailedWriteBackKeepsTheDirtyCopy) {
   EXPECT_TRUE(m.engine->check_invariants().ok());
 }
 
+// A loader's registration that does not wait for the write home (durable = false): it returns
+// with the write in flight, the contents are the tensor's at once, flush() makes them durable.
+TEST(Engine, ARegistrationThatDoesNotWaitForItsWriteHomeIsMadeDurableByFlush) {
+  const std::uint64_t n = 4 * kKiB;
+  auto m = make(1 << 20, 1 << 20, 1 << 20);
+  m.mover->delay_us = 300000;  // each transfer takes 300 ms
+  auto a = m.engine->register_tensor(desc("a", n), Tier::kNvme, pattern(n, 3).data(), /*durable=*/false);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto info = m.engine->info(*a);
+  ASSERT_TRUE(info.ok());
+  EXPECT_STREQ(info->copy_state[static_cast<int>(Tier::kNvme)], "loading");  // the write home, in flight
+  m.mover->delay_us = 0;
+  EXPECT_EQ(read_all(*m.engine, *a, n), pattern(n, 3));
+  ASSERT_TRUE(m.engine->flush().ok());
+  info = m.engine->info(*a);
+  EXPECT_STREQ(info->copy_state[static_cast<int>(Tier::kNvme)], "valid_clean");
+  EXPECT_TRUE(m.engine->check_invariants().ok());
+}
+
+TEST(Engine, ARegistrationWhoseWriteHomeFailsKeepsItsContentsAndFlushSaysSo) {
+  const std::uint64_t n = 4 * kKiB;
+  auto m = make(1 << 20, 1 << 20, 1 << 20);
+  m.mover->fail_link(Tier::kHost, Tier::kNvme, true);
+  auto a = m.engine->register_tensor(desc("a", n), Tier::kNvme, pattern(n, 4).data(), /*durable=*/false);
+  ASSERT_TRUE(a.ok()) << a.status();  // the failure comes after the return
+  EXPECT_FALSE(m.engine->flush().ok()) << "flush reports the failing write";
+  EXPECT_EQ(read_all(*m.engine, *a, n), pattern(n, 4)) << "the host copy is the tensor's";
+  m.mover->fail_link(Tier::kHost, Tier::kNvme, false);
+  ASSERT_TRUE(m.engine->flush().ok());
+  auto info = m.engine->info(*a);
+  ASSERT_TRUE(info.ok());
+  EXPECT_STREQ(info->copy_state[static_cast<int>(Tier::kNvme)], "valid_clean");
+  // A durable registration over the failing link fails at once, and leaves nothing registered.
+  m.mover->fail_link(Tier::kHost, Tier::kNvme, true);
+  auto b = m.engine->register_tensor(desc("b", n), Tier::kNvme, pattern(n, 5).data());
+  EXPECT_FALSE(b.ok());
+  EXPECT_FALSE(m.engine->find("b").ok());
+  EXPECT_TRUE(m.engine->check_invariants().ok());
+}
+
 TEST(Engine, UnregisterWaitsForIdleAndFreesTheName) {
   auto m = make(1 << 20, 1 << 20, 1 << 20);
   auto id = m.engine->register_tensor(desc("w", 64), Tier::kNvme, pattern(64, 1).data());

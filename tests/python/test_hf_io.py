@@ -2,6 +2,7 @@
 holding them whole, with the same losses and logits as the eager path."""
 
 import json
+import time
 import os
 
 import pytest
@@ -233,3 +234,62 @@ def test_staged_parameters_become_the_engine_tensors_without_a_copy(swap_dir):
     for slot in engine._slots:
         info = engine.native.info(slot.tid)
         assert info["name"] == slot.name and info["role"] == "param"
+
+
+def test_the_checkpoint_reader_reads_every_dtype_without_mapping_the_files(tmp_path):
+    """The reader gives safetensors' own values for each dtype, and reads the files instead of
+    memory-mapping them: a mapped shard counts every page touched in the process's resident memory
+    (16 GB loading a 7B model with a 2 GiB host budget), a read leaves them to the page cache."""
+    from safetensors.torch import save_file
+
+    from tier.torch.hf import CheckpointReader
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "a.bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "b.fp16": torch.randn(7, generator=g).to(torch.float16),
+        "c.fp32": torch.randn(2, 2, 2, generator=g),
+        "d.i64": torch.arange(5, dtype=torch.int64),
+        "e.u8": torch.arange(9, dtype=torch.uint8).reshape(3, 3),
+        "f.bool": torch.tensor([True, False, True]),
+        "g.scalar": torch.tensor(2.5),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reader = CheckpointReader(str(tmp_path))
+    for name, t in tensors.items():
+        got = reader.tensor(name, t.shape)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
+    with open("/proc/self/maps") as f:
+        assert str(path) not in f.read()
+
+    # A file cut inside its last tensor's bytes is refused when opened, naming it.
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 3)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file .*ends at byte"):
+        CheckpointReader(str(tmp_path)).tensor("a.bf16", (3, 5))
+
+
+def test_read_ahead_gives_each_tensor_in_and_out_of_the_expected_order(tmp_path):
+    """from_pretrained reads the next parameter while the engine registers this one, into the
+    other of two buffers: every answer is the file's tensor, whether the request was the expected
+    one (read ahead) or not (read on the spot), and reading ahead never writes into the buffer of
+    the answer in use."""
+    from safetensors.torch import save_file
+
+    from tier.torch.hf import CheckpointReader, _ReadAhead
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"t{i}": torch.randn(100 + 37 * i, generator=g).to(torch.bfloat16) for i in range(6)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reader = CheckpointReader(str(tmp_path))
+    order = [(f"t{i}", tensors[f"t{i}"].shape) for i in range(6)]
+    ahead = _ReadAhead(reader, [(n, tuple(s)) for n, s in order])
+    try:
+        for name in ["t0", "t1", "t3", "t2", "t3", "t4", "t5", "t0"]:
+            got = ahead.tensor(name, tensors[name].shape)
+            time.sleep(0.01)  # the read ahead of the next one runs meanwhile
+            assert torch.equal(got, tensors[name]), name
+    finally:
+        ahead.close()

@@ -193,8 +193,12 @@ def held_out_batch(args, data):
 
 
 def held_out_loss(engine, ids):
-    with torch.no_grad():
-        return engine(input_ids=ids.to(engine.device), labels=ids.to(engine.device)).loss.item()
+    engine.module.eval()  # no dropout, as an evaluation scores
+    try:
+        with torch.no_grad():
+            return engine(input_ids=ids.to(engine.device), labels=ids.to(engine.device)).loss.item()
+    finally:
+        engine.module.train()
 
 
 def plain_peft_logits(args, adapter_dir, ids, timings=None):

@@ -448,13 +448,22 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             owned = data.reshape(-1)[slot.zero_start : slot.zero_start + slot.zero_count]
             if self._zero is not None and self._zero.stage == 3:
                 # The engine homes this rank's shard (padded); fetches all-gather the parameter.
-                low = torch.zeros(slot.zero_shard, dtype=self.compute_dtype)
-                low[: slot.zero_count] = owned
+                if slot.zero_count == slot.zero_shard and owned.dtype == self.compute_dtype:
+                    low = owned.contiguous()  # the whole shard, unpadded: no copy
+                else:
+                    low = torch.empty(slot.zero_shard, dtype=self.compute_dtype)
+                    low[: slot.zero_count] = owned
+                    low[slot.zero_count :].zero_()
                 numel = slot.zero_shard
             else:
                 low = data.to(self.compute_dtype).contiguous()
                 numel = slot.numel
-            slot.tid = self.native.register(slot.name, self.compute_dtype_name, numel, "param", index, param_home, low)
+            # Homed on NVMe: the write home overlaps the next parameter's read and copy (made
+            # durable by the flush below), instead of each registration waiting for its own.
+            slot.tid = self.native.register(
+                slot.name, self.compute_dtype_name, numel, "param", index, param_home, low,
+                durable=param_home != "nvme",
+            )
             if slot.trainable and slot.zero_count > 0:
                 master = owned.float().contiguous()
                 group = groups.get(id(slot.param), 0)
@@ -467,6 +476,8 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             del data, low, owned
         if store is not None:
             store.drop_rest()
+        if param_home == "nvme":
+            self.native.flush()  # the registrations' writes home, durable (raises if one failed)
         if self.inference_only:
             self._grads_in_engine = False
             self._grads = _MicroStepGrads(self)  # stays empty

@@ -3,8 +3,9 @@
 ``from_pretrained(path, config)`` builds the model described by ``path/config.json`` with its
 parameters as meta tensors (nothing allocated, no random initialisation) and hands them to a
 :class:`~tier.torch.engine.TierEngine` whose registration reads each parameter from the
-checkpoint's safetensors files (memory-mapped) just before registering it: host memory holds one
-tensor of the checkpoint at a time, never the model.
+checkpoint's safetensors files (plain reads into two reused buffers, the next tensor read ahead
+while this one is registered) just before registering it: host memory holds two tensors of the
+checkpoint at a time, never the model.
 
 ``save_pretrained(engine, save_dir)`` (also ``TierEngine.save_pretrained``) writes the trained
 weights as a safetensors checkpoint that ``transformers`` loads unchanged: shards of at most
@@ -88,14 +89,152 @@ def _check_kind(where, name, got, want, what):
             )
 
 
+_ST_TORCH = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _ShardFile:
+    """One safetensors file, read with plain reads into memory of each tensor's own: a
+    memory-mapped shard would count every page touched in the process's resident memory (16 GB
+    RSS loading a 7B model with a 2 GiB host budget, bench/pretrained_build.py), where a read
+    leaves them to the page cache. The header is parsed here and checked against the file's size
+    (a truncated file is refused at open, as safetensors refuses it)."""
+
+    def __init__(self, full):
+        self.full = full
+        self._f = open(full, "rb", buffering=0)
+        try:
+            size = os.fstat(self._f.fileno()).st_size
+            head = self._f.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than its header's length")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"its header's length ({n} bytes) runs past the end of the file ({size} bytes)")
+            header = json.loads(self._f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+            header.pop("__metadata__", None)
+            self.start = 8 + n
+            self.entries = {}
+            for key, e in header.items():
+                begin, end = e["data_offsets"]
+                if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+                    raise ValueError(f"tensor {key!r} has bad data_offsets {e['data_offsets']}")
+                if self.start + end > size:
+                    raise ValueError(f"tensor {key!r} ends at byte {self.start + end} of a {size}-byte file")
+                self.entries[key] = (e["dtype"], tuple(int(d) for d in e["shape"]), begin, end)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def keys(self):
+        return self.entries.keys()
+
+    def shape(self, key):
+        return self.entries[key][1]
+
+    def read(self, key, buffer=None):
+        """The tensor ``key``, read into its own memory, or into ``buffer`` (a uint8 tensor large
+        enough) when given: a loader that reuses one buffer faults its pages in once, where fresh
+        memory for each tensor costs a page fault per 4 KiB (11 s of a 7B load's 16)."""
+        dtype_name, shape, begin, end = self.entries[key]
+        dtype = _ST_TORCH.get(dtype_name)
+        if dtype is None:  # rarer dtypes (fp8, ...) through safetensors itself
+            from safetensors import safe_open
+
+            with safe_open(self.full, framework="pt") as h:
+                return h.get_tensor(key)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = end - begin
+        if nbytes != numel * torch.empty(0, dtype=dtype).element_size():
+            raise ValueError(f"tensor {key!r}: {nbytes} bytes for {dtype_name} {list(shape)}")
+        raw = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer[:nbytes]
+        view = memoryview(raw.numpy())
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._f.fileno(), [view[done:]], self.start + begin + done)
+            if got <= 0:
+                raise ValueError(f"tensor {key!r}: the file ends {nbytes - done} bytes short")
+            done += got
+        return raw.view(dtype).reshape(shape)
+
+
+class _ReadBuffer:
+    """Memory reused for tensor after tensor (grown to the largest): its pages are faulted in
+    once, where fresh memory for each tensor costs a page fault per 4 KiB (11 s of a 7B load's
+    16 on this machine)."""
+
+    def __init__(self):
+        self._t = None
+
+    def get(self, nbytes):
+        if self._t is None or self._t.numel() < nbytes:
+            self._t = None
+            self._t = torch.empty(nbytes, dtype=torch.uint8)
+        return self._t
+
+
+class _ReadAhead:
+    """Serves a loader that asks for the checkpoint's tensors in a known order, one at a time,
+    each used only until the next is asked for: while the loader registers one (the engine copies
+    it in; the GIL is released), a thread reads the next into the other of two buffers. A request
+    out of the expected order is read on the spot; either way the values are the file's."""
+
+    def __init__(self, reader, order):
+        import concurrent.futures
+
+        self._reader = reader
+        self._next = {}  # (name, shape) -> the one expected after it
+        for a, b in zip(order, order[1:]):
+            self._next.setdefault(a, b)
+        self._first = order[0] if order else None
+        self._buffers = [_ReadBuffer(), _ReadBuffer()]
+        self._free = 0  # the buffer the next answer goes into (the other holds the last answer)
+        self._pending = None  # (key, future) reading into self._buffers[self._free]
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tier-ckpt-read")
+
+    def _start(self, key):
+        buf = self._buffers[self._free]
+        self._pending = (key, self._pool.submit(self._reader.tensor, key[0], key[1], buf))
+
+    def tensor(self, name, shape):
+        key = (name, tuple(shape))
+        if self._pending is None and key == self._first:
+            self._start(key)
+        got = None
+        if self._pending is not None:
+            pkey, fut = self._pending
+            self._pending = None
+            if pkey == key:
+                got = fut.result()  # its errors are this request's
+            else:
+                fut.exception()  # a read nobody asked for: wait it out, ignore how it ended
+        if got is None:
+            got = self._reader.tensor(name, shape, self._buffers[self._free])
+        self._free = 1 - self._free
+        nxt = self._next.get(key)
+        if nxt is not None:
+            self._start(nxt)  # into the other buffer, while the caller uses this one
+        return got
+
+    def close(self):
+        if self._pending is not None:
+            self._pending[1].exception()
+            self._pending = None
+        self._pool.shutdown(wait=True)
+
+
 class CheckpointReader:
     """The tensors of a transformers safetensors checkpoint (one file or sharded with an index),
-    opened lazily and memory-mapped."""
+    opened lazily and read tensor by tensor (_ShardFile)."""
 
     def __init__(self, path):
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
         self.path = path
         single = os.path.join(path, SINGLE_FILE)
         index = os.path.join(path, INDEX_FILE)
@@ -129,8 +268,8 @@ class CheckpointReader:
             if not os.path.isfile(full):
                 raise FileNotFoundError(f"{full}: listed in {INDEX_FILE} but missing")
             try:
-                handle = self._safe_open(full, framework="pt")
-            except Exception as e:  # safetensors raises its own error types
+                handle = _ShardFile(full)
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{full}: not a readable safetensors file ({e}); is it truncated?") from None
             self._files[filename] = handle
         return handle
@@ -165,8 +304,10 @@ class CheckpointReader:
     def where(self, name):
         return os.path.join(self.path, self.weight_map[self.key_of.get(name, name)])
 
-    def tensor(self, name, shape):
-        """The model's tensor ``name`` (under its checkpoint name), checked against ``shape``."""
+    def tensor(self, name, shape, into=None):
+        """The model's tensor ``name`` (under its checkpoint name), checked against ``shape``.
+        ``into``: a _ReadBuffer to read it into (the result is valid until that buffer is read
+        into again), else memory of its own."""
         if name not in self.key_of and name in self.converted:
             raise ValueError(
                 f"{os.path.join(self.path, self.weight_map[self.converted[name]])}: tensor "
@@ -177,18 +318,18 @@ class CheckpointReader:
         handle = self._open(self.weight_map[key])
         if key not in handle.keys():
             raise KeyError(f"{self.where(name)}: tensor {key!r} is listed in the index but not in the file")
-        try:
-            got = tuple(handle.get_slice(key).get_shape())
-        except Exception as e:
-            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e})") from None
+        got = handle.shape(key)
         if got != tuple(shape):
             raise ValueError(
                 f"{self.where(name)}: tensor {name!r} has shape {list(got)} but the model's parameter has "
                 f"{list(shape)}"
             )
         try:
-            return handle.get_tensor(key)
-        except Exception as e:
+            if into is None:
+                return handle.read(key)
+            start, end = handle.entries[key][2:]
+            return handle.read(key, into.get(end - start))
+        except (OSError, ValueError) as e:
             raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
 
 
@@ -253,10 +394,22 @@ def from_pretrained(path, config, *, model_class=None, **initialize_kwargs):
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
 
+    def checkpoint_name(name, param):
+        return next((a for a in aliases.get(id(param), [name]) if a in reader), None)
+
+    # The engine asks for the parameters in the model's order and copies each one in as it
+    # registers it: two buffers reused, the next tensor read while this one is registered.
+    order = []
+    for name, p in model.named_parameters():
+        alias = checkpoint_name(name, p)
+        if alias is not None:
+            order.append((alias, tuple(p.shape)))
+    ahead = _ReadAhead(reader, order)
+
     def initial_values(name, param):
         for alias in aliases.get(id(param), [name]):
             if alias in reader:
-                t = reader.tensor(alias, param.shape)
+                t = ahead.tensor(alias, param.shape)
                 _check_kind(reader.where(alias), alias, t.dtype, param.dtype, "parameter")
                 return t
         files = sorted(set(reader.weight_map.values()))
@@ -271,7 +424,10 @@ def from_pretrained(path, config, *, model_class=None, **initialize_kwargs):
                 _check_kind(reader.where(full), full, t.dtype, buf.dtype, "buffer")
                 mod._buffers[bname] = t.to(buf.dtype)
 
-    return TierEngine(model, config, initial_values=initial_values, **initialize_kwargs)
+    try:
+        return TierEngine(model, config, initial_values=initial_values, **initialize_kwargs)
+    finally:
+        ahead.close()
 
 
 # ------------------------------------------------------------------------------------ writing
