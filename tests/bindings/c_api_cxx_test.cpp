@@ -205,7 +205,6 @@ TEST(CApiCxx, DeletersRunExactlyOnceUnderConcurrency) {
   tier_engine_destroy(e);
 }
 
-// Read-modify-write leases from several threads are exclusive: no increment is lost.
 // On the emulated device (no GPU streams) a stream-ordered read is a device read whose contents
 // are there when the ticket is; bad arguments are refused and hand out nothing.
 TEST(CApiCxx, AStreamOrderedReadOnTheEmulatedDeviceHandsOutTheContents) {
@@ -236,6 +235,7 @@ TEST(CApiCxx, AStreamOrderedReadOnTheEmulatedDeviceHandsOutTheContents) {
   tier_engine_destroy(e);
 }
 
+// Read-modify-write leases from several threads are exclusive: no increment is lost.
 TEST(CApiCxx, ReadWriteLeasesAreExclusive) {
   TempDir dir;
   tier_engine_t* e = make_engine(dir.path);

@@ -369,26 +369,45 @@ TEST_F(StreamOrderedAcquire, AWriterWaitsForTheStreamOrderedReader) {
   EXPECT_TRUE(w->abandon().ok());
 }
 
-TEST(StreamOrderPlain, WithoutDelayedStreamsAStreamOrderedAcquireWaitsForTheCopy) {
+// An engine on the emulated device without delayed streams (the caller's thread is the stream),
+// with tensor "a" (pattern(1), homed on the host).
+struct PlainEngine {
+  std::unique_ptr<Engine> engine;
+  TensorId a = kInvalidTensor;
+};
+
+PlainEngine plain_engine(double latency_us) {
   EngineConfig c;
   c.tier.device = DeviceKind::kEmulated;
-  c.tier.emulated.latency_us = 50000;
+  c.tier.emulated.latency_us = latency_us;
   c.tier.device_budget = kBytes;
   c.tier.host_budget = 4 * kBytes;
+  PlainEngine out;
   auto e = Engine::create(c);
-  ASSERT_TRUE(e.ok()) << e.status();
-  Engine& engine = **e;
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return out;
+  out.engine = std::move(e).value();
+  EXPECT_FALSE(out.engine->device().has(DeviceCap::kGpuStreams));
   TensorDesc d;
   d.name = "a";
   d.dtype = DType::kF32;
   d.numel = kWords;
   const auto init = pattern(1);
-  auto id = engine.register_tensor(d, Tier::kHost, init.data());
-  ASSERT_TRUE(id.ok());
-  auto l = engine.acquire_on_stream(*id, kStream).wait();
+  auto id = out.engine->register_tensor(d, Tier::kHost, init.data());
+  EXPECT_TRUE(id.ok()) << id.status();
+  if (id.ok()) out.a = *id;
+  return out;
+}
+
+TEST(StreamOrderPlain, WithoutDelayedStreamsAStreamOrderedAcquireWaitsForTheCopy) {
+  PlainEngine p = plain_engine(50000);
+  ASSERT_TRUE(p.engine && p.a != kInvalidTensor);
+  Engine& engine = *p.engine;
+  const auto init = pattern(1);
+  auto l = engine.acquire_on_stream(p.a, kStream).wait();
   ASSERT_TRUE(l.ok()) << l.status();
   // The caller's thread is the stream: the bytes are there when the lease is.
-  EXPECT_STREQ(engine.info(*id)->copy_state[static_cast<int>(Tier::kDevice)], "valid_clean");
+  EXPECT_STREQ(engine.info(p.a)->copy_state[static_cast<int>(Tier::kDevice)], "valid_clean");
   std::vector<std::uint32_t> got(kWords);
   std::memcpy(got.data(), l->data(), kBytes);
   EXPECT_EQ(got, init);
@@ -518,28 +537,16 @@ TEST_F(StreamOrderedMemory, ASecondStreamOrderedAcquireOfAFailedLeasedCopyLoadsI
 }
 
 TEST(StreamOrderPlain, WithoutDelayedStreamsReleaseAfterIsRelease) {
-  EngineConfig c;
-  c.tier.device = DeviceKind::kEmulated;
-  c.tier.device_budget = kBytes;
-  c.tier.host_budget = 4 * kBytes;
-  auto e = Engine::create(c);
-  ASSERT_TRUE(e.ok()) << e.status();
-  Engine& engine = **e;
-  EXPECT_FALSE(engine.device().has(DeviceCap::kGpuStreams));
-  TensorDesc d;
-  d.name = "a";
-  d.dtype = DType::kF32;
-  d.numel = kWords;
-  const auto init = pattern(1);
-  auto id = engine.register_tensor(d, Tier::kHost, init.data());
-  ASSERT_TRUE(id.ok());
-  auto l = engine.acquire(*id, Tier::kDevice, Access::kReadWrite).wait();
+  PlainEngine p = plain_engine(0);
+  ASSERT_TRUE(p.engine && p.a != kInvalidTensor);
+  Engine& engine = *p.engine;
+  auto l = engine.acquire(p.a, Tier::kDevice, Access::kReadWrite).wait();
   ASSERT_TRUE(l.ok());
   bool ran = false;
   ASSERT_TRUE(engine.device().enqueue_host(kStream, [&] { ran = true; }).ok());
   EXPECT_TRUE(ran);  // the caller's thread is the stream
   ASSERT_TRUE(l->release_after(kStream).ok());
-  auto w = engine.acquire(*id, Tier::kHost, Access::kWrite).wait_for(std::chrono::milliseconds(5000));
+  auto w = engine.acquire(p.a, Tier::kHost, Access::kWrite).wait_for(std::chrono::milliseconds(5000));
   EXPECT_TRUE(w.ok()) << w.status();  // ended at once
 }
 
