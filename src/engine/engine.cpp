@@ -1199,6 +1199,7 @@ Engine::~Engine() {
 Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, const void* initial, bool durable) {
   TIER_RETURN_IF_ERROR(desc.validate());
   Impl& e = *impl_;
+  std::uint64_t gen = 0;  // the registration's generation (set by the reservation)
   auto reserved = e.call([&]() -> Result<TensorId> {
     if (!e.be.stores[static_cast<int>(home)]) {
       return invalid_argument(str("register '", desc.name, "': home tier ", tier_name(home),
@@ -1223,6 +1224,7 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
     t.desc = desc;
     t.home = home;
     t.generation = ++e.generation;
+    gen = t.generation;
     t.writer = true;  // nobody may touch it until it is filled
     e.by_name[desc.name] = id;
     return id;
@@ -1260,39 +1262,37 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
   }
   if (s.ok() && initial != nullptr) {
     s = write(id, initial);
-    if (s.ok() && !durable) {
-      // The write home starts now and is not waited for (see the header). Its transfer counts as
-      // a reader, as a load's does, so an unregister waits for it.
-      const std::uint64_t gen = e.call([&] { return e.tensors[id].generation; });
-      e.post([&e, id, home, gen] {
-        Impl::TensorRec& t = e.tensors[id];
-        if (t.generation != gen || t.copies[static_cast<int>(home)].state == CopyState::kValid) return;
-        ++t.readers;
-        e.ensure_copy(id, home, true, kNever, [&e, id, gen](Status st) {
-          Impl::TensorRec& t2 = e.tensors[id];
-          if (t2.generation != gen) return;
-          if (t2.readers > 0) --t2.readers;
+    if (s.ok()) {
+      // The write home, counted as a reader (as a load's transfer is), so an unregister waits for
+      // it; `then` gets its status on the scheduler thread.
+      const auto write_home = [&e, id, home, gen](std::function<void(Status)> then) {
+        e.post([&e, id, home, gen, then = std::move(then)] {
+          Impl::TensorRec& t = e.tensors[id];
+          if (t.generation != gen) return then(cancelled("the tensor was unregistered"));
+          if (t.copies[static_cast<int>(home)].state == CopyState::kValid) return then(Status::Ok());
+          ++t.readers;
+          e.ensure_copy(id, home, true, kNever, [&e, id, gen, then](Status st) {
+            Impl::TensorRec& t2 = e.tensors[id];
+            if (t2.generation == gen) {
+              if (t2.readers > 0) --t2.readers;
+              e.wake_blocked(t2);
+            }
+            then(st);
+          });
+        });
+      };
+      if (durable) {  // the registered contents durable at home before returning
+        std::promise<Status> homed;
+        write_home([&homed](Status st) { homed.set_value(st); });
+        s = homed.get_future().get();
+      } else {  // started, not waited for (see the header)
+        write_home([name = desc.name](Status st) {
           if (!st.ok()) {
-            TIER_LOG(kError, "register '", t2.desc.name, "': writing its contents home failed (", st.to_string(),
+            TIER_LOG(kError, "register '", name, "': writing its contents home failed (", st.to_string(),
                      "); the host copy stays the valid one and flush() writes it home again");
           }
-          e.wake_blocked(t2);
         });
-      });
-    } else if (s.ok()) {
-      // Make the registered contents durable at home before returning.
-      std::promise<Status> homed;
-      e.post([&] {
-        Impl::TensorRec& t = e.tensors[id];
-        if (t.copies[static_cast<int>(home)].state == CopyState::kValid) return homed.set_value(Status::Ok());
-        ++t.readers;
-        e.ensure_copy(id, home, true, kNever, [&, id](Status st) {
-          --e.tensors[id].readers;
-          e.wake_blocked(e.tensors[id]);
-          homed.set_value(st);
-        });
-      });
-      s = homed.get_future().get();
+      }
     }
   }
   if (!s.ok()) {

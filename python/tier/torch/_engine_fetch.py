@@ -196,13 +196,13 @@ class FetchMixin:
                 self._gather_params([slot])
             else:
                 stream = _activations.lease_stream(self.device)
-                self._place(slot, self.native.acquire(slot.tid, "device", "read", stream=stream))
+                self._place(slot, self.native.acquire(slot.tid, "device", "read", stream=stream), stream)
         slot.fetches += 1
 
-    def _place(self, slot, lease):
+    def _place(self, slot, lease, stream):
         # The view owns the lease: it ends when nothing references the memory any more, and on
-        # CUDA only once the kernels queued by then on the stream have run.
-        stream = _activations.lease_stream(self.device)
+        # CUDA only once the kernels queued by then on `stream` (the one the lease was ordered on)
+        # have run.
         slot.param.data = torch.from_dlpack(lease.as_tensor(list(slot.shape), stream=stream))
         self._saved_params.placed(slot)
 
@@ -339,7 +339,7 @@ class FetchMixin:
             placed = []
             try:
                 for slot, lease in zip(need, leases):
-                    self._place(slot, lease)
+                    self._place(slot, lease, stream)
                     placed.append(slot)
             except BaseException:
                 for slot in placed:  # all or nothing: a failed fetch holds nothing
