@@ -651,6 +651,40 @@ NB_MODULE(_tier, m) {
       "Fills out[i] (None, or a float32 array of partition i's numel) with the fp32 master params of the "
       "optimizer checkpoint at path, verifying every record and the trailer (tier.DataLoss when damaged). On an "
       "error the arrays may hold part of the values: keep none of them.");
+  m.def(
+      "read_checkpoint_state",
+      [](const std::string& path, nb::object visit) {
+        Status s;
+        {
+          nb::gil_scoped_release unlocked;
+          s = optim::read_checkpoint_state(
+              path,
+              [&](const optim::CheckpointPartition& part, optim::StateKind kind, std::uint64_t offset,
+                  const float* values, std::uint64_t count) -> Status {
+                nb::gil_scoped_acquire locked;
+                const std::size_t shape[1] = {static_cast<std::size_t>(count)};
+                // Read-only, and valid during the call only: the visitor copies what it keeps.
+                nb::ndarray<nb::numpy, nb::ro, float> view(const_cast<float*>(values), 1, shape, nb::handle());
+                try {
+                  visit(part.id, optim::state_kind_name(kind), offset, nb::cast(view, nb::rv_policy::reference));
+                } catch (nb::python_error& e) {
+                  // Kept to be raised as it was once the read has stopped.
+                  e.restore();
+                  return Status(StatusCode::kCancelled, "read_checkpoint_state: the visitor raised");
+                }
+                return {};
+              });
+        }
+        if (!s.ok() && PyErr_Occurred()) throw nb::python_error();
+        check(s);
+      },
+      "path"_a, "visit"_a,
+      "Calls visit(partition, kind, offset, values) with consecutive pieces of every state array (kind "
+      "'master', 'exp_avg' or 'exp_avg_sq', as float32 whatever the file's state dtype) of the optimizer "
+      "checkpoint at path, per record its master, then its moments; `values` is a read-only float32 numpy "
+      "array valid during the call only. Every record and the trailer are verified (tier.DataLoss when "
+      "damaged); only a call that returns vouches for what visit was given. An exception from visit stops the "
+      "read and is raised.");
 }
 
 }  // namespace tier::python

@@ -527,34 +527,47 @@ void bind_step_driver(nb::module_& m) {
           "uint16 for the parameter's own 16-bit dtype).")
       .def(
           "read_state",
-          [](PyStepDriver& o, std::size_t index, const std::string& kind, nb::handle out) {
+          [](PyStepDriver& o, std::size_t index, const std::string& kind, nb::handle out,
+             std::optional<std::uint64_t> at) {
             StepDriver& d = o.get();
             checked(d, index);
             const optim::StateKind k = kind_of(kind);
             nb::ndarray<float, nb::c_contig, nb::device::cpu> a;
-            if (!nb::try_cast(out, a, /*convert=*/false) || a.size() != d.param(index).numel) {
+            const std::uint64_t numel = d.param(index).numel;
+            const std::uint64_t offset = at.value_or(0);
+            if (!nb::try_cast(out, a, /*convert=*/false) || offset > numel || a.size() > numel - offset ||
+                (!at && a.size() != numel)) {
               raise_status(invalid_argument(str("read_state '", d.param(index).name, "': expected a writable float32 ",
-                                                "array of ", d.param(index).numel, " elements")));
+                                                "array of ", numel, " elements (with an offset, of at most ", numel,
+                                                " - offset)")));
             }
             float* p = a.data();
-            check(unlocked([&] { return d.read_state(index, k, p); }));
+            const std::uint64_t n = a.size();
+            check(unlocked([&] { return d.read_state(index, k, p, offset, n); }));
           },
-          "index"_a, "kind"_a, "out"_a, "A state array (master, exp_avg, exp_avg_sq) into a float32 array.")
+          "index"_a, "kind"_a, "out"_a, "offset"_a = nb::none(),
+          "A state array (master, exp_avg, exp_avg_sq) into a float32 array: all of it, or with `offset`, "
+          "len(out) elements from element `offset`.")
       .def(
           "write_state",
-          [](PyStepDriver& o, std::size_t index, const std::string& kind, nb::handle src) {
+          [](PyStepDriver& o, std::size_t index, const std::string& kind, nb::handle src,
+             std::optional<std::uint64_t> at) {
             StepDriver& d = o.get();
             checked(d, index);
             const optim::StateKind k = kind_of(kind);
             nb::ndarray<nb::ro, float, nb::c_contig, nb::device::cpu> a;
-            if (!nb::try_cast(src, a) || a.size() != d.param(index).numel) {
+            const std::uint64_t numel = d.param(index).numel;
+            const std::uint64_t offset = at.value_or(0);
+            if (!nb::try_cast(src, a) || offset > numel || a.size() > numel - offset || (!at && a.size() != numel)) {
               raise_status(invalid_argument(str("write_state '", d.param(index).name, "': expected a float32 array of ",
-                                                d.param(index).numel, " elements")));
+                                                numel, " elements (with an offset, of at most ", numel, " - offset)")));
             }
             const float* p = a.data();
-            check(unlocked([&] { return d.write_state(index, k, p); }));
+            const std::uint64_t n = a.size();
+            check(unlocked([&] { return d.write_state(index, k, p, offset, n); }));
           },
-          "index"_a, "kind"_a, "src"_a)
+          "index"_a, "kind"_a, "src"_a, "offset"_a = nb::none(),
+          "Overwrites a state array: all of it, or with `offset`, len(src) elements from element `offset`.")
       .def(
           "group_step", [](PyStepDriver& o, int group) { return unwrap(o.get().group_step(group)); }, "group"_a = 0)
       .def(
@@ -569,12 +582,30 @@ void bind_step_driver(nb::module_& m) {
           "path"_a, "The streamed, checksummed optimizer checkpoint (written beside `path` and renamed).")
       .def(
           "load",
-          [](PyStepDriver& o, const std::string& path) {
+          [](PyStepDriver& o, const std::string& path, nb::object before_commit) {
             StepDriver& d = o.get();
-            check(unlocked([&] { return d.load(path); }));
+            std::function<Status()> hook;
+            if (!before_commit.is_none()) {
+              // Called on this thread with the GIL taken back: true commits; false or an exception
+              // leaves the state as it was (the caller keeps its own reason).
+              hook = [&before_commit]() -> Status {
+                nb::gil_scoped_acquire locked;
+                try {
+                  if (nb::cast<bool>(before_commit())) return Status::Ok();
+                  return Status(StatusCode::kCancelled, "load: before_commit declined; nothing was changed");
+                } catch (nb::python_error& e) {
+                  return Status(StatusCode::kCancelled,
+                                str("load: before_commit raised (", e.what(), "); nothing was changed"));
+                }
+              };
+            }
+            check(unlocked([&] { return d.load(path, hook); }));
             o.held.clear();  // (the load dropped the gradients taken)
           },
-          "path"_a)
+          "path"_a, "before_commit"_a = nb::none(),
+          "Loads the optimizer checkpoint at path. `before_commit`: a callable, called once the whole file has "
+          "verified and before anything changes; unless it returns True nothing changes and tier.Cancelled is "
+          "raised (the ranks of a partitioned checkpoint agree there that all of them verified).")
       .def_prop_ro("param_count", [](PyStepDriver& o) { return o.get().param_count(); })
       .def(
           "find", [](PyStepDriver& o, const std::string& name) { return unwrap(o.get().find(name)); }, "name"_a)

@@ -528,7 +528,11 @@ class OffloadedOptimizer {
   // overwritten). Restores hyper-parameters, step counters and the loss scale. Gradients taken
   // so far are dropped. (read_checkpoint_masters, below the class, reads the master params of
   // such a file without an optimizer.)
-  Status load_checkpoint(const std::string& path);
+  // `before_commit`, when given, is called once the whole file has verified and before anything
+  // changes (nothing is overwritten before it is called); a non-OK return leaves the state as it
+  // was and is returned. Callers that load several files as one (the ranks of a partitioned
+  // checkpoint) agree there that every file verified before any of them is applied.
+  Status load_checkpoint(const std::string& path, const std::function<Status()>& before_commit = {});
 
   // ------------------------------------------------------------------ diagnostics
   // The I/O of one step without the update: reads every chunk's committed slot and writes it to
@@ -591,6 +595,17 @@ Result<CheckpointInfo> read_checkpoint_info(const std::string& path);
 // call only. A non-OK return stops the read and is returned.
 using CheckpointMasterVisitor = std::function<Status(const CheckpointPartition& part, std::uint64_t offset,
                                                      const float* values, std::uint64_t count)>;
+
+// Called with consecutive pieces of one of a partition's state arrays as fp32 (the moments decoded
+// from the file's state dtype), in the file's order: per record, its master piece, then its
+// exp_avg, then its exp_avg_sq. `values` is valid during the call only; a non-OK return stops the
+// read and is returned.
+using CheckpointStateVisitor = std::function<Status(const CheckpointPartition& part, StateKind kind,
+                                                    std::uint64_t offset, const float* values, std::uint64_t count)>;
+
+// read_checkpoint_masters with the moments too: every state array of the checkpoint at `path` to
+// `visit`, with the same checks and the same memory bound (a few MiB).
+Status read_checkpoint_state(const std::string& path, const CheckpointStateVisitor& visit);
 
 // Streams the master params of the checkpoint at `path` to `visit`, verifying what
 // load_checkpoint verifies: the header's and the metadata's checksums, every value of the

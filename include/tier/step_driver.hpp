@@ -35,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -222,17 +223,22 @@ class StepDriver {
   // The current values of a parameter (from the fp32 master) as fp32, bf16 or fp16, numel
   // elements into `dst`.
   Status read_param(std::size_t index, DType dtype, void* dst);
-  // A parameter's fp32 master, exp_avg or exp_avg_sq (numel floats), read or overwritten.
+  // A parameter's fp32 master, exp_avg or exp_avg_sq (numel floats), read or overwritten; or
+  // `count` of its elements from element `offset` (a range past the parameter is kOutOfRange).
   Status read_state(std::size_t index, optim::StateKind kind, float* dst);
   Status write_state(std::size_t index, optim::StateKind kind, const float* src);
+  Status read_state(std::size_t index, optim::StateKind kind, float* dst, std::uint64_t offset, std::uint64_t count);
+  Status write_state(std::size_t index, optim::StateKind kind, const float* src, std::uint64_t offset,
+                     std::uint64_t count);
   // A group's step counter (bias correction), e.g. after write_state from another optimizer.
   Result<std::int64_t> group_step(int group) const;
   Status set_group_step(int group, std::int64_t step);
 
   // The optimizer's streamed, checksummed checkpoint (docs/optimizer.md); load checks that the
-  // parameters are the same (count, sizes, groups, names).
+  // parameters are the same (count, sizes, groups, names). `before_commit`: as
+  // OffloadedOptimizer::load_checkpoint's (called once the file verified, before anything changes).
   Status save(const std::string& path);
-  Status load(const std::string& path);
+  Status load(const std::string& path, const std::function<Status()>& before_commit = {});
 
   std::size_t param_count() const noexcept { return params_.size(); }
   const ParamInfo& param(std::size_t index) const { return params_.at(index); }

@@ -406,6 +406,28 @@ class RecordStream {
     return {};
   }
 
+  // t elements of a moment of the file from the record's element consumed_, as fp32 into dst.
+  Status moment_fp32(int mo, DType fd, std::uint64_t t, float* dst) {
+    const std::size_t es = dtype_size(fd);
+    if (fd == DType::kF32) return section(1 + mo, moment_offset(mo), consumed_ * 4, t * 4, dst);
+    bytes_.resize(t * es);
+    TIER_RETURN_IF_ERROR(section(1 + mo, moment_offset(mo), consumed_ * es, t * es, bytes_.data()));
+    const auto moment = mo == 0 ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq;
+    if (file_ != cpu::StateDType::kInt8) {
+      return cpu::decode_state(moment, cpu::ConstTensorRef(bytes_.data(), fd, t), nullptr,
+                               cpu::TensorRef{dst, DType::kF32, t});
+    }
+    // Block piece by block piece, each with its block's scale.
+    for (std::uint64_t i = 0; i < t;) {
+      const std::uint64_t e = consumed_ + i;
+      const std::uint64_t len = std::min(t - i, B - e % B);
+      TIER_RETURN_IF_ERROR(cpu::decode_state(moment, cpu::ConstTensorRef(bytes_.data() + i * es, fd, len),
+                                             scales_[mo].data() + e / B, cpu::TensorRef{dst + i, DType::kF32, len}));
+      i += len;
+    }
+    return {};
+  }
+
   Status end_record() {
     have_ = false;
     const int n = header_bytes_ == kRecordBytes ? kSections : 3;
@@ -585,28 +607,6 @@ class RecordReader : public RecordStream {
     return {};
   }
 
-  // t elements of a moment of the file from the record's element consumed_, as fp32 into dst.
-  Status moment_fp32(int mo, DType fd, std::uint64_t t, float* dst) {
-    const std::size_t es = dtype_size(fd);
-    if (fd == DType::kF32) return section(1 + mo, moment_offset(mo), consumed_ * 4, t * 4, dst);
-    bytes_.resize(t * es);
-    TIER_RETURN_IF_ERROR(section(1 + mo, moment_offset(mo), consumed_ * es, t * es, bytes_.data()));
-    const auto moment = mo == 0 ? cpu::StateMoment::kExpAvg : cpu::StateMoment::kExpAvgSq;
-    if (file_ != cpu::StateDType::kInt8) {
-      return cpu::decode_state(moment, cpu::ConstTensorRef(bytes_.data(), fd, t), nullptr,
-                               cpu::TensorRef{dst, DType::kF32, t});
-    }
-    // Block piece by block piece, each with its block's scale.
-    for (std::uint64_t i = 0; i < t;) {
-      const std::uint64_t e = consumed_ + i;
-      const std::uint64_t len = std::min(t - i, B - e % B);
-      TIER_RETURN_IF_ERROR(cpu::decode_state(moment, cpu::ConstTensorRef(bytes_.data() + i * es, fd, len),
-                                             scales_[mo].data() + e / B, cpu::TensorRef{dst + i, DType::kF32, len}));
-      i += len;
-    }
-    return {};
-  }
-
   const OffloadedOptimizer::Impl& im_;
   bool convert_;
   std::vector<float> scratch_;
@@ -696,28 +696,40 @@ Result<CheckpointInfo> info_of(const OpenedCheckpoint& in, const std::string& pa
   return info;
 }
 
-// read_checkpoint_masters' walk: each record's master section in bounded pieces to the visitor,
-// its moments (and, in next_record, their int8 scales) read only for their checksums.
-class MasterReader : public RecordStream {
+// read_checkpoint_masters' and read_checkpoint_state's walk: each record's sections in bounded
+// pieces to the visitor, master first; the moments decoded to fp32 when `moments` is set, else
+// read (with, in next_record, their int8 scales) only for their checksums.
+class StateReader : public RecordStream {
  public:
-  MasterReader(const OpenedCheckpoint& in, std::string path, const CheckpointInfo& info)
+  StateReader(const OpenedCheckpoint& in, std::string path, const CheckpointInfo& info)
       : RecordStream(*in.file, std::move(path), in.header, in.data_start, in.size, in.version, info.state_dtype,
                      numels_of(info.partitions)),
         parts_(info.partitions) {}
 
-  Status run(const CheckpointMasterVisitor& visit) {
+  Status run(const CheckpointStateVisitor& visit, bool moments) {
     std::vector<float> buf(kPiece);
     while (!done()) {
       TIER_RETURN_IF_ERROR(next_record());
       const CheckpointPartition& part = parts_[pid_];
-      while (consumed_ < count_) {
+      const std::uint64_t start = consumed_;
+      for (; consumed_ < count_;) {
         const std::uint64_t t = std::min(count_ - consumed_, kPiece);
         TIER_RETURN_IF_ERROR(section(0, 0, consumed_ * 4, t * 4, buf.data()));
-        TIER_RETURN_IF_ERROR(visit(part, offset_ + consumed_, buf.data(), t));
+        TIER_RETURN_IF_ERROR(visit(part, StateKind::kMaster, offset_ + consumed_, buf.data(), t));
         consumed_ += t;
       }
       for (int mo = 0; mo < 2; ++mo) {
         const DType fd = mo == 0 ? cpu::exp_avg_dtype(file_) : cpu::exp_avg_sq_dtype(file_);
+        if (moments) {
+          const StateKind kind = mo == 0 ? StateKind::kExpAvg : StateKind::kExpAvgSq;
+          for (consumed_ = start; consumed_ < count_;) {
+            const std::uint64_t t = std::min(count_ - consumed_, kPiece);
+            TIER_RETURN_IF_ERROR(moment_fp32(mo, fd, t, buf.data()));
+            TIER_RETURN_IF_ERROR(visit(part, kind, offset_ + consumed_, buf.data(), t));
+            consumed_ += t;
+          }
+          continue;
+        }
         const std::uint64_t bytes = count_ * dtype_size(fd);
         for (std::uint64_t at = 0; at < bytes;) {
           const std::uint64_t b = std::min(bytes - at, kPiece * sizeof(float));
@@ -817,7 +829,7 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   return out.commit();  // fsync, rename over `path`, fsync the directory
 }
 
-Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
+Status OffloadedOptimizer::load_checkpoint(const std::string& path, const std::function<Status()>& before_commit) {
   Impl& im = *impl_;
   TIER_RETURN_IF_ERROR(im.usable("load_checkpoint", /*loading=*/true));
   TIER_RETURN_IF_ERROR(im.idle("load_checkpoint"));
@@ -840,6 +852,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
         *im.swap, im.chunks, im.bufs, false, true,
         [&](std::size_t i, Buffer& b) { return rd.fill(im.chunks[i], b.state); }, nullptr));
     TIER_RETURN_IF_ERROR(rd.finish());
+    if (before_commit) TIER_RETURN_IF_ERROR(before_commit());
     for (Chunk& c : im.chunks) c.committed ^= 1;
   } else {
     // One copy of the state (host home, or NVMe with state_copies 1): verify the whole file
@@ -850,6 +863,7 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path) {
       for (const Chunk& c : im.chunks) TIER_RETURN_IF_ERROR(check.fill(c, im.bufs[0].state));
       TIER_RETURN_IF_ERROR(check.finish());
     }
+    if (before_commit) TIER_RETURN_IF_ERROR(before_commit());
     RecordReader rd(im, f, path, header, data_start, size, version, restored.state_dtype);
     Status s;
     if (im.nvme()) {
@@ -900,7 +914,17 @@ Status read_checkpoint_masters(const std::string& path, const CheckpointMasterVi
   if (!visit) return invalid_argument("read_checkpoint_masters: no visitor");
   TIER_ASSIGN_OR_RETURN(OpenedCheckpoint in, open_checkpoint(path));
   TIER_ASSIGN_OR_RETURN(CheckpointInfo info, info_of(in, path));
-  return MasterReader(in, path, info).run(visit);
+  return StateReader(in, path, info)
+      .run([&](const CheckpointPartition& part, StateKind, std::uint64_t offset, const float* values,
+               std::uint64_t count) { return visit(part, offset, values, count); },
+           /*moments=*/false);
+}
+
+Status read_checkpoint_state(const std::string& path, const CheckpointStateVisitor& visit) {
+  if (!visit) return invalid_argument("read_checkpoint_state: no visitor");
+  TIER_ASSIGN_OR_RETURN(OpenedCheckpoint in, open_checkpoint(path));
+  TIER_ASSIGN_OR_RETURN(CheckpointInfo info, info_of(in, path));
+  return StateReader(in, path, info).run(visit, /*moments=*/true);
 }
 
 }  // namespace tier::optim

@@ -531,17 +531,29 @@ Status StepDriver::read_param(std::size_t index, DType dtype, void* dst) {
 }
 
 Status StepDriver::read_state(std::size_t index, optim::StateKind kind, float* dst) {
-  TIER_RETURN_IF_ERROR(idle("read_state"));
   TIER_RETURN_IF_ERROR(check_index(index, "read_state"));
-  TIER_RETURN_IF_ERROR(ensure_registered());
-  return opt_->read_state(static_cast<optim::PartitionId>(index), kind, dst, 0, params_[index].numel);
+  return read_state(index, kind, dst, 0, params_[index].numel);
 }
 
 Status StepDriver::write_state(std::size_t index, optim::StateKind kind, const float* src) {
+  TIER_RETURN_IF_ERROR(check_index(index, "write_state"));
+  return write_state(index, kind, src, 0, params_[index].numel);
+}
+
+Status StepDriver::read_state(std::size_t index, optim::StateKind kind, float* dst, std::uint64_t offset,
+                              std::uint64_t count) {
+  TIER_RETURN_IF_ERROR(idle("read_state"));
+  TIER_RETURN_IF_ERROR(check_index(index, "read_state"));
+  TIER_RETURN_IF_ERROR(ensure_registered());
+  return opt_->read_state(static_cast<optim::PartitionId>(index), kind, dst, offset, count);
+}
+
+Status StepDriver::write_state(std::size_t index, optim::StateKind kind, const float* src, std::uint64_t offset,
+                               std::uint64_t count) {
   TIER_RETURN_IF_ERROR(idle("write_state"));
   TIER_RETURN_IF_ERROR(check_index(index, "write_state"));
   TIER_RETURN_IF_ERROR(ensure_registered());
-  return opt_->write_state(static_cast<optim::PartitionId>(index), kind, src, 0, params_[index].numel);
+  return opt_->write_state(static_cast<optim::PartitionId>(index), kind, src, offset, count);
 }
 
 Result<std::int64_t> StepDriver::group_step(int group) const {
@@ -560,10 +572,10 @@ Status StepDriver::save(const std::string& path) {
   return opt_->save_checkpoint(path);
 }
 
-Status StepDriver::load(const std::string& path) {
+Status StepDriver::load(const std::string& path, const std::function<Status()>& before_commit) {
   TIER_RETURN_IF_ERROR(idle("load"));
   TIER_RETURN_IF_ERROR(ensure_registered());
-  TIER_RETURN_IF_ERROR(opt_->load_checkpoint(path));
+  TIER_RETURN_IF_ERROR(opt_->load_checkpoint(path, before_commit));
   clear_grads();  // a load drops the gradients taken so far
   return Status::Ok();
 }

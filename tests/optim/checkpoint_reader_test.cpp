@@ -194,6 +194,145 @@ TEST_P(CheckpointReader, AVisitorsErrorStopsTheRead) {
   EXPECT_EQ(calls, 4);
 }
 
+// read_checkpoint_state: per record its master, then exp_avg, then exp_avg_sq, each in order and
+// each partition covered once per kind; the moments decoded to fp32 equal what the optimizer's
+// read_state gives (its own decoding of the same bytes), bit for bit.
+TEST_P(CheckpointReader, StateReadAloneIsTheOptimizers) {
+  const auto model = test::mixed_model();
+  Reference ref(model, test::three_groups(), 13, sd());
+  auto rig = test::make_rig(home(), opts(sd()), ref);
+  ASSERT_TRUE(rig->status().ok());
+  train(rig->opt(), ref, 2);
+  if (HasFatalFailure()) return;
+  test::ScratchDir dir(nvme::test::shm_base(), "ckpt-reader");
+  ASSERT_TRUE(dir.ok());
+  const std::string file = dir.sub("opt.ckpt");
+  ASSERT_TRUE(rig->opt().save_checkpoint(file).ok());
+
+  std::vector<std::vector<float>> got[3];
+  for (auto& g : got) g.assign(model.size(), {});
+  int last_kind = 2;
+  std::uint64_t record_start = 0, record_count = 0;
+  const Status s = read_checkpoint_state(file, [&](const CheckpointPartition& part, StateKind kind,
+                                                   std::uint64_t offset, const float* values, std::uint64_t count) {
+    const int k = static_cast<int>(kind);
+    std::vector<float>& dst = got[k].at(part.id);
+    if (offset != dst.size() || count == 0 || offset + count > part.numel) {
+      return internal_error(
+          str(state_kind_name(kind), " piece of partition ", part.id, " at ", offset, " out of order"));
+    }
+    // Allowed: more of the same kind, the record's next kind once the last one covered the
+    // record, or a new record's master after its exp_avg_sq.
+    const bool next_kind = k == last_kind + 1 && got[last_kind][part.id].size() == record_start + record_count;
+    if (k == 0 && last_kind == 2) {  // a new record
+      record_start = offset;
+      record_count = 0;
+    } else if (k != last_kind && !next_kind) {
+      return internal_error(str(state_kind_name(kind), " of partition ", part.id, " after kind ", last_kind));
+    }
+    if (k == 0) record_count += count;
+    if (k != 0 && (offset < record_start || offset + count > record_start + record_count)) {
+      return internal_error(str(state_kind_name(kind), " of partition ", part.id, " outside its record"));
+    }
+    last_kind = k;
+    dst.insert(dst.end(), values, values + count);
+    return Status();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    const std::uint64_t n = model[i].numel;
+    for (int k = 0; k < 3; ++k) {
+      ASSERT_EQ(got[k][i].size(), n) << "partition " << i << " kind " << k;
+      std::vector<float> want(n);
+      ASSERT_TRUE(
+          rig->opt().read_state(static_cast<PartitionId>(i), static_cast<StateKind>(k), want.data(), 0, n).ok());
+      EXPECT_TRUE(test::same_bits(got[k][i].data(), want.data(), n, str("partition ", i, " kind ", k)));
+    }
+  }
+  // A flipped bit in a moment is found: the read fails.
+  std::vector<char> bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  bytes[bytes.size() - 64] ^= 0x10;  // the last record's last section
+  const std::string bad = dir.sub("bad.ckpt");
+  std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  EXPECT_EQ(read_checkpoint_state(bad, [](auto&&...) { return Status(); }).code(), StatusCode::kDataLoss);
+}
+
+// load_checkpoint's before_commit: called once, after the whole file verified (not for a damaged
+// file), before anything changes; declining leaves the state as it was, accepting loads it.
+TEST_P(CheckpointReader, BeforeCommitSeesAVerifiedFileAndItsRefusalChangesNothing) {
+  const auto model = test::mixed_model();
+  for (unsigned copies : {1u, 2u}) {
+    SCOPED_TRACE(str("state_copies ", copies));
+    Reference ref(model, test::three_groups(), 17, sd());
+    OffloadedOptimizerOptions o = opts(sd());
+    o.state_copies = copies;
+    auto rig = test::make_rig(home(), o, ref);
+    ASSERT_TRUE(rig->status().ok());
+    train(rig->opt(), ref, 1);
+    if (HasFatalFailure()) return;
+    test::ScratchDir dir(nvme::test::shm_base(), "ckpt-reader");
+    ASSERT_TRUE(dir.ok());
+    const std::string file = dir.sub("opt.ckpt");
+    ASSERT_TRUE(rig->opt().save_checkpoint(file).ok());
+    const auto snapshot = [&] {
+      std::vector<std::vector<float>> all;
+      for (std::size_t i = 0; i < model.size(); ++i) {
+        for (int k = 0; k < 3; ++k) {
+          all.emplace_back(model[i].numel);
+          EXPECT_TRUE(rig->opt()
+                          .read_state(static_cast<PartitionId>(i), static_cast<StateKind>(k), all.back().data(), 0,
+                                      model[i].numel)
+                          .ok());
+        }
+      }
+      return all;
+    };
+    const auto saved = snapshot();
+    train(rig->opt(), ref, 1);
+    if (HasFatalFailure()) return;
+    const auto stepped = snapshot();
+    ASSERT_NE(saved, stepped);
+
+    int calls = 0;
+    Status s = rig->opt().load_checkpoint(file, [&] {
+      ++calls;
+      return cancelled("another rank refused");
+    });
+    EXPECT_EQ(s.code(), StatusCode::kCancelled) << s;
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(snapshot(), stepped);
+
+    std::vector<char> bytes;
+    {
+      std::ifstream in(file, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    bytes[bytes.size() / 2] ^= 0x01;
+    const std::string bad = dir.sub("bad.ckpt");
+    std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    calls = 0;
+    s = rig->opt().load_checkpoint(bad, [&] {
+      ++calls;
+      return Status();
+    });
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+    EXPECT_EQ(calls, 0);
+    EXPECT_EQ(snapshot(), stepped);
+
+    s = rig->opt().load_checkpoint(file, [&] {
+      ++calls;
+      return Status();
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(snapshot(), saved);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Homes, CheckpointReader,
                          testing::Combine(testing::ValuesIn(test::all_homes()),
                                           testing::Values(StateDType::kF32, StateDType::kBF16, StateDType::kInt8)),

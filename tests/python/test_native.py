@@ -266,3 +266,65 @@ def test_acquire_many_grants_all_in_one_call_or_none(swap_dir):
     assert all(e.info(t)["readers"] == 0 for t in tids)
     with pytest.raises(tier.InvalidArgument):
         e.acquire_many(tids, "device", "borrow")
+
+
+def test_state_ranges_and_the_checkpoint_state_reader(tmp_path):
+    """write_state/read_state with an offset touch that range only (a range past the parameter is
+    refused, nothing written); read_checkpoint_state gives every state array of a saved file as
+    the optimizer holds it, in pieces; an exception from its visitor stops the read and comes out
+    as it was raised; a damaged file is tier.DataLoss."""
+    sizes = {"w0": 5000, "w1": 300}
+    init = {n: np.linspace(-1, 1, k, dtype=np.float32) for n, k in sizes.items()}
+    d = _ranked_driver(tmp_path, "s", init)
+    for i, (n, k) in enumerate(sizes.items()):
+        d.add_grad(i, np.full(k, 0.01 * (i + 1), np.float32))
+    d.step(outputs=[np.zeros(k, np.float32) for k in sizes.values()])
+
+    before = np.zeros(5000, np.float32)
+    d.read_state(0, "exp_avg", before)
+    piece = np.arange(100, dtype=np.float32)
+    d.write_state(0, "exp_avg", piece, offset=1234)
+    after = np.zeros(5000, np.float32)
+    d.read_state(0, "exp_avg", after)
+    want = before.copy()
+    want[1234:1334] = piece
+    assert np.array_equal(after, want)
+    got = np.zeros(100, np.float32)
+    d.read_state(0, "exp_avg", got, offset=1234)
+    assert np.array_equal(got, piece)
+    with pytest.raises(tier.InvalidArgument):
+        d.write_state(0, "exp_avg", piece, offset=4950)
+    with pytest.raises(tier.InvalidArgument):
+        d.write_state(0, "exp_avg", piece)  # without an offset: the whole array
+    d.read_state(0, "exp_avg", after)
+    assert np.array_equal(after, want)
+
+    path = str(tmp_path / "opt.bin")
+    d.save(path)
+    seen = {(i, kind): [] for i in range(2) for kind in ("master", "exp_avg", "exp_avg_sq")}
+
+    def visit(pid, kind, offset, values):
+        assert not values.flags.writeable
+        assert offset == sum(len(v) for v in seen[(pid, kind)])
+        seen[(pid, kind)].append(values.copy())
+
+    tier._tier.read_checkpoint_state(path, visit)
+    for (pid, kind), pieces in seen.items():
+        held = np.zeros(list(sizes.values())[pid], np.float32)
+        d.read_state(pid, kind, held)
+        assert np.array_equal(np.concatenate(pieces), held), (pid, kind)
+
+    class Stop(Exception):
+        pass
+
+    def stop(pid, kind, offset, values):
+        raise Stop(f"{kind} of {pid}")
+
+    with pytest.raises(Stop, match="master of 0"):
+        tier._tier.read_checkpoint_state(path, stop)
+    raw = bytearray(open(path, "rb").read())
+    raw[len(raw) // 2] ^= 0x40
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(tier.DataLoss):
+        tier._tier.read_checkpoint_state(str(bad), lambda *a: None)

@@ -134,21 +134,25 @@ def test_save_16bit_model(llama_engine, tmp_path, victim):
 
 def _rank_checkpoint(directory):
     """A checkpoint as tier.torch.zero_checkpoint saves it (one rank), built by hand: two
-    trainable parameters, with the manifest signed as tier signs it."""
+    trainable parameters, rank0.bin written by the optimizer's own writer, the manifest signed as
+    tier signs it."""
     from tier.torch import zero_checkpoint as zc
 
     vdir = directory / "t~0000000000000001-1-00000000"
     vdir.mkdir(parents=True)
     a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.full((4,), 0.5)
-    blob, index, offset = b"", [], 0
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    driver = tier._tier.StepDriver(tier._tier.Config.from_json(json.dumps(cfg)), a.numel() + b.numel())
+    index = []
     for name, t in (("a", a), ("b", b)):
-        flat = t.reshape(-1)
-        blob += flat.numpy().tobytes() + torch.zeros_like(flat).numpy().tobytes() * 2
-        index.append({"name": name, "start": 0, "count": flat.numel(), "offset": offset})
-        offset += 12 * flat.numel()
-    (vdir / "rank0.bin").write_bytes(blob)
+        driver.add_param(name, t.reshape(-1).numpy())
+        index.append({"name": name, "start": 0, "count": t.numel()})
+    driver.save(str(vdir / "rank0.bin"))
     (vdir / "rank0.json").write_text(json.dumps({"format": zc.FORMAT, "rank": 0, "world": 1, "params": index,
-                                                 "group_steps": [1], "rng_cpu": ""}))
+                                                 "group_steps": [0], "rng_cpu": ""}))
     (vdir / "meta.json").write_text(json.dumps({
         "format": zc.FORMAT, "world": 1, "stage": 2, "global_steps": 1, "micro_steps": 1, "skipped_steps": 0,
         "compute_dtype": "fp32", "scheduler": None, "client_state": {},
@@ -156,6 +160,9 @@ def _rank_checkpoint(directory):
     }))
     files = {}
     for name in sorted(os.listdir(vdir)):
+        if name == "rank0.bin":
+            files[name] = ckpt_mod.reader_checked_entry(str(vdir / name))
+            continue
         n, digest = ckpt_mod._sha256_file(str(vdir / name))
         files[name] = {"bytes": n, "sha256": digest}
     body = {"format": zc.FORMAT, "files": files}

@@ -1,27 +1,38 @@
 """Checkpoints of an engine partitioned over ranks (tier.torch.zero), loadable at any world size.
 
-Layout of a version directory (format ``tier-checkpoint-zero-1``; the directory protocol, tags,
+Layout of a version directory (format ``tier-checkpoint-zero-2``; the directory protocol, tags,
 ``latest``, manifests and garbage collection are those of :mod:`tier.torch.checkpoint`)::
 
     meta.json       (rank 0) names, shapes, counters, scheduler, client state, the world and stage
                     it was saved at
     frozen.bin      (rank 0, if any parameter is frozen) the frozen parameters, whole
-    rank<N>.bin     rank N's shards, each trainable parameter's owned range as fp32 master,
-                    exp_avg, exp_avg_sq in turn
-    rank<N>.json    rank N's partition map: for each parameter its range (start, count) and where
-                    its three arrays start in rank<N>.bin; its step counters and RNG state
-    manifest.json   (rank 0, last) size and SHA-256 of every file above
+    rank<N>.bin     rank N's optimizer state, written by the optimizer's own checkpoint writer
+                    (C++, the format of a one-process optimizer.bin: docs/optimizer.md): one
+                    partition per trainable parameter's owned range, its fp32 master and moments
+                    in checksummed records, a trailer chaining their checksums
+    rank<N>.json    rank N's partition map: for each partition, in order, the parameter's name and
+                    the range it owns (start, count); its step counters and RNG state
+    manifest.json   (rank 0, last) every file's size, and its SHA-256 (``frozen.bin`` and the JSON
+                    files, hashed as they are written) or, for ``rank<N>.bin``, its trailer
 
-Every rank writes its own files in parallel into the directory rank 0 created, hashing them as it
-writes; rank 0 gathers the sizes and digests and writes the manifest once all have synced theirs
-(no file is read back to hash it), then switches the tag and ``latest``. A save killed on any
-rank leaves ``latest`` on the previous complete checkpoint. The directory must be one that every
-rank sees (a shared or local file system, as DeepSpeed's checkpoints).
+Every rank writes its own files in parallel into the directory rank 0 created; rank 0 gathers
+the sizes and digests and writes the manifest once all have synced theirs (no file is read back
+to hash it), then switches the tag and ``latest``. A save killed on any rank leaves ``latest`` on
+the previous complete checkpoint. The directory must be one that every rank sees (a shared or
+local file system, as DeepSpeed's checkpoints).
 
-Loading at another world size (or in one process) reshards: each rank reads, from whichever saved
-ranks hold them, the elements of its new ranges. Every rank checks the manifest, the small files
-and every file it will read (its ranges' saved shards, frozen.bin) before anything changes, and
-the ranks agree that all checks passed before any of them applies.
+Loading at the world size and partitioning it was saved with, each rank loads its own
+``rank<N>.bin`` with the optimizer's loader (the one a one-process ``optimizer.bin`` goes
+through): it checks every record's checksums and the trailer, and calls back once the whole file
+has verified, before anything changes; there the ranks agree that every rank's file verified,
+and only then does any of them apply its state. How many passes that reads is the loader's: one,
+into the shadow slots, with two state copies on NVMe; a verifying pass and then a copying one
+with one copy or host-resident state (docs/optimizer.md). Loading at another world size (or in
+one process) reshards: each rank reads, from whichever saved ranks hold them, the elements of its
+new ranges; it first verifies every file it will read (the readers' checksums), the ranks agree
+that all checks passed, and then each reads them again to apply them, a few MiB at a time. Before
+either, every rank checks the manifest, the small files, ``frozen.bin`` and the trailers of the
+files it reads.
 ``python -m tier.torch.zero_to_fp32 <checkpoint dir> <out.safetensors|out.pt>`` consolidates one
 into a single fp32 state dict.
 """
@@ -39,8 +50,9 @@ from .. import fs as _fs
 from . import checkpoint as _ck
 from . import checkpoint_load as _load
 
-FORMAT = "tier-checkpoint-zero-1"
-_KINDS = ("master", "exp_avg", "exp_avg_sq")
+FORMAT = "tier-checkpoint-zero-2"
+# Shards as raw fp32 arrays, hashed by SHA-256 (before the optimizer's own writer wrote them).
+OLD_FORMAT = "tier-checkpoint-zero-1"
 
 
 def _rank_world(engine):
@@ -191,26 +203,18 @@ def _save_rest(engine, save_dir, tag, version, error, rank, world, client_state,
 
 
 def _write_rank(engine, vdir, rank, world):
-    """Writes this rank's two files; returns their manifest entries (hashed as they were written)."""
+    """Writes this rank's two files; returns their manifest entries. rank<N>.bin is the
+    optimizer's own checkpoint (written, fsynced and renamed into place by its C++ writer), listed
+    by its size and trailer, which chains the checksums of all its records: no byte is hashed twice."""
     index = []
-    offset = 0
-    h = hashlib.sha256()
-    with _fs.create_new(os.path.join(vdir, f"rank{rank}.bin")) as f:
-        for s in engine._slots:
-            if s.pid is None:
-                continue
-            buf = torch.empty(s.zero_count, dtype=torch.float32)
-            for kind in _KINDS:
-                if kind == "master":
-                    engine.native_optimizer.read_param(s.pid, buf)
-                else:
-                    engine.native_optimizer.read_state(s.pid, kind, buf)
-                raw = buf.numpy().tobytes()
-                h.update(raw)
-                f.write(raw)
-            index.append({"name": s.name, "start": s.zero_start, "count": s.zero_count, "offset": offset})
-            offset += 3 * 4 * s.zero_count
-        f.sync()
+    for s in engine._slots:
+        if s.pid is None:
+            continue
+        if s.pid != len(index):
+            raise RuntimeError(f"save_checkpoint: parameter {s.name} is partition {s.pid}, expected {len(index)}")
+        index.append({"name": s.name, "start": s.zero_start, "count": s.zero_count})
+    state = os.path.join(vdir, f"rank{rank}.bin")
+    engine.native_optimizer.save(state)
     part = {
         "format": FORMAT,
         "rank": rank,
@@ -221,10 +225,7 @@ def _write_rank(engine, vdir, rank, world):
     }
     part_bytes = json.dumps(part, indent=1).encode()
     _ck._write_new(os.path.join(vdir, f"rank{rank}.json"), part_bytes)
-    return {
-        f"rank{rank}.bin": {"bytes": offset, "sha256": h.hexdigest()},
-        f"rank{rank}.json": _entry(part_bytes),
-    }
+    return {f"rank{rank}.bin": _ck.reader_checked_entry(state), f"rank{rank}.json": _entry(part_bytes)}
 
 
 def _write_meta(engine, vdir, world, client_state):
@@ -250,7 +251,7 @@ def is_rank_checkpoint(load_dir, tag):
     try:
         path = resolve(load_dir, tag)
         with open(os.path.join(path, "meta.json"), "rb") as f:
-            return json.loads(f.read()).get("format") == FORMAT
+            return json.loads(f.read()).get("format") in (FORMAT, OLD_FORMAT)
     except (OSError, ValueError):
         return False
 
@@ -264,7 +265,10 @@ def resolve(load_dir, tag):
 def read_verified(path, wanted=None):
     """The checkpoint in ``path``: its meta and rank maps, checked against the manifest
     (``tier.DataLoss`` when a file does not match). The small files (meta and rank maps) are
-    always checked; of the ``.bin`` files, those ``wanted(meta, parts)`` names (None: all)."""
+    always checked, and every ``rank<N>.bin``'s size and trailer (32 bytes read); of the other
+    ``.bin`` files (``frozen.bin``), those ``wanted(meta, parts)`` names (None: all) are hashed.
+    (A file the manifest lists by its SHA-256 instead of its trailer is hashed.)
+    The records of a ``rank<N>.bin`` are checked by the optimizer's reader as they are read."""
     try:
         with open(os.path.join(path, _ck.MANIFEST), "rb") as f:
             manifest = json.loads(f.read())
@@ -274,22 +278,33 @@ def read_verified(path, wanted=None):
         raise _tier.DataLoss(f"checkpoint {path}: {_ck.MANIFEST} is missing or damaged ({e})") from None
     if not ok:
         raise _tier.DataLoss(f"checkpoint {path}: {_ck.MANIFEST} does not match its own checksum")
+    if body["format"] == OLD_FORMAT:
+        raise ValueError(
+            f"checkpoint {path} has format {OLD_FORMAT}, whose shards this tier no longer reads (it reads "
+            f"{FORMAT}, written by the optimizer's own checkpoint writer); load it with the tier that saved it and "
+            "consolidate it (python -m tier.torch.zero_to_fp32), or keep training with that tier"
+        )
     if body["format"] != FORMAT:
-        raise ValueError(f"checkpoint {path}: format {body['format']!r} is not {FORMAT}")
+        raise ValueError(f"checkpoint {path}: format {body['format']!r} is not {FORMAT} (the one this tier reads)")
     for name in body["files"]:
         fpath = os.path.join(path, name)
-        if os.path.basename(name) != name or not os.path.isfile(fpath):
+        if os.path.basename(name) != name or not os.path.isfile(fpath) or os.path.islink(fpath):
             raise _tier.DataLoss(f"checkpoint {path}: {name} is missing (listed in {_ck.MANIFEST})")
 
     def verify(name):
         entry = body["files"][name]
-        n, digest = _ck._sha256_file(os.path.join(path, name))
-        if n != entry.get("bytes") or digest != entry.get("sha256"):
+        if "trailer" in entry:
+            got = _ck.reader_checked_entry(os.path.join(path, name))
+            ok = got == {"bytes": entry.get("bytes"), "trailer": entry.get("trailer")}
+        else:
+            n, digest = _ck._sha256_file(os.path.join(path, name))
+            ok = n == entry.get("bytes") and digest == entry.get("sha256")
+        if not ok:
             raise _tier.DataLoss(f"checkpoint {path}: {name} does not match the manifest")
 
-    bins = sorted(n for n in body["files"] if n.endswith(".bin"))
+    hashed = sorted(n for n in body["files"] if n.endswith(".bin") and "trailer" not in body["files"][n])
     for name in sorted(body["files"]):
-        if name not in bins:
+        if name not in hashed:
             verify(name)
     with open(os.path.join(path, "meta.json"), "rb") as f:
         meta = json.loads(f.read())
@@ -300,70 +315,67 @@ def read_verified(path, wanted=None):
             raise _tier.DataLoss(f"checkpoint {path}: rank {r}'s files are not listed (saved at world {world})")
         with open(os.path.join(path, f"rank{r}.json"), "rb") as f:
             parts.append(json.loads(f.read()))
-    need = set(bins) if wanted is None else set(wanted(meta, parts)) & set(bins)
-    for name in bins:
+    # (A rank<N>.bin listed by its SHA-256, as a re-signed manifest lists it, is hashed too.)
+    need = set(hashed) if wanted is None else (set(wanted(meta, parts)) | {n for n in hashed if n.startswith("rank")})
+    for name in hashed:
         if name in need:
             verify(name)
     return meta, parts
 
 
-def _files_read_by(engine):
-    """``read_verified``'s ``wanted`` for a rank that loads: the saved ranks' files that hold part
-    of its ranges, and frozen.bin. Every file some rank reads is checked by that rank before any
-    rank applies anything (the ranks agree on it first), and none is hashed by every rank."""
+def _check_partitions(path, rank, part):
+    """rank<N>.bin's partitions (from its checked header and metadata) must be its map's ranges."""
+    fpath = os.path.join(path, f"rank{rank}.bin")
+    got = [(name, numel) for name, numel, _ in _tier.checkpoint_partitions(fpath)]
+    want = [(e["name"], e["count"]) for e in part["params"]]
+    if got != want:
+        raise _tier.DataLoss(
+            f"checkpoint {path}: rank{rank}.bin holds {len(got)} partitions that are not the {len(want)} ranges "
+            f"rank{rank}.json lists"
+        )
+    return fpath
+
+
+def _ranks_read_by(engine, parts):
+    """The saved ranks whose ranges overlap this rank's (the files it reads to reshard)."""
     ranges = {s.name: (s.zero_start, s.zero_start + s.zero_count) for s in engine._slots if s.pid is not None}
-
-    def wanted(meta, parts):
-        out = {"frozen.bin"}
-        for p in parts:
-            for e in p["params"]:
-                r = ranges.get(e["name"])
-                if r is not None and max(r[0], int(e["start"])) < min(r[1], int(e["start"]) + int(e["count"])):
-                    out.add(f"rank{int(p['rank'])}.bin")
-        return out
-
-    return wanted
+    out = []
+    for r, p in enumerate(parts):
+        for e in p["params"]:
+            lo_hi = ranges.get(e["name"])
+            if lo_hi is not None and max(lo_hi[0], e["start"]) < min(lo_hi[1], e["start"] + e["count"]):
+                out.append(r)
+                break
+    return out
 
 
-class _Pieces:
-    """Reads ranges of a parameter's saved arrays, whichever saved ranks hold them."""
+def _reshard_into(engine, fpath, part):
+    """Writes the elements of this rank's ranges that saved file ``fpath`` (with map ``part``)
+    holds into the optimizer's state, streamed piece by piece (a few MiB at a time)."""
+    entries = part["params"]
+    mine = {s.name: s for s in engine._slots if s.pid is not None}
+    write = engine.native_optimizer.write_state
 
-    def __init__(self, path, parts):
-        self.path = path
-        self.by_name = {}
-        for part in parts:
-            for e in part["params"]:
-                self.by_name.setdefault(e["name"], []).append((part["rank"], e))
-        self.files = {}
+    def visit(pid, kind, offset, values):
+        e = entries[pid]
+        s = mine.get(e["name"])
+        if s is None:
+            return
+        lo = e["start"] + offset
+        a, b = max(lo, s.zero_start), min(lo + len(values), s.zero_start + s.zero_count)
+        if a < b:
+            write(s.pid, kind, values[a - lo : b - lo], offset=a - s.zero_start)
 
-    def read(self, name, kind, start, count):
-        out = torch.zeros(count, dtype=torch.float32)
-        k = _KINDS.index(kind)
-        for rank, e in self.by_name.get(name, []):
-            lo, hi = max(start, e["start"]), min(start + count, e["start"] + e["count"])
-            if lo >= hi:
-                continue
-            f = self.files.get(rank)
-            if f is None:
-                f = self.files[rank] = open(os.path.join(self.path, f"rank{rank}.bin"), "rb")
-            f.seek(e["offset"] + (k * e["count"] + lo - e["start"]) * 4)
-            raw = f.read((hi - lo) * 4)
-            if len(raw) != (hi - lo) * 4:
-                raise _tier.DataLoss(f"checkpoint {self.path}: rank{rank}.bin is shorter than its map says ({name})")
-            out[lo - start : hi - start] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-        return out
-
-    def close(self):
-        for f in self.files.values():
-            f.close()
+    _tier.read_checkpoint_state(fpath, visit)
 
 
 def load(engine, load_dir, tag):
     rank, world = _rank_world(engine)
     error = None
+    same = False
     try:
         path = resolve(load_dir, tag)
-        meta, parts = read_verified(path, _files_read_by(engine))
+        meta, parts = read_verified(path, lambda meta, parts: {"frozen.bin"})
         mine = [(s.name, list(s.shape), s.trainable) for s in engine._slots]
         theirs = [(p["name"], list(p["shape"]), p["trainable"]) for p in meta["params"]]
         if mine != theirs:
@@ -376,7 +388,7 @@ def load(engine, load_dir, tag):
                 f"{engine.compute_dtype_name}"
             )
         for e in (e for p in parts for e in p["params"]):
-            if not all(_load._count(e.get(k)) for k in ("start", "count", "offset")):
+            if not all(_load._count(e.get(k)) for k in ("start", "count")):
                 raise ValueError(f"checkpoint {path}: the range of {_ck._short(e.get('name'))} is not made of counts")
         covered = {}
         for p in parts:
@@ -401,21 +413,47 @@ def load(engine, load_dir, tag):
         rng_cpu = _load._tried_rng_state(
             _load._rng_tensor(source.get("rng_cpu"), torch.get_rng_state().numel(), path, "CPU"), path, "CPU"
         )
+        owned = [(s.name, s.zero_start, s.zero_count) for s in engine._slots if s.pid is not None]
+        same = len(parts) == world and [(e["name"], e["start"], e["count"]) for e in parts[rank]["params"]] == owned
+        if same:
+            own = _check_partitions(path, rank, parts[rank])
+        else:
+            # Resharding: every file this rank reads, verified whole (the optimizer's reader
+            # checks every record and the trailer) before any rank changes anything.
+            files = [(_check_partitions(path, r, parts[r]), parts[r]) for r in _ranks_read_by(engine, parts)]
+            for fpath, _ in files:
+                _tier.read_checkpoint_masters(fpath, [None] * len(_tier.checkpoint_partitions(fpath)))
     except Exception as e:  # noqa: BLE001 (every rank must hear of it before anyone changes)
         error = e
     _all_ok(engine, error)
 
-    pieces = _Pieces(path, parts)
-    try:
-        for s in engine._slots:
-            if s.pid is None:
-                continue
-            for kind in _KINDS:
-                engine.native_optimizer.write_state(s.pid, kind, pieces.read(s.name, kind, s.zero_start, s.zero_count))
-    finally:
-        pieces.close()
-    for g, step in enumerate(steps):
-        engine.native_optimizer.set_group_step(g, int(step))
+    if same:
+        # This rank's own file, read and checked once: the ranks agree once each has verified its
+        # file, before any of them commits it.
+        agreed = {}
+
+        def before_commit():
+            try:
+                _all_ok(engine, None)
+            except Exception as e:  # noqa: BLE001 (raised below, as it was)
+                agreed["refused"] = e
+                return False
+            agreed["ok"] = True
+            return True
+
+        try:
+            engine.native_optimizer.load(own, before_commit=before_commit)
+        except Exception as e:
+            if "refused" in agreed:
+                raise agreed["refused"] from None
+            if "ok" not in agreed:
+                _all_ok(engine, e)  # the other ranks wait in their before_commit: they hear of it
+            raise
+    else:
+        for fpath, part in files:
+            _reshard_into(engine, fpath, part)
+        for g, step in enumerate(steps):
+            engine.native_optimizer.set_group_step(g, int(step))
     # The low-precision params from the masters, as the optimizer writes them.
     stage3 = engine._zero is not None and engine._zero.stage == 3
     for s in engine._slots:
@@ -455,25 +493,45 @@ def consolidate(path):
     """Every trainable parameter's fp32 master (and every frozen one, widened) from a checkpoint
     saved by ranks, as one state dict of CPU tensors."""
     meta, parts = read_verified(path)
-    pieces = _Pieces(path, parts)
     out = {}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[meta["compute_dtype"]]
-    frozen_f = None
-    try:
-        for p in meta["params"]:
+    flat = {}
+    for p in meta["params"]:
+        if p["trainable"]:
             numel = 1
             for d in p["shape"]:
                 numel *= int(d)
+            flat[p["name"]] = torch.empty(numel, dtype=torch.float32)
+    for r, part in enumerate(parts):
+        fpath = _check_partitions(path, r, part)
+        views = []
+        for e in part["params"]:
+            whole = flat.get(e["name"])
+            if whole is None or not (_load._count(e.get("start")) and _load._count(e.get("count"))):
+                raise _tier.DataLoss(
+                    f"checkpoint {path}: rank{r}.json lists {_ck._short(e.get('name'))}, not a trainable parameter's range"
+                )
+            if e["start"] + e["count"] > whole.numel():
+                raise _tier.DataLoss(f"checkpoint {path}: rank{r}.json's range of {e['name']} runs past it")
+            views.append(whole[e["start"] : e["start"] + e["count"]])
+        _tier.read_checkpoint_masters(fpath, views)
+    frozen_f = None
+    try:
+        for p in meta["params"]:
             if p["trainable"]:
-                out[p["name"]] = pieces.read(p["name"], "master", 0, numel).view(p["shape"])
+                out[p["name"]] = flat[p["name"]].view(p["shape"])
             else:
                 if frozen_f is None:
                     frozen_f = open(os.path.join(path, "frozen.bin"), "rb")
                 esize = torch.empty(0, dtype=dtype).element_size()
+                numel = 1
+                for d in p["shape"]:
+                    numel *= int(d)
                 raw = frozen_f.read(numel * esize)
+                if len(raw) != numel * esize:
+                    raise _tier.DataLoss(f"checkpoint {path}: frozen.bin is shorter than the model needs ({p['name']})")
                 out[p["name"]] = torch.frombuffer(bytearray(raw), dtype=dtype).float().view(p["shape"])
     finally:
-        pieces.close()
         if frozen_f is not None:
             frozen_f.close()
     return out

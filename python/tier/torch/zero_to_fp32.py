@@ -8,10 +8,10 @@ CHECKPOINT_DIR is the directory given to ``engine.save_checkpoint`` (its ``lates
 (``torch.save``); ``--dtype bf16`` or ``fp16`` rounds the fp32 masters to a 16-bit state dict.
 Every file is checked against the checkpoint's manifest first.
 
-A checkpoint saved by ranks (format ``tier-checkpoint-zero-1``) gives each trainable parameter's
-fp32 master from the ranks' shards; one saved by one process (``tier-checkpoint-2``) gives it from
-``optimizer.bin``, the optimizer's own file, read by tier's native reader (every record's checksums
-and the trailer verified, whatever the optimizer's state dtype). Frozen parameters come from
+A checkpoint saved by ranks (format ``tier-checkpoint-zero-2``) gives each trainable parameter's
+fp32 master from the ranks' ``rank<N>.bin``; one saved by one process (``tier-checkpoint-2``) from
+``optimizer.bin``. Both are the optimizer's own files, read by tier's native reader (every
+record's checksums and the trailer verified, whatever the optimizer's state dtype). Frozen parameters come from
 ``frozen.bin``, widened to fp32 from the compute dtype. Checkpoints of the first format
 (``tier-checkpoint-1``, without checksums) are refused: load one with ``engine.load_checkpoint``
 and save it again. Exit status 2, with the reason on stderr, when the checkpoint is missing,
@@ -48,7 +48,7 @@ def _saved_format(path):
 def consolidate(path):
     """The fp32 state dict of the checkpoint in ``path`` (a version directory), whichever format."""
     fmt = _saved_format(path)
-    if fmt == zero_checkpoint.FORMAT:
+    if fmt in (zero_checkpoint.FORMAT, zero_checkpoint.OLD_FORMAT):
         return zero_checkpoint.consolidate(path)
     if fmt == checkpoint.OLD_FORMAT:
         raise ValueError(
