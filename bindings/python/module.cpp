@@ -377,7 +377,7 @@ NB_MODULE(_tier, m) {
       .def(
           "register",
           [](Engine& e, const std::string& name, const std::string& dtype, std::uint64_t numel, const std::string& role,
-             int group, const std::string& home, nb::handle initial, bool durable) {
+             int group, const std::string& home, nb::handle initial, bool durable, nb::handle fill) {
             TensorDesc d;
             d.name = name;
             d.dtype = unwrap(parse_dtype(dtype));
@@ -385,9 +385,34 @@ NB_MODULE(_tier, m) {
             d.role = unwrap(parse_role(role));
             d.group = group;
             const Tier h = unwrap(parse_tier(home));
+            Result<TensorId> id{Status(StatusCode::kInternal, "not registered")};
+            if (!fill.is_none()) {
+              if (!initial.is_none()) {
+                raise_status(invalid_argument(str("register '", name, "': give `initial` or `fill`, not both")));
+              }
+              // Called on this thread with the GIL taken back, with a writable uint8 view of the
+              // tensor's host copy (valid during the call only). Its exception is raised as it was.
+              const Engine::Fill fn = [&fill](void* dst, std::uint64_t bytes) -> Status {
+                nb::gil_scoped_acquire locked;
+                const std::size_t shape[1] = {static_cast<std::size_t>(bytes)};
+                nb::ndarray<nb::numpy, std::uint8_t> view(dst, 1, shape, nb::handle());
+                try {
+                  fill(nb::cast(view, nb::rv_policy::reference));
+                } catch (nb::python_error& err) {
+                  err.restore();
+                  return cancelled("the fill function raised");
+                }
+                return Status::Ok();
+              };
+              {
+                nb::gil_scoped_release unlocked;
+                id = e.register_filled(d, h, fn, durable);
+              }
+              if (!id.ok() && PyErr_Occurred()) throw nb::python_error();
+              return unwrap(std::move(id));
+            }
             const void* src = nullptr;
             if (!initial.is_none()) src = host_view(initial, d.bytes(), str("register '", name, "'").c_str()).data;
-            Result<TensorId> id{Status(StatusCode::kInternal, "not registered")};
             {
               nb::gil_scoped_release unlocked;
               id = e.register_tensor(d, h, src, durable);
@@ -395,9 +420,12 @@ NB_MODULE(_tier, m) {
             return unwrap(std::move(id));
           },
           "name"_a, "dtype"_a, "numel"_a, "role"_a = "user", "group"_a = 0, "home"_a = "host", "initial"_a = nb::none(),
-          "durable"_a = true,
+          "durable"_a = true, "fill"_a = nb::none(),
           "Registers a tensor. With `initial` and durable=False it returns once the contents are in the host tier, "
-          "their write home started (flush() makes them durable).")
+          "their write home started (flush() makes them durable). `fill` instead of `initial`: a callable given a "
+          "writable uint8 numpy array over the tensor's host copy (valid during the call only) that writes all of "
+          "its bytes, e.g. os.preadv from a file: the contents without a copy from another buffer; an exception "
+          "from it registers nothing and is raised.")
       .def("unregister", [](Engine& e, TensorId id) { check(e.unregister_tensor(id)); })
       .def(
           "retag",

@@ -34,6 +34,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -172,6 +173,12 @@ class Engine {
   // for durability.
   Result<TensorId> register_tensor(const TensorDesc& desc, Tier home, const void* initial = nullptr,
                                    bool durable = true);
+  // register_tensor whose contents `fill` writes straight into the tensor's host copy (desc.bytes()
+  // bytes at dst, on the calling thread; e.g. read from a file into it), instead of being copied
+  // from a caller's buffer: a loader saves that copy. `durable` as above. A non-OK return from
+  // fill leaves nothing registered and is returned (with the tensor's name).
+  using Fill = std::function<Status(void* dst, std::uint64_t bytes)>;
+  Result<TensorId> register_filled(const TensorDesc& desc, Tier home, const Fill& fill, bool durable = true);
   // Drops every copy of an idle tensor. kFailedPrecondition while leases are held. The engine's
   // own transfers of it (a prefetch, an eviction's write-back) are waited for, up to
   // tier.acquire_timeout_ms (then kTimedOut).
@@ -260,6 +267,8 @@ class Engine {
  private:
   friend struct detail::EngineFactory;
   explicit Engine(std::unique_ptr<Impl> impl);
+  // register_tensor and register_filled: `fill` null registers zeros.
+  Result<TensorId> register_filled_impl(const TensorDesc& desc, Tier home, const Fill* fill, bool durable);
   std::unique_ptr<Impl> impl_;
 };
 

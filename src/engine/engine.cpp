@@ -1197,6 +1197,20 @@ Engine::~Engine() {
 }
 
 Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, const void* initial, bool durable) {
+  if (initial == nullptr) return register_filled_impl(desc, home, nullptr, durable);
+  const Fill copy = [initial](void* dst, std::uint64_t bytes) {
+    std::memcpy(dst, initial, bytes);
+    return Status::Ok();
+  };
+  return register_filled_impl(desc, home, &copy, durable);
+}
+
+Result<TensorId> Engine::register_filled(const TensorDesc& desc, Tier home, const Fill& fill, bool durable) {
+  if (!fill) return invalid_argument(str("register '", desc.name, "': no fill function"));
+  return register_filled_impl(desc, home, &fill, durable);
+}
+
+Result<TensorId> Engine::register_filled_impl(const TensorDesc& desc, Tier home, const Fill* fill, bool durable) {
   TIER_RETURN_IF_ERROR(desc.validate());
   Impl& e = *impl_;
   std::uint64_t gen = 0;  // the registration's generation (set by the reservation)
@@ -1260,8 +1274,15 @@ Result<TensorId> Engine::register_tensor(const TensorDesc& desc, Tier home, cons
       e.tensors[id].live = true;
     });
   }
-  if (s.ok() && initial != nullptr) {
-    s = write(id, initial);
+  if (s.ok() && fill != nullptr) {
+    auto lease = acquire_now(id, Tier::kHost, Access::kWrite);
+    if (!lease.ok()) {
+      s = lease.status();
+    } else {
+      s = (*fill)(lease->data(), lease->bytes());
+      const Status released = lease->release();
+      if (s.ok()) s = released;
+    }
     if (s.ok()) {
       // The write home, counted as a reader (as a load's transfer is), so an unregister waits for
       // it; `then` gets its status on the scheduler thread.

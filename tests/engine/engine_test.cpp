@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -496,6 +497,43 @@ TEST(Engine, ARegistrationWhoseWriteHomeFailsKeepsItsContentsAndFlushSaysSo) {
   auto b = m.engine->register_tensor(desc("b", n), Tier::kNvme, pattern(n, 5).data());
   EXPECT_FALSE(b.ok());
   EXPECT_FALSE(m.engine->find("b").ok());
+  EXPECT_TRUE(m.engine->check_invariants().ok());
+}
+
+// register_filled: the fill writes straight into the host copy (each byte of it: the tensor's
+// contents are what it wrote), durable or not as register_tensor; a failing fill registers
+// nothing, frees the name and returns its error; a missing fill is refused.
+TEST(Engine, ARegistrationFilledInPlaceHoldsWhatTheFillWroteAndAFailedFillLeavesNothing) {
+  const std::uint64_t n = 4 * kKiB;
+  auto m = make(1 << 20, 1 << 20, 1 << 20);
+  const auto want = pattern(n, 7);
+  std::uint64_t seen = 0;
+  const Engine::Fill fill = [&](void* dst, std::uint64_t bytes) {
+    seen = bytes;
+    std::memcpy(dst, want.data(), bytes);
+    return Status::Ok();
+  };
+  for (bool durable : {true, false}) {
+    auto a = m.engine->register_filled(desc(durable ? "a" : "b", n), Tier::kNvme, fill, durable);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(seen, n * 4);
+    ASSERT_TRUE(m.engine->flush().ok());
+    auto info = m.engine->info(*a);
+    ASSERT_TRUE(info.ok());
+    EXPECT_STREQ(info->copy_state[static_cast<int>(Tier::kNvme)], "valid_clean");
+    EXPECT_EQ(read_all(*m.engine, *a, n), want);
+  }
+  const auto before = m.engine->stats().tier(Tier::kNvme).resident_bytes;
+  auto bad = m.engine->register_filled(desc("c", n), Tier::kNvme,
+                                       [](void*, std::uint64_t) { return data_loss("the file ended early"); });
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(bad.status().message().find("register 'c'"), std::string::npos) << bad.status();
+  EXPECT_FALSE(m.engine->find("c").ok());
+  EXPECT_EQ(m.engine->stats().tier(Tier::kNvme).resident_bytes, before);
+  EXPECT_EQ(m.engine->register_filled(desc("d", n), Tier::kNvme, Engine::Fill{}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(m.engine->register_filled(desc("c", n), Tier::kNvme, fill).ok()) << "the name is free again";
   EXPECT_TRUE(m.engine->check_invariants().ok());
 }
 

@@ -140,6 +140,42 @@ def test_from_pretrained_reads_a_bf16_checkpoint(swap_dir, tmp_path):
         assert torch.equal(engine.parameter(slot.name), ref.get_parameter(slot.name).detach())
 
 
+def test_a_checkpoint_in_the_compute_dtype_is_read_straight_into_the_engine(swap_dir, tmp_path, monkeypatch):
+    """A bf16 checkpoint loaded to compute in bf16: every parameter is read from the file into the
+    engine's host copy (register(fill=...)), none through the loader's buffers; the values are the
+    file's, and training gives the losses of the same load through the buffers."""
+    from tier.torch import hf
+
+    src = str(tmp_path / "src")
+    model = build(llama_config()).to(torch.bfloat16)
+    model.save_pretrained(src, max_shard_size="40KB")
+    config = dict(cfg(swap_dir), bf16={"enabled": True})
+    calls = {"read_into": 0, "buffered": 0}
+    read_into, tensor = hf.CheckpointReader.read_into, hf._ReadAhead.tensor
+
+    def counted_read_into(self, *a):
+        calls["read_into"] += 1
+        return read_into(self, *a)
+
+    def counted_tensor(self, *a):
+        calls["buffered"] += 1
+        return tensor(self, *a)
+
+    monkeypatch.setattr(hf.CheckpointReader, "read_into", counted_read_into)
+    monkeypatch.setattr(hf._ReadAhead, "tensor", counted_tensor)
+    engine = tier.torch.from_pretrained(src, config)
+    assert calls == {"read_into": len(engine._slots), "buffered": 0}
+    for slot in engine._slots:
+        assert torch.equal(engine.parameter(slot.name), model.get_parameter(slot.name).detach())
+    got = losses(engine, steps=2)
+    engine.close()
+    monkeypatch.delattr(hf._StoredValue, "read_into")  # the engine takes tensors instead
+    calls.update(read_into=0, buffered=0)
+    buffered = tier.torch.from_pretrained(src, config)
+    assert calls == {"read_into": 0, "buffered": len(buffered._slots)}
+    assert losses(buffered, steps=2) == got
+
+
 @pytest.mark.parametrize("shard", ["30KB", "5GB"], ids=["sharded", "single-file"])
 @pytest.mark.parametrize("make_config", [llama_config, neox_config], ids=["llama-tied", "gpt-neox"])
 def test_save_pretrained_reloads_in_plain_transformers_with_the_same_logits(swap_dir, tmp_path, shard, make_config):

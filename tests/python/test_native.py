@@ -328,3 +328,38 @@ def test_state_ranges_and_the_checkpoint_state_reader(tmp_path):
     bad.write_bytes(bytes(raw))
     with pytest.raises(tier.DataLoss):
         tier._tier.read_checkpoint_state(str(bad), lambda *a: None)
+
+
+def test_register_with_a_fill_writes_straight_into_the_engine(swap_dir):
+    """register(fill=f): f gets a writable uint8 view of the tensor's host copy and writes its
+    bytes (no buffer of the caller's in between); its exception comes out as raised and nothing
+    is registered; initial and fill together are refused."""
+    e = tier.Engine.create(engine_config(swap_dir))
+    data = np.arange(1000, dtype=np.float32)
+    got = {}
+
+    def fill(view):
+        got["view"] = (view.dtype, view.shape, view.flags.writeable)
+        view[:] = data.view(np.uint8)
+
+    for durable in (True, False):
+        tid = e.register(f"w{durable}", "fp32", 1000, "param", 0, "nvme", fill=fill, durable=durable)
+        assert got["view"] == (np.uint8, (4000,), True)
+        e.flush()
+        out = np.zeros(1000, dtype=np.float32)
+        e.read(tid, out)
+        np.testing.assert_array_equal(out, data)
+
+    class Short(Exception):
+        pass
+
+    def short(view):
+        raise Short("the file ended")
+
+    with pytest.raises(Short, match="the file ended"):
+        e.register("bad", "fp32", 1000, "param", 0, "nvme", fill=short)
+    with pytest.raises(tier.NotFound):
+        e.find("bad")
+    with pytest.raises(tier.InvalidArgument):
+        e.register("both", "fp32", 1000, "param", 0, "nvme", data, fill=fill)
+    e.register("bad", "fp32", 1000, "param", 0, "nvme", fill=fill)  # the name is free

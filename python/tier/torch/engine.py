@@ -445,26 +445,43 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 _zero_init.swap_data(slot.param, torch.empty(0, dtype=self.compute_dtype, device=self.device))
                 continue
             data = self._initial_value(slot, store, initial_values)
-            owned = data.reshape(-1)[slot.zero_start : slot.zero_start + slot.zero_count]
-            if self._zero is not None and self._zero.stage == 3:
-                # The engine homes this rank's shard (padded); fetches all-gather the parameter.
-                if slot.zero_count == slot.zero_shard and owned.dtype == self.compute_dtype:
-                    low = owned.contiguous()  # the whole shard, unpadded: no copy
-                else:
-                    low = torch.empty(slot.zero_shard, dtype=self.compute_dtype)
-                    low[: slot.zero_count] = owned
-                    low[slot.zero_count :].zero_()
-                numel = slot.zero_shard
+            # A checkpoint's tensor not read yet (hf._StoredValue) is read into the engine, or taken.
+            stored = not isinstance(data, torch.Tensor)
+            read_into = getattr(data, "read_into", None) if stored else None
+            if read_into is not None and data.dtype == self.compute_dtype and self._zero is None:
+                # Read from the file straight into the engine's host copy (no copy in between);
+                # homed on NVMe, its write home overlaps the next parameter's read.
+                slot.tid = self.native.register(
+                    slot.name, self.compute_dtype_name, slot.numel, "param", index, param_home,
+                    fill=read_into, durable=param_home != "nvme",
+                )
+                owned = low = None
             else:
-                low = data.to(self.compute_dtype).contiguous()
-                numel = slot.numel
-            # Homed on NVMe: the write home overlaps the next parameter's read and copy (made
-            # durable by the flush below), instead of each registration waiting for its own.
-            slot.tid = self.native.register(
-                slot.name, self.compute_dtype_name, numel, "param", index, param_home, low,
-                durable=param_home != "nvme",
-            )
+                if stored:
+                    data = data.tensor()
+                owned = data.reshape(-1)[slot.zero_start : slot.zero_start + slot.zero_count]
+                if self._zero is not None and self._zero.stage == 3:
+                    # The engine homes this rank's shard (padded); fetches all-gather the parameter.
+                    if slot.zero_count == slot.zero_shard and owned.dtype == self.compute_dtype:
+                        low = owned.contiguous()  # the whole shard, unpadded: no copy
+                    else:
+                        low = torch.empty(slot.zero_shard, dtype=self.compute_dtype)
+                        low[: slot.zero_count] = owned
+                        low[slot.zero_count :].zero_()
+                    numel = slot.zero_shard
+                else:
+                    low = data.to(self.compute_dtype).contiguous()
+                    numel = slot.numel
+                # Homed on NVMe: the write home overlaps the next parameter's read and copy (made
+                # durable by the flush below), instead of each registration waiting for its own.
+                slot.tid = self.native.register(
+                    slot.name, self.compute_dtype_name, numel, "param", index, param_home, low,
+                    durable=param_home != "nvme",
+                )
             if slot.trainable and slot.zero_count > 0:
+                if owned is None:  # read into the engine: the master from the engine's copy
+                    owned = torch.empty(slot.numel, dtype=self.compute_dtype)
+                    self.native.read(slot.tid, owned)
                 master = owned.float().contiguous()
                 group = groups.get(id(slot.param), 0)
                 slot.pid = self.native_optimizer.add_param(slot.name, master, group, dtype=self.compute_dtype_name)

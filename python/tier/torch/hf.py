@@ -148,21 +148,40 @@ class _ShardFile:
 
             with safe_open(self.full, framework="pt") as h:
                 return h.get_tensor(key)
+        nbytes = self._checked_bytes(key, dtype)
+        raw = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer[:nbytes]
+        self._pread(key, memoryview(raw.numpy()))
+        return raw.view(dtype).reshape(shape)
+
+    def dtype(self, key):
+        """The torch dtype of tensor ``key``; None for one safetensors' own reader reads (fp8, ...)."""
+        return _ST_TORCH.get(self.entries[key][0])
+
+    def read_into(self, key, out):
+        """Tensor ``key``'s bytes straight into ``out`` (a writable buffer of exactly its size, such
+        as the engine's host copy of the parameter): no buffer of tier's own in between."""
+        view = memoryview(out).cast("B")
+        if len(view) != self._checked_bytes(key, self.dtype(key)):
+            raise ValueError(f"tensor {key!r}: {self.entries[key][3] - self.entries[key][2]} bytes, not {len(view)}")
+        self._pread(key, view)
+
+    def _checked_bytes(self, key, dtype):
+        dtype_name, shape, begin, end = self.entries[key]
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = end - begin
-        if nbytes != numel * torch.empty(0, dtype=dtype).element_size():
-            raise ValueError(f"tensor {key!r}: {nbytes} bytes for {dtype_name} {list(shape)}")
-        raw = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer[:nbytes]
-        view = memoryview(raw.numpy())
-        done = 0
+        if end - begin != numel * torch.empty(0, dtype=dtype).element_size():
+            raise ValueError(f"tensor {key!r}: {end - begin} bytes for {dtype_name} {list(shape)}")
+        return end - begin
+
+    def _pread(self, key, view):
+        begin = self.entries[key][2]
+        nbytes, done = len(view), 0
         while done < nbytes:
             got = os.preadv(self._f.fileno(), [view[done:]], self.start + begin + done)
             if got <= 0:
                 raise ValueError(f"tensor {key!r}: the file ends {nbytes - done} bytes short")
             done += got
-        return raw.view(dtype).reshape(shape)
 
 
 class _ReadBuffer:
@@ -228,6 +247,22 @@ class _ReadAhead:
             self._pending[1].exception()
             self._pending = None
         self._pool.shutdown(wait=True)
+
+
+class _StoredValue:
+    """A parameter's values as the checkpoint stores them, not read yet: the engine reads them
+    straight into its host copy of the parameter (read_into) where it keeps them in the stored
+    dtype, or takes them as a tensor (tensor(): read ahead into the loader's two buffers)."""
+
+    def __init__(self, reader, ahead, name, shape, dtype):
+        self._reader, self._ahead = reader, ahead
+        self.name, self.shape, self.dtype = name, shape, dtype
+
+    def tensor(self):
+        return self._ahead.tensor(self.name, self.shape)
+
+    def read_into(self, out):
+        self._reader.read_into(self.name, self.shape, out)
 
 
 class CheckpointReader:
@@ -308,6 +343,31 @@ class CheckpointReader:
         """The model's tensor ``name`` (under its checkpoint name), checked against ``shape``.
         ``into``: a _ReadBuffer to read it into (the result is valid until that buffer is read
         into again), else memory of its own."""
+        key, handle = self._located(name, shape)
+        try:
+            if into is None:
+                return handle.read(key)
+            start, end = handle.entries[key][2:]
+            return handle.read(key, into.get(end - start))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
+
+    def dtype(self, name, shape):
+        """The dtype the checkpoint stores ``name`` in (checked against ``shape``, as tensor()
+        checks it); None for a dtype only safetensors' own reader reads."""
+        key, handle = self._located(name, shape)
+        return handle.dtype(key)
+
+    def read_into(self, name, shape, out):
+        """``name``'s bytes as the file stores them into ``out``, a writable buffer of exactly their
+        size (the engine's host copy of the parameter: tier.torch.from_pretrained's loads)."""
+        key, handle = self._located(name, shape)
+        try:
+            handle.read_into(key, out)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
+
+    def _located(self, name, shape):
         if name not in self.key_of and name in self.converted:
             raise ValueError(
                 f"{os.path.join(self.path, self.weight_map[self.converted[name]])}: tensor "
@@ -324,13 +384,7 @@ class CheckpointReader:
                 f"{self.where(name)}: tensor {name!r} has shape {list(got)} but the model's parameter has "
                 f"{list(shape)}"
             )
-        try:
-            if into is None:
-                return handle.read(key)
-            start, end = handle.entries[key][2:]
-            return handle.read(key, into.get(end - start))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
+        return key, handle
 
 
 class _EmptyParameters:
@@ -409,9 +463,13 @@ def from_pretrained(path, config, *, model_class=None, **initialize_kwargs):
     def initial_values(name, param):
         for alias in aliases.get(id(param), [name]):
             if alias in reader:
-                t = ahead.tensor(alias, param.shape)
-                _check_kind(reader.where(alias), alias, t.dtype, param.dtype, "parameter")
-                return t
+                stored = reader.dtype(alias, param.shape)
+                if stored is None:  # a dtype safetensors' own reader reads
+                    t = ahead.tensor(alias, param.shape)
+                    _check_kind(reader.where(alias), alias, t.dtype, param.dtype, "parameter")
+                    return t
+                _check_kind(reader.where(alias), alias, stored, param.dtype, "parameter")
+                return _StoredValue(reader, ahead, alias, tuple(param.shape), stored)
         files = sorted(set(reader.weight_map.values()))
         raise KeyError(f"{path}: the checkpoint ({', '.join(files)}) has no tensor {name!r}")
 
