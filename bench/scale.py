@@ -162,13 +162,18 @@ def plan_json(bench, argv):
     return json.loads(r.stdout)
 
 
-def measure_inputs(bench, swap_dir, specs):
+def measure_inputs(bench, swap_dir, specs, measure_bytes="4G"):
     """The plan's rates, measured before the runs: the disk and the CPU Adam by tier-bench plan
-    --measure, the host->device copy, and each run's compute rate."""
+    --measure (moving ``measure_bytes`` each way: the runs move gigabytes a step, and a virtual
+    disk takes a short burst faster than it sustains that), the host->device copy, and each run's
+    compute rate."""
     with tempfile.TemporaryDirectory() as d:
         job.llama_config(run_args(specs[0][0], 1)).save_pretrained(d)
-        print(f"measuring the disk in {swap_dir} and the CPU Adam (tier-bench plan --measure) ...", flush=True)
-        rates = plan_json(bench, ["--model", d, "--nvme", swap_dir, "--measure"])["rates"]
+        print(f"measuring the disk in {swap_dir} ({measure_bytes} each way) and the CPU Adam (tier-bench plan "
+              "--measure) ...", flush=True)
+        rates = plan_json(
+            bench, ["--model", d, "--nvme", swap_dir, "--measure", "--measure-bytes", measure_bytes]
+        )["rates"]
     inputs = {"rates": rates, "h2d_bytes_per_second": copy_rate(), "compute_flops_per_second": {}}
     for preset, k in specs:
         # A run of K layers is compared with the plan for K layers and for the preset's whole depth
@@ -242,11 +247,12 @@ def main():
     p.add_argument("--json", action="store_true")
     p.add_argument("--plan", action="store_true", help="print each run beside tier-bench plan's prediction")
     p.add_argument("--tier-bench", help="the tier-bench binary for --plan (default: $TIER_BENCH, build/bin)")
+    p.add_argument("--measure-bytes", default="4G", help="bytes the plan's disk measurement moves each way")
     a = p.parse_args()
     os.makedirs(a.swap_dir, exist_ok=True)
     specs = [parse_run(s) for s in a.presets.split(",") if s]
     bench = find_tier_bench(a.tier_bench) if a.plan else None
-    inputs = measure_inputs(bench, a.swap_dir, specs) if a.plan else None
+    inputs = measure_inputs(bench, a.swap_dir, specs, a.measure_bytes) if a.plan else None
     rows = []
     failed = []
     for preset, k in specs:
