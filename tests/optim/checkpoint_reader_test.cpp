@@ -36,6 +36,22 @@ void train(OffloadedOptimizer& opt, Reference& ref, std::uint64_t steps) {
   }
 }
 
+// A copy of the file at `from` with the byte at `at` flipped by `mask`, written to `to`.
+void write_flipped(const std::string& from, const std::string& to, std::uint64_t at, char mask) {
+  std::vector<char> bytes;
+  {
+    std::ifstream in(from, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  bytes.at(at) ^= mask;
+  std::ofstream(to, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::uint64_t file_size(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  return static_cast<std::uint64_t>(in.tellg());
+}
+
 // Every partition's masters as read_checkpoint_masters hands them over, checking that the pieces
 // come in order and cover each partition once.
 Status read_all(const std::string& path, const CheckpointInfo& info, std::vector<std::vector<float>>* out) {
@@ -250,14 +266,8 @@ TEST_P(CheckpointReader, StateReadAloneIsTheOptimizers) {
     }
   }
   // A flipped bit in a moment is found: the read fails.
-  std::vector<char> bytes;
-  {
-    std::ifstream in(file, std::ios::binary);
-    bytes.assign(std::istreambuf_iterator<char>(in), {});
-  }
-  bytes[bytes.size() - 64] ^= 0x10;  // the last record's last section
   const std::string bad = dir.sub("bad.ckpt");
-  std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  write_flipped(file, bad, file_size(file) - 64, 0x10);  // the last record's last section
   EXPECT_EQ(read_checkpoint_state(bad, [](auto&&...) { return Status(); }).code(), StatusCode::kDataLoss);
 }
 
@@ -306,14 +316,8 @@ TEST_P(CheckpointReader, BeforeCommitSeesAVerifiedFileAndItsRefusalChangesNothin
     EXPECT_EQ(calls, 1);
     EXPECT_EQ(snapshot(), stepped);
 
-    std::vector<char> bytes;
-    {
-      std::ifstream in(file, std::ios::binary);
-      bytes.assign(std::istreambuf_iterator<char>(in), {});
-    }
-    bytes[bytes.size() / 2] ^= 0x01;
     const std::string bad = dir.sub("bad.ckpt");
-    std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    write_flipped(file, bad, file_size(file) / 2, 0x01);
     calls = 0;
     s = rig->opt().load_checkpoint(bad, [&] {
       ++calls;
