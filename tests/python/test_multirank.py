@@ -168,6 +168,12 @@ def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
     for rep in four:
         assert max_rel(rep["losses"], tail) <= 1e-5
         assert abs(rep["master_sum"] - full["master_sum"]) <= 1e-5 * full["master_abs_sum"]
+    # At the world and stage it was saved with, each rank loads its own file through the
+    # optimizer's loader, the ranks agreeing before any commits.
+    two, _, _ = run_ranks(tmp_path, 2, "--stage", 2, "--steps", 6, "--start", 3, "--load", ckpt, name="load2")
+    for rep in two:
+        assert max_rel(rep["losses"], tail) <= 1e-5
+        assert abs(rep["master_sum"] - full["master_sum"]) <= 1e-5 * full["master_abs_sum"]
 
     # Consolidated offline into one fp32 state dict: the masters the 2 ranks held.
     out = tmp_path / "consolidated.pt"
