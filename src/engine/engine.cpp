@@ -1281,7 +1281,15 @@ Result<TensorId> Engine::register_filled_impl(const TensorDesc& desc, Tier home,
     } else {
       s = (*fill)(lease->data(), lease->bytes());
       const Status released = lease->release();
-      if (s.ok()) s = released;
+      if (!s.ok()) {
+        // The released copy is live and dirty: the engine may have started writing it back (a
+        // full host tier evicts), so it goes the way an unregister goes, waiting for that.
+        const Status gone = unregister_tensor(id);
+        if (!gone.ok())
+          TIER_LOG(kError, "register '", desc.name, "': removing it after its fill failed: ", gone.to_string());
+        return s.with_context(str("register '", desc.name, "' on ", tier_name(home)));
+      }
+      s = released;
     }
     if (s.ok()) {
       // The write home, counted as a reader (as a load's transfer is), so an unregister waits for
