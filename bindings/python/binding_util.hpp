@@ -43,4 +43,25 @@ auto unlocked(F&& f) {
   return f();
 }
 
+// Calls into Python from native work that runs without the GIL on the thread that released it (a
+// fill, a visitor, a hook): takes the GIL back for `f` (returning a Status). An exception `f`
+// raises is kept as the thread's pending Python error and ends the native work with kCancelled;
+// check_keeping_python() then raises it as it was.
+template <class F>
+Status call_python(F&& f, const char* what) {
+  nanobind::gil_scoped_acquire locked;
+  try {
+    return f();
+  } catch (nanobind::python_error& e) {
+    e.restore();
+    return Status(StatusCode::kCancelled, str(what, " raised"));
+  }
+}
+
+// check(s), except that a Python exception kept by call_python is raised instead, as it was.
+inline void check_keeping_python(const Status& s) {
+  if (!s.ok() && PyErr_Occurred()) throw nanobind::python_error();
+  check(s);
+}
+
 }  // namespace tier::python

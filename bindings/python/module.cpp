@@ -392,24 +392,19 @@ NB_MODULE(_tier, m) {
               }
               // Called on this thread with the GIL taken back, with a writable uint8 view of the
               // tensor's host copy (valid during the call only). Its exception is raised as it was.
-              const Engine::Fill fn = [&fill](void* dst, std::uint64_t bytes) -> Status {
-                nb::gil_scoped_acquire locked;
-                const std::size_t shape[1] = {static_cast<std::size_t>(bytes)};
-                nb::ndarray<nb::numpy, std::uint8_t> view(dst, 1, shape, nb::handle());
-                try {
-                  fill(nb::cast(view, nb::rv_policy::reference));
-                } catch (nb::python_error& err) {
-                  err.restore();
-                  return cancelled("the fill function raised");
-                }
-                return Status::Ok();
+              const Engine::Fill fn = [&fill](void* dst, std::uint64_t bytes) {
+                return call_python(
+                    [&] {
+                      const std::size_t shape[1] = {static_cast<std::size_t>(bytes)};
+                      nb::ndarray<nb::numpy, std::uint8_t> view(dst, 1, shape, nb::handle());
+                      fill(nb::cast(view, nb::rv_policy::reference));
+                      return Status::Ok();
+                    },
+                    "the fill function");
               };
-              {
-                nb::gil_scoped_release unlocked;
-                id = e.register_filled(d, h, fn, durable);
-              }
-              if (!id.ok() && PyErr_Occurred()) throw nb::python_error();
-              return unwrap(std::move(id));
+              id = unlocked([&] { return e.register_filled(d, h, fn, durable); });
+              check_keeping_python(id.status());
+              return *id;
             }
             const void* src = nullptr;
             if (!initial.is_none()) src = host_view(initial, d.bytes(), str("register '", name, "'").c_str()).data;
@@ -682,29 +677,22 @@ NB_MODULE(_tier, m) {
   m.def(
       "read_checkpoint_state",
       [](const std::string& path, nb::object visit) {
-        Status s;
-        {
-          nb::gil_scoped_release unlocked;
-          s = optim::read_checkpoint_state(
-              path,
-              [&](const optim::CheckpointPartition& part, optim::StateKind kind, std::uint64_t offset,
-                  const float* values, std::uint64_t count) -> Status {
-                nb::gil_scoped_acquire locked;
-                const std::size_t shape[1] = {static_cast<std::size_t>(count)};
-                // Read-only, and valid during the call only: the visitor copies what it keeps.
-                nb::ndarray<nb::numpy, nb::ro, float> view(const_cast<float*>(values), 1, shape, nb::handle());
-                try {
-                  visit(part.id, optim::state_kind_name(kind), offset, nb::cast(view, nb::rv_policy::reference));
-                } catch (nb::python_error& e) {
-                  // Kept to be raised as it was once the read has stopped.
-                  e.restore();
-                  return Status(StatusCode::kCancelled, "read_checkpoint_state: the visitor raised");
-                }
-                return {};
+        const Status s = unlocked([&] {
+          return optim::read_checkpoint_state(
+              path, [&](const optim::CheckpointPartition& part, optim::StateKind kind, std::uint64_t offset,
+                        const float* values, std::uint64_t count) {
+                return call_python(
+                    [&] {
+                      const std::size_t shape[1] = {static_cast<std::size_t>(count)};
+                      // Read-only, and valid during the call only: the visitor copies what it keeps.
+                      nb::ndarray<nb::numpy, nb::ro, float> view(const_cast<float*>(values), 1, shape, nb::handle());
+                      visit(part.id, optim::state_kind_name(kind), offset, nb::cast(view, nb::rv_policy::reference));
+                      return Status::Ok();
+                    },
+                    "read_checkpoint_state: the visitor");
               });
-        }
-        if (!s.ok() && PyErr_Occurred()) throw nb::python_error();
-        check(s);
+        });
+        check_keeping_python(s);
       },
       "path"_a, "visit"_a,
       "Calls visit(partition, kind, offset, values) with consecutive pieces of every state array (kind "

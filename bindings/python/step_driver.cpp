@@ -96,6 +96,20 @@ std::size_t checked(StepDriver& d, std::size_t index) {
   return index;
 }
 
+// read_state/write_state's range: the whole parameter without `at`, else `size` elements from
+// element *at, inside it; raises InvalidArgument (naming the call) when the array is not one
+// (`cast` false) or does not fit. Returns the offset.
+std::uint64_t state_range(StepDriver& d, std::size_t index, bool cast, std::uint64_t size,
+                          std::optional<std::uint64_t> at, const char* call, const char* array) {
+  const std::uint64_t numel = d.param(index).numel;
+  const std::uint64_t offset = at.value_or(0);
+  if (!cast || offset > numel || size > numel - offset || (!at && size != numel)) {
+    raise_status(invalid_argument(str(call, " '", d.param(index).name, "': expected ", array, " float32 array of ",
+                                      numel, " elements (with an offset, of at most ", numel, " - offset)")));
+  }
+  return offset;
+}
+
 optim::StateKind kind_of(const std::string& k) {
   if (k == "master") return optim::StateKind::kMaster;
   if (k == "exp_avg") return optim::StateKind::kExpAvg;
@@ -533,14 +547,8 @@ void bind_step_driver(nb::module_& m) {
             checked(d, index);
             const optim::StateKind k = kind_of(kind);
             nb::ndarray<float, nb::c_contig, nb::device::cpu> a;
-            const std::uint64_t numel = d.param(index).numel;
-            const std::uint64_t offset = at.value_or(0);
-            if (!nb::try_cast(out, a, /*convert=*/false) || offset > numel || a.size() > numel - offset ||
-                (!at && a.size() != numel)) {
-              raise_status(invalid_argument(str("read_state '", d.param(index).name, "': expected a writable float32 ",
-                                                "array of ", numel, " elements (with an offset, of at most ", numel,
-                                                " - offset)")));
-            }
+            const bool cast = nb::try_cast(out, a, /*convert=*/false);
+            const std::uint64_t offset = state_range(d, index, cast, a.size(), at, "read_state", "a writable");
             float* p = a.data();
             const std::uint64_t n = a.size();
             check(unlocked([&] { return d.read_state(index, k, p, offset, n); }));
@@ -556,12 +564,8 @@ void bind_step_driver(nb::module_& m) {
             checked(d, index);
             const optim::StateKind k = kind_of(kind);
             nb::ndarray<nb::ro, float, nb::c_contig, nb::device::cpu> a;
-            const std::uint64_t numel = d.param(index).numel;
-            const std::uint64_t offset = at.value_or(0);
-            if (!nb::try_cast(src, a) || offset > numel || a.size() > numel - offset || (!at && a.size() != numel)) {
-              raise_status(invalid_argument(str("write_state '", d.param(index).name, "': expected a float32 array of ",
-                                                numel, " elements (with an offset, of at most ", numel, " - offset)")));
-            }
+            const bool cast = nb::try_cast(src, a);
+            const std::uint64_t offset = state_range(d, index, cast, a.size(), at, "write_state", "a");
             const float* p = a.data();
             const std::uint64_t n = a.size();
             check(unlocked([&] { return d.write_state(index, k, p, offset, n); }));
@@ -586,26 +590,25 @@ void bind_step_driver(nb::module_& m) {
             StepDriver& d = o.get();
             std::function<Status()> hook;
             if (!before_commit.is_none()) {
-              // Called on this thread with the GIL taken back: true commits; false or an exception
-              // leaves the state as it was (the caller keeps its own reason).
-              hook = [&before_commit]() -> Status {
-                nb::gil_scoped_acquire locked;
-                try {
-                  if (nb::cast<bool>(before_commit())) return Status::Ok();
-                  return Status(StatusCode::kCancelled, "load: before_commit declined; nothing was changed");
-                } catch (nb::python_error& e) {
-                  return Status(StatusCode::kCancelled,
-                                str("load: before_commit raised (", e.what(), "); nothing was changed"));
-                }
+              // True commits; false, or an exception (raised as it was), leaves the state as it was.
+              hook = [&before_commit] {
+                return call_python(
+                    [&] {
+                      return nb::cast<bool>(before_commit())
+                                 ? Status::Ok()
+                                 : Status(StatusCode::kCancelled, "load: before_commit declined; nothing was changed");
+                    },
+                    "load: before_commit");
               };
             }
-            check(unlocked([&] { return d.load(path, hook); }));
+            check_keeping_python(unlocked([&] { return d.load(path, hook); }));
             o.held.clear();  // (the load dropped the gradients taken)
           },
           "path"_a, "before_commit"_a = nb::none(),
           "Loads the optimizer checkpoint at path. `before_commit`: a callable, called once the whole file has "
-          "verified and before anything changes; unless it returns True nothing changes and tier.Cancelled is "
-          "raised (the ranks of a partitioned checkpoint agree there that all of them verified).")
+          "verified and before anything changes; unless it returns True nothing changes: tier.Cancelled is raised, "
+          "or the exception it raised (the ranks of a partitioned checkpoint agree there that all of them "
+          "verified).")
       .def_prop_ro("param_count", [](PyStepDriver& o) { return o.get().param_count(); })
       .def(
           "find", [](PyStepDriver& o, const std::string& name) { return unwrap(o.get().find(name)); }, "name"_a)

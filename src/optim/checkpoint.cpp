@@ -712,7 +712,7 @@ class StateReader : public RecordStream {
       TIER_RETURN_IF_ERROR(next_record());
       const CheckpointPartition& part = parts_[pid_];
       const std::uint64_t start = consumed_;
-      for (; consumed_ < count_;) {
+      while (consumed_ < count_) {
         const std::uint64_t t = std::min(count_ - consumed_, kPiece);
         TIER_RETURN_IF_ERROR(section(0, 0, consumed_ * 4, t * 4, buf.data()));
         TIER_RETURN_IF_ERROR(visit(part, StateKind::kMaster, offset_ + consumed_, buf.data(), t));

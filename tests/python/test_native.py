@@ -363,3 +363,32 @@ def test_register_with_a_fill_writes_straight_into_the_engine(swap_dir):
     with pytest.raises(tier.InvalidArgument):
         e.register("both", "fp32", 1000, "param", 0, "nvme", data, fill=fill)
     e.register("bad", "fp32", 1000, "param", 0, "nvme", fill=fill)  # the name is free
+
+
+def test_load_before_commit_declines_or_raises_and_nothing_changes(tmp_path):
+    """StepDriver.load(path, before_commit=f): f runs once the file verified; False is
+    tier.Cancelled and an exception of f's comes out as raised, both leaving the state as it was;
+    True loads the file."""
+    d = _ranked_driver(tmp_path, "c", {"w": np.linspace(-1, 1, 3000, dtype=np.float32)})
+    path = str(tmp_path / "opt.bin")
+    d.save(path)
+    saved = np.zeros(3000, np.float32)
+    d.read_state(0, "master", saved)
+    d.write_state(0, "master", np.full(3000, 7.0, np.float32))
+
+    class Refused(Exception):
+        pass
+
+    def refuse():
+        raise Refused("rank 1 refused it")
+
+    with pytest.raises(tier.Cancelled):
+        d.load(path, before_commit=lambda: False)
+    with pytest.raises(Refused, match="rank 1 refused it"):
+        d.load(path, before_commit=refuse)
+    now = np.zeros(3000, np.float32)
+    d.read_state(0, "master", now)
+    assert np.all(now == 7.0)
+    d.load(path, before_commit=lambda: True)
+    d.read_state(0, "master", now)
+    assert np.array_equal(now, saved)

@@ -22,6 +22,7 @@ absolute path or climbs out with ``..``, and a tensor whose kind (floating point
 differs from the model's parameter or buffer (an integer tensor is not silently made a float).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -344,13 +345,11 @@ class CheckpointReader:
         ``into``: a _ReadBuffer to read it into (the result is valid until that buffer is read
         into again), else memory of its own."""
         key, handle = self._located(name, shape)
-        try:
+        with self._reading(name):
             if into is None:
                 return handle.read(key)
             start, end = handle.entries[key][2:]
             return handle.read(key, into.get(end - start))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
 
     def dtype(self, name, shape):
         """The dtype the checkpoint stores ``name`` in (checked against ``shape``, as tensor()
@@ -362,8 +361,14 @@ class CheckpointReader:
         """``name``'s bytes as the file stores them into ``out``, a writable buffer of exactly their
         size (the engine's host copy of the parameter: tier.torch.from_pretrained's loads)."""
         key, handle = self._located(name, shape)
-        try:
+        with self._reading(name):
             handle.read_into(key, out)
+
+    @contextlib.contextmanager
+    def _reading(self, name):
+        """A failed read of ``name`` as a ValueError naming the file and the tensor."""
+        try:
+            yield
         except (OSError, ValueError) as e:
             raise ValueError(f"{self.where(name)}: tensor {name!r} cannot be read ({e}); is the file truncated?") from None
 

@@ -430,23 +430,17 @@ def load(engine, load_dir, tag):
     if same:
         # This rank's own file, read and checked once: the ranks agree once each has verified its
         # file, before any of them commits it.
-        agreed = {}
+        agreeing = []
 
         def before_commit():
-            try:
-                _all_ok(engine, None)
-            except Exception as e:  # noqa: BLE001 (raised below, as it was)
-                agreed["refused"] = e
-                return False
-            agreed["ok"] = True
+            agreeing.append(True)
+            _all_ok(engine, None)  # raises (out of load, nothing changed) when another rank refused
             return True
 
         try:
             engine.native_optimizer.load(own, before_commit=before_commit)
         except Exception as e:
-            if "refused" in agreed:
-                raise agreed["refused"] from None
-            if "ok" not in agreed:
+            if not agreeing:
                 _all_ok(engine, e)  # the other ranks wait in their before_commit: they hear of it
             raise
     else:
