@@ -59,7 +59,8 @@ def run_ranks(tmp_path, world, *args, name="run", expect_ok=True):
         codes.append(p.returncode)
     if expect_ok:
         for r, (c, err) in enumerate(zip(codes, outs)):
-            assert c == 0, f"rank {r} failed ({c}):\n{err[-3000:]}"
+            wrote = (d / f"out{r}.json").exists()
+            assert c == 0, f"rank {r} failed ({c}; {'after' if wrote else 'before'} writing its report):\n{err[-3000:]}"
     reports = []
     for r in range(world):
         f = d / f"out{r}.json"

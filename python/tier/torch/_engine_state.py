@@ -395,6 +395,9 @@ class StateMixin:
         if self.native_optimizer is not None:
             self.native_optimizer.close()
         self.native_optimizer = None
+        self._comm = None
+        if self.__dict__.get("_zero") is not None:
+            self._zero.release()
         self.native = None
         self.config = None  # a native object too: nothing of tier's may outlive the interpreter
         _LIVE_ENGINES.discard(self)

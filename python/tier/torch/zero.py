@@ -146,7 +146,18 @@ class ZeroGroup:
         self.bytes_reduced = 0
         self.bytes_gathered = 0
 
+    def release(self):
+        """Lets go of the process group and the communicator (the engine is destroyed): the
+        caller's ``destroy_process_group`` then ends the backend at once, while the interpreter is
+        whole. Held past it, a Gloo group lives until the interpreter's last collection, where its
+        worker threads, releasing the tensors of their last collectives, abort the process
+        ("terminate called without an active exception")."""
+        self.pg = None
+        self.comm = None
+
     def _run(self, what, fn):
+        if self.pg is None:
+            raise CollectiveError(f"tier: rank {self.rank} of {self.world}: {what}: the engine was destroyed")
         try:
             return fn()
         except (RuntimeError, ValueError) as e:  # gloo/nccl report a dead or hung peer as RuntimeError
