@@ -592,12 +592,13 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   TensorRec& t = tensors[id];
   Copy& dst = t.copies[static_cast<int>(to)];
   if (dst.state == CopyState::kValid) return done(Status::Ok());
+  const bool prefetch = horizon != kNever;
   if (dst.state == CopyState::kLoading) {
+    if (!prefetch) dst.prefetched = false;  // a demand waits for it: it will be used
     want(dst, horizon, owner);
     wait_for_load(dst, std::move(done), queued);
     return;
   }
-  const bool prefetch = horizon != kNever;
   // Which prefetch budget the transfer counts against: 0 none (a demand), 1 the final hop of a
   // prefetch (max_inflight), 2 a staging hop (max_staging).
   const int counted = !prefetch ? 0 : (staging ? 2 : 1);
@@ -608,7 +609,7 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   ++t.transfers;
   const std::uint64_t gen = t.generation;
   const std::uint64_t bytes = t.desc.bytes();
-  auto start = [this, id, to, from, prefetch, counted, gen, bytes](Buffer b) {
+  auto start = [this, id, to, from, counted, gen, bytes](Buffer b) {
     TensorRec& t2 = tensors[id];
     Copy& d = t2.copies[static_cast<int>(to)];
     Copy& s2 = t2.copies[static_cast<int>(from)];
@@ -616,7 +617,6 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
       d.buf = std::move(b);
       note_cached(id, to);
     }
-    d.prefetched = prefetch;
     if (counted == 1) prefetch_inflight_bytes += bytes;
     if (counted == 2) staging_inflight_bytes += bytes;
     if (from == t2.home && t2.zero_home) {
@@ -643,6 +643,9 @@ void Engine::Impl::load_from(TensorId id, Tier to, Tier from, std::size_t horizo
   // held it (complete_load).
   const bool home_storage = dst.state == CopyState::kStale;
   dst.state = CopyState::kLoading;  // later ensure_copy calls queue on on_ready from now on
+  // Set now, not when the room comes: an acquire from here on finds a prefetch under way (late)
+  // and marks the copy used.
+  dst.prefetched = prefetch;
   want(dst, horizon, owner);
   wait_for_load(dst, std::move(done), queued);
   if (home_storage) {
@@ -696,6 +699,9 @@ void Engine::Impl::complete_load(TensorId id, Tier to, Tier from, std::uint64_t 
     d.state = CopyState::kValid;
     d.last_use = ++clock;
     if (to == t.home) t.zero_home = false;
+    // A staged copy has served the hop it was staged for: it was used (dropping it later wastes
+    // nothing the prefetcher brought in).
+    if (to == Tier::kDevice) src.prefetched = false;
   } else {
     TIER_LOG(kError, "tensor '", t.desc.name, "': ", tier_name(from), " -> ", tier_name(to), " failed; the ",
              tier_name(from), " copy stays the valid one: ", s.to_string());

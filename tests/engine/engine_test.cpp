@@ -685,6 +685,35 @@ TEST(Engine, PrefetchBringsTensorsInBeforeTheyAreAcquired) {
   EXPECT_LE(s.tier(Tier::kDevice).peak_bytes, 4 * n * 4);
 }
 
+// NVMe-homed layers read on the device, through a host that holds two: each layer is staged on
+// the host ahead of use, its device copy is made from that staged copy, and the staged copy is
+// evicted later for the next stagings. A staged copy that served its device copy was used: the
+// prefetcher's "dropped unused" count (the room it wasted) stays at 0 in this loop, where
+// every prefetch is used, however the stagings come and go.
+TEST(Engine, AStagedCopyThatServedItsDeviceCopyIsNotDroppedUnused) {
+  const std::size_t n = 16 * 1024;
+  EngineConfig cfg = config(false);
+  auto m = make(3 * n * 4, 2 * n * 4, 64 * n * 4, cfg);
+  m.mover->delay_us = 500;
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 10; ++i) ids.push_back(*m.engine->register_tensor(desc(str("L", i), n), Tier::kNvme));
+  ASSERT_TRUE(m.engine->flush().ok());
+  for (int step = 0; step < 4; ++step) {
+    m.engine->begin_step();
+    for (TensorId id : ids) {
+      auto lease = m.engine->acquire_now(id, Tier::kDevice, Access::kRead);
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      std::this_thread::sleep_for(3ms);
+    }
+    m.engine->end_step();
+  }
+  EXPECT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
+  const auto s = m.engine->stats();
+  EXPECT_GT(s.metrics.at("prefetch.issued"), 0);
+  EXPECT_GT(s.metrics.at("prefetch.hits") + s.metrics.at("prefetch.late"), 0) << "nothing was prefetched in time";
+  EXPECT_EQ(s.metrics.at("prefetch.dropped_unused"), 0);
+}
+
 // A training step's pattern (forward over the layers, then backward) with NVMe-homed layers and a
 // device and host that hold a few each.
 //  - On demand (no prefetch), eviction by next use must count the host copy of a layer whose device
