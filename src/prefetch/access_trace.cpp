@@ -8,7 +8,6 @@ void AccessTrace::begin_step() {
   in_step_ = true;
   pos_ = 0;
   ++advances_;
-  diverged_ = false;
   if (trace_.empty()) {
     mode_ = Mode::kRecording;
     recording_.clear();
@@ -26,9 +25,20 @@ void AccessTrace::end_step() {
     ++steps_recorded_;
     rebuild_index();
   } else if (mode_ == Mode::kReplaying && pos_ != 0 && pos_ != trace_.size()) {
-    // The step ended early: the order changed (e.g. fewer layers ran).
+    // The step ended early: it ran a prefix of the trace (an evaluation's forward between
+    // training steps, or fewer layers). The trace stays for the steps that run it whole; a second
+    // step in a row that ends at the same place makes that prefix the trace (the tail no longer
+    // runs, and prefetching it would only waste reads and room).
     ++order_changes_;
-    reset();
+    if (short_at_ == pos_) {
+      trace_.resize(pos_);
+      rebuild_index();
+      short_at_ = kNever;
+    } else {
+      short_at_ = pos_;
+    }
+  } else if (mode_ == Mode::kReplaying && pos_ == trace_.size()) {
+    short_at_ = kNever;
   }
   pos_ = 0;
   mode_ = trace_.empty() ? Mode::kIdle : Mode::kReplaying;
@@ -47,11 +57,17 @@ bool AccessTrace::on_acquire(TensorId tensor, Tier tier, bool write_only) {
     ++advances_;
     return true;
   }
-  // Divergence: drop the trace and record this step afresh from here on is not possible (its
-  // beginning is gone), so record from the next step.
+  // Divergence (another path, or more after the trace's end: a training step after an
+  // evaluation's forward). The step so far is the matched prefix: record from there, so that the
+  // next step replays this one whole. The rest of this step goes on demand.
   ++order_changes_;
-  reset();
-  mode_ = Mode::kIdle;
+  recording_.assign(trace_.begin(), trace_.begin() + static_cast<std::ptrdiff_t>(pos_));
+  recording_.push_back(e);
+  trace_.clear();
+  uses_.clear();
+  pos_ = 0;
+  short_at_ = kNever;
+  mode_ = Mode::kRecording;
   return false;
 }
 
@@ -59,6 +75,12 @@ void AccessTrace::reset() {
   trace_.clear();
   uses_.clear();
   pos_ = 0;
+  short_at_ = kNever;
+  if (mode_ == Mode::kRecording) {
+    // What was recorded may name the tensor that goes: this step leaves no trace.
+    recording_.clear();
+    mode_ = Mode::kIdle;
+  }
   if (mode_ == Mode::kReplaying) mode_ = Mode::kIdle;
 }
 

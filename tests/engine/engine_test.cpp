@@ -842,8 +842,8 @@ TEST(Engine, OrderChangeIsDetectedAndReRecorded) {
   EXPECT_EQ(m.engine->stats().metrics.at("prefetch.order_changes"), 0);
   step({0, 2, 1, 3});  // a different path
   EXPECT_EQ(m.engine->stats().metrics.at("prefetch.order_changes"), 1);
-  step({0, 2, 1, 3});  // recorded afresh
-  step({0, 2, 1, 3});  // replayed without a change
+  step({0, 2, 1, 3});  // replayed (the changed step was recorded from where it diverged)
+  step({0, 2, 1, 3});
   const auto s = m.engine->stats();
   EXPECT_EQ(s.metrics.at("prefetch.order_changes"), 1);
   EXPECT_EQ(s.metrics.at("prefetch.trace_length"), 4);

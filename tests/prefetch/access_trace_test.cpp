@@ -46,27 +46,82 @@ TEST(AccessTrace, NextUseIsCyclicAndPerTier) {
   EXPECT_EQ(t.next_use(0, Tier::kDevice), 2u);
 }
 
-TEST(AccessTrace, MismatchDropsTheTraceAndRecordsAgain) {
+TEST(AccessTrace, AMismatchRecordsTheStepFromItsMatchedPrefix) {
   AccessTrace t;
   step(t, {0, 1, 2});
   t.begin_step();
   EXPECT_TRUE(t.on_acquire(0, Tier::kDevice));
   EXPECT_FALSE(t.on_acquire(2, Tier::kDevice));
   EXPECT_EQ(t.order_changes(), 1u);
-  EXPECT_FALSE(t.has_trace());
+  EXPECT_FALSE(t.has_trace()) << "the rest of the step is not prefetched";
+  EXPECT_EQ(t.mode(), AccessTrace::Mode::kRecording);
+  EXPECT_TRUE(t.on_acquire(1, Tier::kDevice));
   t.end_step();
-  step(t, {0, 2, 1});
-  ASSERT_TRUE(t.has_trace());
+  // The step as it ran, its matched beginning included, is the trace: the next step replays it.
+  ASSERT_EQ(t.entries().size(), 3u);
+  EXPECT_EQ(t.entries()[0].tensor, 0u);
   EXPECT_EQ(t.entries()[1].tensor, 2u);
+  EXPECT_EQ(t.entries()[2].tensor, 1u);
   EXPECT_EQ(t.steps_recorded(), 2u);
+  step(t, {0, 2, 1});
+  EXPECT_EQ(t.order_changes(), 1u);
 }
 
-TEST(AccessTrace, ShorterStepIsAnOrderChange) {
+// An evaluation's forward first (recorded), then training steps: the first training step replays
+// the forward, records on from its backward, and the second replays the whole step.
+TEST(AccessTrace, ATrainingStepAfterAForwardOnlyStepIsRecordedWhole) {
+  AccessTrace t;
+  step(t, {0, 1, 2});  // forward only
+  t.begin_step();
+  for (TensorId id : {0, 1, 2}) EXPECT_TRUE(t.on_acquire(id, Tier::kDevice));
+  EXPECT_FALSE(t.on_acquire(2, Tier::kHost));  // backward, past the trace's end
+  for (TensorId id : {1, 0}) t.on_acquire(id, Tier::kHost);
+  t.end_step();
+  ASSERT_EQ(t.entries().size(), 6u);
+  step(t, {0, 1, 2});
+  t.begin_step();
+  for (TensorId id : {0, 1, 2}) EXPECT_TRUE(t.on_acquire(id, Tier::kDevice));
+  for (TensorId id : {2, 1, 0}) EXPECT_TRUE(t.on_acquire(id, Tier::kHost)) << "tensor " << id;
+  t.end_step();
+  EXPECT_EQ(t.order_changes(), 2u) << "the first training step, then the forward-only step";
+}
+
+// A step that ends early (an evaluation's forward between training steps) leaves the trace for the
+// training steps; a second one in a row that ends at the same place makes that prefix the trace.
+TEST(AccessTrace, AShorterStepKeepsTheTraceUnlessTheNextEndsThereToo) {
   AccessTrace t;
   step(t, {0, 1, 2});
   step(t, {0, 1});
   EXPECT_EQ(t.order_changes(), 1u);
+  ASSERT_TRUE(t.has_trace());
+  EXPECT_EQ(t.entries().size(), 3u);
+  step(t, {0, 1, 2});
+  EXPECT_EQ(t.order_changes(), 1u);
+  step(t, {0, 1});
+  step(t, {0, 1, 2});
+  step(t, {0, 1});
+  EXPECT_EQ(t.entries().size(), 3u) << "short steps apart from each other keep the trace";
+  step(t, {0, 1});
+  EXPECT_EQ(t.entries().size(), 2u) << "two in a row: fewer layers run from now on";
+  const std::uint64_t changes = t.order_changes();
+  step(t, {0, 1});
+  EXPECT_EQ(t.order_changes(), changes);
+}
+
+// Forgetting the trace in the middle of a recording (a tensor it names is unregistered) drops
+// what the step recorded too: the id may come back for another tensor.
+TEST(AccessTrace, AResetWhileRecordingLeavesNoTrace) {
+  AccessTrace t;
+  t.begin_step();
+  t.on_acquire(0, Tier::kDevice);
+  EXPECT_TRUE(t.touches(0));
+  t.reset();
+  EXPECT_FALSE(t.touches(0));
+  t.on_acquire(1, Tier::kDevice);
+  t.end_step();
   EXPECT_FALSE(t.has_trace());
+  step(t, {1, 2});
+  EXPECT_TRUE(t.has_trace());
 }
 
 TEST(AccessTrace, AcquiresOutsideAStepAreIgnored) {

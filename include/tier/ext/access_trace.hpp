@@ -4,8 +4,11 @@
 // A step is bracketed by begin_step()/end_step(). While no trace is known the acquires of a step
 // are recorded; at end_step the recording becomes the trace. In later steps each acquire is matched
 // against the trace position: a match advances it, a mismatch means the order changed (another
-// sequence-length path, a frozen layer...), and the trace is dropped and re-recorded in the next
-// step. The trace is cyclic: after its last entry comes its first (the next step's start).
+// path, a frozen layer, a training step after an evaluation's forward): the trace is dropped and
+// the step is recorded from there on, its matched prefix included, so the next step replays it.
+// A step that ends early ran a prefix of the trace (an evaluation's forward): the trace stays,
+// unless the next step ends at the same place too (then that prefix becomes the trace). The trace
+// is cyclic: after its last entry comes its first (the next step's start).
 //
 // Thread safety: none; the engine calls it from its scheduler thread only.
 // Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
@@ -75,7 +78,7 @@ class AccessTrace {
   std::vector<TraceEntry> trace_;
   std::vector<TraceEntry> recording_;
   std::size_t pos_ = 0;
-  bool diverged_ = false;
+  std::size_t short_at_ = kNever;  // where the last step ended early (kNever: it ran the trace whole)
   // For each tensor, the sorted trace positions that touch it (for next_use in O(log n)).
   std::vector<std::vector<std::uint32_t>> uses_;
   std::uint64_t advances_ = 0;
