@@ -26,19 +26,21 @@ void AccessTrace::end_step() {
     rebuild_index();
   } else if (mode_ == Mode::kReplaying && pos_ != 0 && pos_ != trace_.size()) {
     // The step ended early: it ran a prefix of the trace (an evaluation's forward between
-    // training steps, or fewer layers). The trace stays for the steps that run it whole; a second
-    // step in a row that ends at the same place makes that prefix the trace (the tail no longer
-    // runs, and prefetching it would only waste reads and room).
-    ++order_changes_;
-    if (short_at_ == pos_) {
-      trace_.resize(pos_);
-      rebuild_index();
-      short_at_ = kNever;
-    } else {
-      short_at_ = pos_;
+    // training steps, or fewer layers). The trace stays for the steps that run it whole. A second
+    // step in a row that ends at the same place makes that the expected end: lookahead wraps
+    // there to the next step's start (instead of reading a tail that does not run), until a step
+    // runs past it again.
+    if (pos_ != end_hint_) {
+      if (short_at_ == pos_) {
+        end_hint_ = pos_;
+      } else {
+        ++order_changes_;
+        short_at_ = pos_;
+      }
     }
   } else if (mode_ == Mode::kReplaying && pos_ == trace_.size()) {
     short_at_ = kNever;
+    end_hint_ = kNever;
   }
   pos_ = 0;
   mode_ = trace_.empty() ? Mode::kIdle : Mode::kReplaying;
@@ -53,6 +55,7 @@ bool AccessTrace::on_acquire(TensorId tensor, Tier tier, bool write_only) {
   }
   if (mode_ != Mode::kReplaying) return true;
   if (pos_ < trace_.size() && trace_[pos_] == e) {
+    if (pos_ == end_hint_) end_hint_ = kNever;  // a step runs past the expected end: the whole trace again
     ++pos_;
     ++advances_;
     return true;
@@ -67,6 +70,7 @@ bool AccessTrace::on_acquire(TensorId tensor, Tier tier, bool write_only) {
   uses_.clear();
   pos_ = 0;
   short_at_ = kNever;
+  end_hint_ = kNever;
   mode_ = Mode::kRecording;
   return false;
 }
@@ -76,6 +80,7 @@ void AccessTrace::reset() {
   uses_.clear();
   pos_ = 0;
   short_at_ = kNever;
+  end_hint_ = kNever;
   if (mode_ == Mode::kRecording) {
     // What was recorded may name the tensor that goes: this step leaves no trace.
     recording_.clear();

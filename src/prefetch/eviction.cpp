@@ -26,7 +26,7 @@ bool EvictionPolicy::device_keeps(TensorId tensor, std::size_t ahead) const {
   std::uint64_t need = tensor_bytes_(tensor);
   if (need > room) return false;
   const std::uint64_t walk = ++seen_walk_;
-  const std::size_t n = std::min(ahead, trace_.entries().size());
+  const std::size_t n = std::min(ahead, trace_.span());
   for (std::size_t k = 0; k < n; ++k) {
     const TraceEntry& e = trace_.upcoming(k);
     if (e.tier != Tier::kDevice || e.tensor == tensor) continue;

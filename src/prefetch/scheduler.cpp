@@ -6,7 +6,7 @@ namespace tier::prefetch {
 
 void PrefetchScheduler::issue(const AccessTrace& trace, PrefetchTarget& target) const {
   if (!trace.has_trace() || trace.mode() != AccessTrace::Mode::kReplaying) return;
-  const std::size_t n = std::min<std::size_t>(limits_.lookahead ? limits_.lookahead : 1024, trace.entries().size());
+  const std::size_t n = std::min<std::size_t>(limits_.lookahead ? limits_.lookahead : 1024, trace.span());
   std::uint64_t window = 0;  // bytes of the entries walked so far
   bool final_open = true;
   bool one_ahead_seen = false;  // an upcoming one_ahead entry was passed: later ones only stage

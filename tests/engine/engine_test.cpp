@@ -688,7 +688,8 @@ TEST(Engine, PrefetchBringsTensorsInBeforeTheyAreAcquired) {
 // The main job's pattern: an evaluation's forward first (the first step the engine sees, so the
 // first trace), then training steps (forward, then backward in reverse). The first training step
 // departs from the trace at its backward; the second must be prefetched whole, not run on demand
-// while a trace is recorded again (the 7b-lora run's second step took 1.7x the others).
+// while a trace is recorded again (the 7b-lora run's second step took 1.7x the others). Then an
+// evaluation between training steps.
 TEST(Engine, TheTrainingStepAfterAnEvaluationForwardIsPrefetchedWhole) {
   const std::size_t n = 16 * 1024;
   const int layers = 8;
@@ -724,6 +725,17 @@ TEST(Engine, TheTrainingStepAfterAnEvaluationForwardIsPrefetchedWhole) {
       << "hits " << d.metrics.at("engine.acquire_hits") << " (" << d.metrics.at("prefetch.hits")
       << " prefetched) + late " << d.metrics.at("prefetch.late") << " of " << d.metrics.at("engine.acquires");
   EXPECT_EQ(m.engine->stats().metrics.at("prefetch.order_changes"), 1);
+  // An evaluation of three batches between training steps (as the HF Trainer's eval_steps): the
+  // training step after it is prefetched whole too, and the evaluation counts one change.
+  for (int batch = 0; batch < 3; ++batch) pass(false);
+  const auto before_train = m.engine->stats();
+  pass(true);
+  const auto t = m.engine->stats().since(before_train);
+  const double covered_after_eval = t.metrics.at("engine.acquire_hits") + t.metrics.at("prefetch.late");
+  EXPECT_GE(covered_after_eval, 0.9 * t.metrics.at("engine.acquires"))
+      << "hits " << t.metrics.at("engine.acquire_hits") << " + late " << t.metrics.at("prefetch.late") << " of "
+      << t.metrics.at("engine.acquires");
+  EXPECT_EQ(m.engine->stats().metrics.at("prefetch.order_changes"), 2);
   EXPECT_TRUE(m.engine->check_invariants().ok()) << m.engine->check_invariants();
 }
 

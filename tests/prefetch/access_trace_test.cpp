@@ -87,25 +87,40 @@ TEST(AccessTrace, ATrainingStepAfterAForwardOnlyStepIsRecordedWhole) {
 }
 
 // A step that ends early (an evaluation's forward between training steps) leaves the trace for the
-// training steps; a second one in a row that ends at the same place makes that prefix the trace.
-TEST(AccessTrace, AShorterStepKeepsTheTraceUnlessTheNextEndsThereToo) {
+// training steps. From the second in a row that ends at the same place (an evaluation's batches),
+// lookahead wraps there to the next step's start, not into the tail that does not run; a step that
+// runs past it has the whole trace again.
+TEST(AccessTrace, ShortStepsInARowAreLookedAheadAsTheirPrefix) {
   AccessTrace t;
   step(t, {0, 1, 2});
   step(t, {0, 1});
   EXPECT_EQ(t.order_changes(), 1u);
   ASSERT_TRUE(t.has_trace());
-  EXPECT_EQ(t.entries().size(), 3u);
-  step(t, {0, 1, 2});
+  t.begin_step();
+  EXPECT_EQ(t.span(), 3u) << "one short step: the trace as it is";
+  t.end_step();
+  step(t, {0, 1});  // (the step just begun and ended ran nothing: it changes nothing)
+  t.begin_step();
+  EXPECT_EQ(t.span(), 2u);
+  EXPECT_TRUE(t.on_acquire(0, Tier::kDevice));
+  EXPECT_TRUE(t.on_acquire(1, Tier::kDevice));
+  EXPECT_EQ(t.upcoming(0).tensor, 0u) << "at the expected end the next step's start comes next";
+  EXPECT_EQ(t.upcoming(1).tensor, 1u);
+  t.end_step();
+  step(t, {0, 1});
+  EXPECT_EQ(t.order_changes(), 1u) << "the steps that end where expected are no change";
+  EXPECT_EQ(t.entries().size(), 3u) << "the tail stays for the training steps";
+  // A training step again: replayed whole, the tail included, and the whole trace is ahead again.
+  t.begin_step();
+  EXPECT_TRUE(t.on_acquire(0, Tier::kDevice));
+  EXPECT_TRUE(t.on_acquire(1, Tier::kDevice));
+  EXPECT_TRUE(t.on_acquire(2, Tier::kDevice));
+  EXPECT_EQ(t.span(), 3u);
+  t.end_step();
   EXPECT_EQ(t.order_changes(), 1u);
-  step(t, {0, 1});
-  step(t, {0, 1, 2});
-  step(t, {0, 1});
-  EXPECT_EQ(t.entries().size(), 3u) << "short steps apart from each other keep the trace";
-  step(t, {0, 1});
-  EXPECT_EQ(t.entries().size(), 2u) << "two in a row: fewer layers run from now on";
-  const std::uint64_t changes = t.order_changes();
-  step(t, {0, 1});
-  EXPECT_EQ(t.order_changes(), changes);
+  t.begin_step();
+  EXPECT_EQ(t.span(), 3u);
+  t.end_step();
 }
 
 // Forgetting the trace in the middle of a recording (a tensor it names is unregistered) drops

@@ -6,9 +6,10 @@
 // against the trace position: a match advances it, a mismatch means the order changed (another
 // path, a frozen layer, a training step after an evaluation's forward): the trace is dropped and
 // the step is recorded from there on, its matched prefix included, so the next step replays it.
-// A step that ends early ran a prefix of the trace (an evaluation's forward): the trace stays,
-// unless the next step ends at the same place too (then that prefix becomes the trace). The trace
-// is cyclic: after its last entry comes its first (the next step's start).
+// A step that ends early ran a prefix of the trace (an evaluation's forward): the trace stays.
+// When the next step ends at the same place too, that place is the expected end: lookahead
+// (span(), upcoming()) wraps there to the next step's start, until a step runs past it. The trace
+// is cyclic: after its last entry (or the expected end) comes its first (the next step's start).
 //
 // Thread safety: none; the engine calls it from its scheduler thread only.
 // Extension interface (include/tier/ext/README.md): stable for backends, tests and tools; not
@@ -60,8 +61,14 @@ class AccessTrace {
   std::size_t next_use(TensorId tensor) const;
   // The same, restricted to uses on `tier`.
   std::size_t next_use(TensorId tensor, Tier tier) const;
-  // The entry `ahead` acquires after the current position (cyclic). Requires has_trace().
-  const TraceEntry& upcoming(std::size_t ahead) const { return trace_[(pos_ + ahead) % trace_.size()]; }
+  // How many entries a step is expected to run: the trace's, or the expected end of steps that
+  // have been ending early at the same place.
+  std::size_t span() const noexcept { return end_hint_ != kNever && pos_ <= end_hint_ ? end_hint_ : trace_.size(); }
+  // The entry `ahead` acquires after the current position (cyclic over span()). Requires has_trace().
+  const TraceEntry& upcoming(std::size_t ahead) const {
+    const std::size_t n = span();
+    return trace_[(pos_ + ahead) % n];
+  }
 
   // How many times the replay moved on (each matched acquire, each step begun): equal counts mean
   // that no acquire of the trace happened in between.
@@ -79,6 +86,7 @@ class AccessTrace {
   std::vector<TraceEntry> recording_;
   std::size_t pos_ = 0;
   std::size_t short_at_ = kNever;  // where the last step ended early (kNever: it ran the trace whole)
+  std::size_t end_hint_ = kNever;  // where steps have been ending early (kNever: at the trace's end)
   // For each tensor, the sorted trace positions that touch it (for next_use in O(log n)).
   std::vector<std::vector<std::uint32_t>> uses_;
   std::uint64_t advances_ = 0;
