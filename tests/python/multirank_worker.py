@@ -182,8 +182,7 @@ def main():
     engine.destroy()
     if args.world > 1:
         dist.destroy_process_group()
-    print(f"rank {args.rank}: torn down", file=sys.stderr, flush=True)
-    if args.world > 1:
+        print(f"rank {args.rank}: torn down", file=sys.stderr, flush=True)
         # torch keeps a Gloo group (and its worker threads) referenced past destroy_process_group;
         # met by the interpreter's finalization, those threads once aborted a rank that had finished
         # ("terminate called without an active exception"). Nothing is left to check: skip it.

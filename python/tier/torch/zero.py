@@ -147,11 +147,10 @@ class ZeroGroup:
         self.bytes_gathered = 0
 
     def release(self):
-        """Lets go of the process group and the communicator (the engine is destroyed): the
-        caller's ``destroy_process_group`` then ends the backend at once, while the interpreter is
-        whole. Held past it, a Gloo group lives until the interpreter's last collection, where its
-        worker threads, releasing the tensors of their last collectives, abort the process
-        ("terminate called without an active exception")."""
+        """Lets go of the process group and the communicator (the engine is destroyed): nothing
+        of tier's keeps the backend alive past the caller's ``destroy_process_group``. (torch 2.15
+        itself still references a Gloo group after it, so its worker threads may meet the
+        interpreter's finalization: "terminate called without an active exception".)"""
         self.pg = None
         self.comm = None
 
