@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -248,21 +249,25 @@ Result<StepBenchResult> run_step_bench(const StepBenchSpec& spec) {
   // several, which made the reference flatter the disk): the best over request shapes around the
   // engine's (read_reference.hpp), so that it is the disk's rate for these bytes and not one shape's.
   const std::uint64_t sample = res.state_bytes;
+  // What the reference reads: a file of its own in each path, not whatever else the paths hold.
+  std::optional<ReferenceFolders> folders;
   if (!spec.host) {
+    TIER_ASSIGN_OR_RETURN(ReferenceFolders made, ReferenceFolders::create(spec.paths, sample, "step reference"));
+    folders.emplace(std::move(made));
     const int depth = static_cast<int>(std::clamp(spec.queue_depth * spec.parallelism, 1u, 64u));
     const ReferenceShapes shapes = reference_shapes(spec.block_size, depth);
     if (spec.progress) {
       std::fprintf(stderr, "outside reference (read + write %s each, %zu request shapes x %d) ...\n",
                    format_bytes(sample).c_str(), shapes.count(), shapes.passes);
     }
-    TIER_ASSIGN_OR_RETURN(res.io_reference,
-                          best_mixed_read_write(spec.paths, sample, shapes, spec.progress ? print_reference : nullptr));
+    TIER_ASSIGN_OR_RETURN(res.io_reference, best_mixed_read_write(folders->dirs(), sample, shapes,
+                                                                  spec.progress ? print_reference : nullptr));
   }
   // The disk's rate drifts over a run: the best shape is measured again beside every step (after
   // it, or before, alternating as the I/O passes do), and the best of all is the reference.
   auto reference_again = [&]() -> Status {
     if (spec.host) return Status::Ok();
-    TIER_ASSIGN_OR_RETURN(res.io_reference, measure_again(res.io_reference, spec.paths, sample));
+    TIER_ASSIGN_OR_RETURN(res.io_reference, measure_again(res.io_reference, folders->dirs(), sample));
     return Status::Ok();
   };
   for (unsigned s = 0; s < spec.steps; ++s) {
@@ -382,6 +387,8 @@ int run_step(Args& args) {
         {"ratio_to_bound", ratio},
         {"io_reference_seconds", r->io_reference_seconds},
         {"io_reference_bytes_per_second", r->io_reference.bytes_per_second},
+        {"io_reference_bytes_read", r->io_reference.bytes_read},
+        {"io_reference_bytes_written", r->io_reference.bytes_written},
         {"io_reference", r->io_reference.describe()},
         {"ratio_to_reference_bound", ref_ratio},
         {"target_ratio", 1.15},

@@ -169,31 +169,11 @@ class Tuner {
   std::map<Candidate, Trial> done_;
 };
 
-// pread/pwrite outside tier's engine: a scratch file of `bytes` in a folder of each path, read
+// pread/pwrite outside tier's engine: a file of `bytes` in a private folder under each path, read
 // while as much is written (read_reference's mixed pass), then removed.
 Result<ReadReference> plain_reference(const std::vector<std::string>& paths, std::uint64_t bytes) {
-  std::vector<std::string> dirs;
-  for (const auto& p : paths) {
-    std::error_code ec;
-    std::filesystem::create_directories(p, ec);
-    if (ec) return errno_status(ec.value(), str("tune: path ", p));
-    // A fresh private folder (mkdtemp: unpredictable name, 0700), never one someone else made.
-    std::string d = str(p, "/.tier-tune-ref-", getpid(), "-XXXXXX");
-    if (::mkdtemp(d.data()) == nullptr) return errno_status(errno, str("tune: reference folder in ", p));
-    std::ofstream f(d + "/data", std::ios::binary | std::ios::trunc);
-    std::vector<char> block(1 << 20, 'x');
-    for (std::uint64_t done = 0; done < bytes / paths.size(); done += block.size()) f.write(block.data(), block.size());
-    f.close();
-    if (!f) return errno_status(EIO, str("tune: writing the reference file in ", d));
-    dirs.push_back(d);
-  }
-  ::sync();
-  auto r = measure_mixed_read_write(dirs, bytes);
-  for (const auto& d : dirs) {
-    std::error_code ec;
-    std::filesystem::remove_all(d, ec);
-  }
-  return r;
+  TIER_ASSIGN_OR_RETURN(ReferenceFolders folders, ReferenceFolders::create(paths, bytes, "tune"));
+  return measure_mixed_read_write(folders.dirs(), bytes);
 }
 
 int run_tune(Args& args) {

@@ -389,6 +389,60 @@ Result<ReadReference> measure_mixed_read_write(const std::vector<std::string>& d
   return r;
 }
 
+Result<ReferenceFolders> ReferenceFolders::create(const std::vector<std::string>& paths, std::uint64_t bytes,
+                                                  const std::string& what) {
+  if (paths.empty()) return invalid_argument(str(what, ": no directory given"));
+  ReferenceFolders out;
+  // Whole multiples of any block a reference uses (1 MiB, 4 MiB, the engine's), so that its share
+  // per file is read whole.
+  constexpr std::uint64_t kRound = std::uint64_t{64} << 20;
+  const std::uint64_t per_dir = (bytes / paths.size() + kRound - 1) / kRound * kRound;
+  std::vector<std::uint64_t> block((std::uint64_t{1} << 20) / 8);
+  std::uint64_t x = 0x9e3779b97f4a7c15ull ^ static_cast<std::uint64_t>(::getpid());
+  for (const auto& p : paths) {
+    std::error_code ec;
+    fs::create_directories(p, ec);
+    if (ec) return errno_status(ec.value(), str(what, ": path ", p));
+    std::string d = str(p, "/.tier-bench-ref-", ::getpid(), "-XXXXXX");
+    if (::mkdtemp(d.data()) == nullptr) return errno_status(errno, str(what, ": reference folder in ", p));
+    out.dirs_.push_back(d);
+    const std::string f = d + "/data";
+    const int fd = ::open(f.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) return errno_status(errno, str(what, ": create ", f));
+    Status s;
+    for (std::uint64_t done = 0; s.ok() && done < per_dir; done += block.size() * 8) {
+      for (auto& w : block) {  // xorshift64: incompressible bytes, as the engine's state is
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w = x;
+      }
+      const std::size_t n = block.size() * 8;
+      std::size_t put = 0;
+      while (put < n) {
+        const ssize_t k = ::write(fd, reinterpret_cast<const char*>(block.data()) + put, n - put);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+          s = errno_status(k < 0 ? errno : ENOSPC, str(what, ": writing ", f));
+          break;
+        }
+        put += static_cast<std::size_t>(k);
+      }
+    }
+    if (s.ok() && ::fdatasync(fd) != 0) s = errno_status(errno, str(what, ": fdatasync ", f));
+    ::close(fd);
+    if (!s.ok()) return s;  // the destructor removes what was made
+  }
+  return out;
+}
+
+ReferenceFolders::~ReferenceFolders() {
+  for (const auto& d : dirs_) {
+    std::error_code ec;
+    fs::remove_all(d, ec);
+  }
+}
+
 void print_reference(const ReadReference& r) {
   std::fprintf(stderr, "  %s: %s\n", format_rate(r.bytes_per_second).c_str(), r.describe().c_str());
 }

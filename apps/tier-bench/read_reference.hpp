@@ -49,6 +49,28 @@ Result<ReadReference> measure_mixed_read_write(const std::vector<std::string>& d
                                                std::uint64_t block_bytes = 1ull << 20, int depth = 8,
                                                ReferenceMethod method = ReferenceMethod::kThreads, int streams = 1);
 
+// Private folders for a reference to read from: under each path a fresh folder (mkdtemp: an
+// unpredictable name, mode 0700) holding one file of that path's share of `bytes`, written once
+// here (pseudo-random bytes, fdatasync'ed) and removed with the object. Handed to
+// measure_sequential_read / measure_mixed_read_write as their folders, a reference then reads
+// exactly those bytes, whatever else the paths hold (a user's folder may hold thousands of other
+// files, which the share per file would otherwise be split over).
+class ReferenceFolders {
+ public:
+  static Result<ReferenceFolders> create(const std::vector<std::string>& paths, std::uint64_t bytes,
+                                         const std::string& what);
+  ReferenceFolders(ReferenceFolders&& o) noexcept : dirs_(std::move(o.dirs_)) { o.dirs_.clear(); }
+  ReferenceFolders& operator=(ReferenceFolders&&) = delete;
+  ReferenceFolders(const ReferenceFolders&) = delete;
+  ReferenceFolders& operator=(const ReferenceFolders&) = delete;
+  ~ReferenceFolders();
+  const std::vector<std::string>& dirs() const noexcept { return dirs_; }
+
+ private:
+  ReferenceFolders() = default;
+  std::vector<std::string> dirs_;
+};
+
 // The request shapes a reference searches: block sizes and depths (requests in flight).
 struct ReferenceShapes {
   std::vector<ReferenceMethod> methods;
