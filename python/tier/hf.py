@@ -231,6 +231,14 @@ class TierTrainer(transformers.Trainer):
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer=self.optimizer)
 
+    def _wrap_model(self, model, training=True, dataloader=None):
+        # The engine is the training wrapper, as DeepSpeed's engine is: across ranks it reduces
+        # the gradients itself (ZeRO), so the model must not also go into accelerate's
+        # DistributedDataParallel, whose hooks would see the partitioned parameters' placeholders.
+        if training and self.tier_engine is not None:
+            return self.tier_engine
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
     # ------------------------------------------------------------------ one micro-step
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         target = self.tier_engine if self.tier_engine is not None else model
@@ -280,6 +288,10 @@ class TierTrainer(transformers.Trainer):
     # ------------------------------------------------------------------ checkpoints
     def _save_optimizer_and_scheduler(self, output_dir):
         self.tier_engine.save_checkpoint(os.path.join(output_dir, self.TIER_CHECKPOINT), tag="state")
+        # Every rank saves its part of the engine's state (a collective); the files of the Trainer's
+        # own, the same on every rank, are written by the one that writes the Trainer's state.
+        if not self.args.should_save:
+            return
         if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
             with atomic_write(os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME)) as f:
                 torch.save(self.lr_scheduler.state_dict(), f)
@@ -304,8 +316,10 @@ class TierTrainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         _fs.makedirs(output_dir, exist_ok=True)
         if self.tier_engine is not None:
-            self.tier_engine.save_pretrained(output_dir)
+            self.tier_engine.save_pretrained(output_dir)  # across ranks a collective; rank 0 writes
         else:
             super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return
         with atomic_write(os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME)) as f:
             torch.save(self.args, f)

@@ -1,0 +1,61 @@
+"""One rank of a Hugging Face Trainer run through tier.hf.TierTrainer, started as torchrun starts
+ranks (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment; the Trainer's
+accelerate state joins the process group), or alone without them. test_hf_trainer.py starts it.
+
+argv: out_json swap_dir work_dir global_batch [resume]. Trains 4 optimizer steps of the test's small
+Qwen2 with a global batch of `global_batch` sequences (split evenly over the ranks) and
+accumulation 2, then rank 0 writes every parameter's fp32 master (a collective across ranks) and
+the Trainer's last logged loss. Every run saves a Trainer checkpoint at step 2; with `resume`
+the run starts from that checkpoint of the run in work_dir instead (trains steps 3 and 4)."""
+
+import faulthandler
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tier.hf  # noqa: E402
+from test_hf_trainer import Tokens, args, ds_config, make_model  # noqa: E402
+
+
+def main():
+    faulthandler.enable(all_threads=True)
+    out, swap, work, global_batch = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), int(sys.argv[4])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    resume = len(sys.argv) > 5 and sys.argv[5] == "resume"
+    ta = args(work, "trainer", max_steps=4, per_device_train_batch_size=global_batch // world,
+              save_strategy="steps", save_steps=2, report_to=[], dataloader_drop_last=True)
+    steps_run = []
+
+    class Count(transformers.TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            steps_run.append(state.global_step)
+
+    trainer = tier.hf.TierTrainer(model=make_model(), args=ta, train_dataset=Tokens(),
+                                  tier_config=ds_config(f"{swap}/rank{rank}"), callbacks=[Count()])
+    trainer.train(resume_from_checkpoint=str(work / "trainer" / "checkpoint-2") if resume else None)
+    masters = trainer.tier_engine.state_dict_fp32()  # every rank takes part
+    if rank == 0:
+        report = {
+            "world": world,
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "steps_run": steps_run,
+            "params": {k: v.flatten().tolist() for k, v in masters.items()},
+        }
+        pathlib.Path(out).write_text(json.dumps(report))
+    trainer.tier_engine.destroy()
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # torch keeps the Gloo group's threads past destroy (see multirank_worker.py)
+
+
+if __name__ == "__main__":
+    main()
