@@ -182,6 +182,13 @@ class TierTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled:
             raise ValueError("TierTrainer replaces DeepSpeed: drop --deepspeed / TrainingArguments.deepspeed")
+        if self.args.save_only_model and self.args.load_best_model_at_end:
+            # As the Trainer refuses it for DeepSpeed and FSDP: the best model is restored from the
+            # engine's checkpoint, which save_only_model leaves out.
+            raise ValueError(
+                "TierTrainer can't be used with save_only_model=True along with load_best_model_at_end=True: "
+                "the best model is restored from the tier checkpoint that save_only_model leaves out"
+            )
         self._tier_config = _read(tier_config)
         self.tier_engine = None
         self._engine_scheduler = False
@@ -310,6 +317,23 @@ class TierTrainer(transformers.Trainer):
             # next step reads) get it back as the optimizer's state_dict would have given it.
             for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
+
+    def _load_best_model(self):
+        """``load_best_model_at_end``: the engine restores the best checkpoint's tier state (params,
+        fp32 masters, moments, counters), as the DeepSpeed integration restores its engine's; the
+        Trainer's own path would copy the weights into the model's parameters, which the engine
+        holds (under ZeRO-3 they are empty placeholders)."""
+        if self.tier_engine is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        path = os.path.join(best, self.TIER_CHECKPOINT)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"load_best_model_at_end: {best} has no tier checkpoint ({self.TIER_CHECKPOINT}/); TierTrainer "
+                "saves one in every checkpoint unless save_only_model=True, which cannot be combined with "
+                "load_best_model_at_end"
+            )
+        self.tier_engine.load_checkpoint(path, tag="state")
 
     def _save(self, output_dir=None, state_dict=None):
         # The model's weights, gathered from the engine tensor by tensor by its state-dict hooks.

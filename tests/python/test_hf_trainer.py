@@ -310,3 +310,28 @@ def test_two_ranks_under_torchrun_train_as_one_process_and_resume(tmp_path):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, (a - b).abs().max().item())
         moved = max(moved, (b - make_model().state_dict()[name].flatten()).abs().max().item())
     assert moved > 1e-3  # the 4 steps trained
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    """load_best_model_at_end: the engine restores the best checkpoint (the Trainer's own path copied
+    the weights into the model's parameters, which under ZeRO-3 are empty placeholders: "size
+    mismatch ... the shape in current model is torch.Size([0])"). With greater_is_better the best
+    is the first evaluation's (the loss falls), so what is restored is not what training left."""
+    ta = args(tmp_path, "best", max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2,
+              per_device_eval_batch_size=4, load_best_model_at_end=True, metric_for_best_model="loss",
+              greater_is_better=True, save_total_limit=2)
+    trainer = tier.hf.TierTrainer(model=make_model(), args=ta, train_dataset=Tokens(), eval_dataset=Tokens(n=8),
+                                  tier_config=ds_config(str(tmp_path / "swap")))
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    assert sorted(evals) == [2, 4, 6] and evals[2] > evals[6]
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[2], rel=1e-6)
+
+
+def test_save_only_model_with_load_best_model_at_end_is_refused_at_once(tmp_path):
+    ta = args(tmp_path, "refused", eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True,
+              save_only_model=True)
+    with pytest.raises(ValueError, match="save_only_model=True along with load_best_model_at_end"):
+        tier.hf.TierTrainer(model=make_model(), args=ta, train_dataset=Tokens(), eval_dataset=Tokens(n=8),
+                            tier_config=ds_config(str(tmp_path / "swap")))
