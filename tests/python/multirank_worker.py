@@ -103,6 +103,9 @@ def main():
     p.add_argument("--lr-mismatch", action="store_true", help="rank 1 uses another lr (must be refused)")
     p.add_argument("--inf-at-step", type=int, default=-1, help="rank 1's loss is inf in this step")
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of engine.backward")
+    p.add_argument("--caller-loop", action="store_true",
+                   help="loss.backward() each micro-step, and the optimizer's step() and zero_grad() only at the "
+                        "accumulation boundary (accelerate's loop); no engine.step()")
     p.add_argument("--checkpointing", default="none", choices=["none", "reentrant", "nonreentrant"],
                    help="transformers' gradient checkpointing")
     p.add_argument("--device-budget", default="160K")
@@ -127,7 +130,7 @@ def main():
             gradient_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"}
         )
         model.train()
-    engine, _, _, _ = tier.torch.initialize(model, config(args, args.swap))
+    engine, optimizer, _, _ = tier.torch.initialize(model, config(args, args.swap))
     if args.load:
         engine.load_checkpoint(args.load)
     report = {"losses": [], "grad_norms": []}
@@ -139,6 +142,12 @@ def main():
             loss = out.loss
             if step == args.inf_at_step and args.rank == 1:
                 loss = loss * float("inf")  # its gradients are inf/nan: every rank must skip the step
+            if args.caller_loop:
+                (loss / args.gas).backward()
+                if micro == args.gas - 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                continue
             if args.plain_backward:  # a loop of the caller's own: the gradients reach tier through hooks only
                 (loss / args.gas).backward()
             else:

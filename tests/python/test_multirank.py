@@ -156,6 +156,19 @@ def test_a_backward_outside_the_engine_reduces_at_step(tmp_path, stage):
         assert max_rel(rep["losses"], ref["losses"]) <= 1e-5
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_loop_that_steps_only_at_the_boundary_reduces_every_micro_step(tmp_path, stage):
+    """accelerate's loop: loss.backward() for each micro-step and the optimizer's step() only at
+    the boundary, so the second micro-step's backward comes before any step(). Each micro-step's
+    gradients must be reduced (the reducer held the second one's back and dropped it: stages 2
+    and 3 trained on half the gradients)."""
+    ref = reference(tmp_path, "llama")
+    reports, _, _ = run_ranks(tmp_path, 2, "--stage", stage, "--caller-loop", "--overlap", "serial")
+    for rep in reports:
+        assert max_rel(rep["losses"], ref["losses"]) <= 1e-5
+        assert abs(rep["master_abs_sum"] - ref["master_abs_sum"]) <= 1e-5 * ref["master_abs_sum"]
+
+
 def test_checkpoint_saved_at_2_resumes_at_1_and_4(tmp_path):
     full = reference(tmp_path, "llama", "--steps", 6)
     ckpt = tmp_path / "ckpt"

@@ -445,6 +445,12 @@ class FetchMixin:
         self._repair_params()
         if not self._in_backward and torch._C._current_graph_task_id() == -1:
             self._release_backward_leftovers()  # (a backward of the caller's own is over)
+            if self._reducer is not None and self._reducer.active:
+                # That backward's micro-step ends here, as engine.backward() ends its own: a loop
+                # that steps only at the boundary (accelerate's) runs the next micro-step's backward
+                # before any step(), and the reducer must start it from its first bucket (its
+                # gradients were otherwise held back and never reduced).
+                self._reducer.flush(self.is_gradient_accumulation_boundary())
         t0 = time.perf_counter()
         t0_ns = time.monotonic_ns()
         if not self._in_step and torch.is_grad_enabled() and not self.inference_only:
