@@ -1,8 +1,10 @@
-"""One rank of a Hugging Face Trainer run through tier.hf.TierTrainer, started as torchrun starts
-ranks (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment; the Trainer's
-accelerate state joins the process group), or alone without them. test_hf_trainer.py starts it.
+"""One rank of a Hugging Face training loop over tier, started as torchrun starts ranks (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment; accelerate's state joins the
+process group), or alone without them. test_hf_trainer.py starts it.
 
-argv: out_json swap_dir work_dir global_batch [resume]. Trains 4 optimizer steps of the test's small
+argv: mode out_json swap_dir work_dir global_batch [resume]. mode "trainer": tier.hf.TierTrainer;
+mode "accelerate": accelerate's own loop (prepare, accumulate, backward, step) over the engine of
+tier.torch.initialize. Trains 4 optimizer steps of the test's small
 Qwen2 with a global batch of `global_batch` sequences (split evenly over the ranks) and
 accumulation 2, then rank 0 writes every parameter's fp32 master (a collective across ranks) and
 the Trainer's last logged loss. Every run saves a Trainer checkpoint at step 2; with `resume`
@@ -19,15 +21,63 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tier.hf  # noqa: E402
+import tier.torch  # noqa: E402
 from test_hf_trainer import Tokens, args, ds_config, make_model  # noqa: E402
 
 
 def main():
     faulthandler.enable(all_threads=True)
-    out, swap, work, global_batch = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), int(sys.argv[4])
+    mode, out, swap, work, global_batch = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4]), int(sys.argv[5])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    resume = len(sys.argv) > 5 and sys.argv[5] == "resume"
+    if mode == "accelerate":
+        engine, wrapped, steps_run = accelerate_loop(swap, rank, world, global_batch)
+    else:
+        engine, wrapped, steps_run = trainer_run(swap, work, rank, world, global_batch, sys.argv[6:] == ["resume"])
+    masters = engine.state_dict_fp32()  # every rank takes part
+    if rank == 0:
+        report = {
+            "world": world,
+            "wrapped": wrapped,
+            "steps_run": steps_run,
+            "params": {k: v.flatten().tolist() for k, v in masters.items()},
+        }
+        pathlib.Path(out).write_text(json.dumps(report))
+    engine.destroy()
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # torch keeps the Gloo group's threads past destroy (see multirank_worker.py)
+
+
+def accelerate_loop(swap, rank, world, global_batch):
+    import accelerate
+
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+    cfg = ds_config(f"{swap}/rank{rank}")
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "reduce_bucket_size"):
+        cfg.pop(key, None)
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        cfg["zero_optimization"].pop(key)
+    cfg.update(gradient_accumulation_steps=2, gradient_clipping=0.5, bf16={"enabled": False})
+    cfg["optimizer"]["params"] = {"lr": 3e-3, "weight_decay": 0.01}
+    engine, optimizer, _, _ = tier.torch.initialize(model=make_model(), config=cfg)
+    loader = torch.utils.data.DataLoader(Tokens(n=32), batch_size=global_batch // world, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(engine, optimizer, loader)
+    steps_run = []
+    for micro in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**micro).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            steps_run.append(len(steps_run) + 1)
+    return engine, type(model).__name__, steps_run
+
+
+def trainer_run(swap, work, rank, world, global_batch, resume):
     ta = args(work, "trainer", max_steps=4, per_device_train_batch_size=global_batch // world,
               save_strategy="steps", save_steps=2, report_to=[], dataloader_drop_last=True)
     steps_run = []
@@ -39,22 +89,7 @@ def main():
     trainer = tier.hf.TierTrainer(model=make_model(), args=ta, train_dataset=Tokens(),
                                   tier_config=ds_config(f"{swap}/rank{rank}"), callbacks=[Count()])
     trainer.train(resume_from_checkpoint=str(work / "trainer" / "checkpoint-2") if resume else None)
-    masters = trainer.tier_engine.state_dict_fp32()  # every rank takes part
-    if rank == 0:
-        report = {
-            "world": world,
-            "wrapped": type(trainer.model_wrapped).__name__,
-            "steps_run": steps_run,
-            "params": {k: v.flatten().tolist() for k, v in masters.items()},
-        }
-        pathlib.Path(out).write_text(json.dumps(report))
-    trainer.tier_engine.destroy()
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # torch keeps the Gloo group's threads past destroy (see multirank_worker.py)
+    return trainer.tier_engine, type(trainer.model_wrapped).__name__, steps_run
 
 
 if __name__ == "__main__":

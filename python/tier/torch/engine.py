@@ -233,6 +233,14 @@ def initialize(
 class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module):
     """The model with its parameters and optimizer state managed by tier. Call it like the model."""
 
+    # accelerate's prepare() hands the engine back as it is, as it does a model it prepared
+    # already: the engine places its tensors itself (setup moves the buffers to the compute
+    # device), takes its dtype from the config, and reduces the gradients across ranks itself, so
+    # it must not go into DistributedDataParallel. DDP's reducer would hold the gradient
+    # accumulators of the parameters' placeholders, and backward would then fail with "TBackward0
+    # returned an invalid gradient ... expected shape compatible with [0]".
+    _is_accelerate_prepared = True
+
     def __init__(
         self,
         model,
