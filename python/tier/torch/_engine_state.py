@@ -315,6 +315,18 @@ class StateMixin:
             t = self._gathered(slot, memo)
             state_dict[full] = t.requires_grad_(p.requires_grad) if state_dict[full].requires_grad else t
 
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Refused: the engine holds the parameters (and their fp32 masters and moments), and the
+        module's are placeholders, so torch's copy into them cannot restore a run. Raises with the
+        ways that do."""
+        raise RuntimeError(
+            "TierEngine.load_state_dict: the engine holds the parameters, with their fp32 masters and the "
+            "optimizer's moments; restore a tier checkpoint with engine.load_checkpoint(dir), or load weights "
+            "with tier.torch.from_pretrained(dir, config). With accelerate, call "
+            "tier.torch.register_accelerate_hooks(accelerator) before save_state and load_state: they then "
+            "write and restore the engine's checkpoint"
+        )
+
     def module_state_dict(self, exclude_frozen_parameters=False):
         """The model's state dict with every parameter gathered from the engine (compute dtype, CPU).
         With ``exclude_frozen_parameters`` only the trainable parameters (and the buffers) are
