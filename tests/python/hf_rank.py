@@ -4,7 +4,7 @@ process group), or alone without them. test_hf_trainer.py starts it.
 
 argv: mode out_json swap_dir work_dir global_batch [resume]. mode "trainer": tier.hf.TierTrainer;
 mode "accelerate": accelerate's own loop (prepare, accumulate, backward, step) over the engine of
-tier.torch.initialize. Trains 4 optimizer steps of the test's small
+tier.torch.initialize; mode "generate": see generate_ragged. Trains 4 optimizer steps of the test's small
 Qwen2 with a global batch of `global_batch` sequences (split evenly over the ranks) and
 accumulation 2, then rank 0 writes every parameter's fp32 master (a collective across ranks) and
 the Trainer's last logged loss. Every run saves a Trainer checkpoint at step 2; with `resume`
@@ -30,6 +30,8 @@ def main():
     mode, out, swap, work, global_batch = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4]), int(sys.argv[5])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if mode == "generate":
+        generate_ragged(swap, out, rank, world)
     if mode == "accelerate":
         engine, wrapped, steps_run = accelerate_loop(swap, rank, world, global_batch)
     else:
@@ -50,6 +52,35 @@ def main():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # torch keeps the Gloo group's threads past destroy (see multirank_worker.py)
+
+
+def generate_ragged(swap, out, rank, world):
+    """Greedy generate on a training engine (stage 3 across ranks) where rank 1's sequence ends
+    at its first token (its eos) and rank 0's runs 6 tokens: rank 0 writes its token ids."""
+    if world > 1:
+        torch.distributed.init_process_group("gloo")  # (the Trainer's and accelerate's state do this)
+    cfg = ds_config(f"{swap}/rank{rank}")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "gradient_clipping"):
+        cfg.pop(key)
+    cfg["optimizer"]["params"] = {"lr": 1e-3}  # (an inference-only engine spans one process)
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        cfg["zero_optimization"].pop(key)
+    cfg["bf16"] = {"enabled": False}
+    engine, _, _, _ = tier.torch.initialize(model=make_model(), config=cfg)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        first = engine.module.generate(ids, max_new_tokens=1, do_sample=False)[0, -1].item()
+        got = engine.module.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                     eos_token_id=first if rank == 1 else None)
+    if rank == 0:
+        pathlib.Path(out).write_text(json.dumps({"world": world, "ids": got[0].tolist()}))
+    engine.destroy()
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def accelerate_loop(swap, rank, world, global_batch):

@@ -301,3 +301,17 @@ def test_generate_after_the_engine_is_gone_says_so(swap_dir):
     engine.destroy()
     with pytest.raises(RuntimeError, match=r"engine that has been destroyed"):
         greedy(engine.module, prompt(), 2)
+
+
+def test_generate_across_ranks_keeps_going_on_a_rank_that_finished(tmp_path):
+    """Stage 3 across 2 ranks, rank 1's sequence ending at its first token and rank 0's running 6:
+    each forward gathers from both ranks, so the finished rank must keep taking part. The model's
+    generate defaults to synced_gpus=True there, as transformers does for DeepSpeed's stage 3
+    (without it rank 0 failed with "all_gather of parameters failed"). Rank 0's ids are those of
+    one process."""
+    from test_hf_trainer import _run_trainer_ranks
+
+    one = _run_trainer_ranks(tmp_path, 1, "one", mode="generate")
+    two = _run_trainer_ranks(tmp_path, 2, "two", mode="generate")
+    assert two["world"] == 2 and len(two["ids"]) == 5 + 6
+    assert two["ids"] == one["ids"]

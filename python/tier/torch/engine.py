@@ -230,6 +230,25 @@ def initialize(
     return engine, engine.torch_optimizer, loader, engine.lr_scheduler
 
 
+def _sync_generate(model):
+    """Stage 3 across ranks: every forward gathers parameters from all ranks, so a rank whose
+    sequences finish first must keep taking part until all have finished. transformers does that
+    with ``generate(synced_gpus=True)``, which it turns on by itself for DeepSpeed's stage 3 and
+    FSDP; here the model's ``generate`` gets it as its default (an explicit value still wins)."""
+    gen = getattr(model, "generate", None)
+    if gen is None or getattr(gen, "_tier_synced", False):
+        return
+
+    def generate(*args, **kwargs):
+        if kwargs.get("synced_gpus") is None:
+            kwargs["synced_gpus"] = True
+        return gen(*args, **kwargs)
+
+    generate._tier_synced = True
+    generate.__doc__ = gen.__doc__
+    model.generate = generate
+
+
 class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module):
     """The model with its parameters and optimizer state managed by tier. Call it like the model."""
 
@@ -328,6 +347,8 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
         else:
             self.device = torch.device("cpu")
         self._zero = self._zero_group(process_group, zero, model)
+        if self._zero is not None and self._zero.stage == 3 and self._zero.world > 1:
+            _sync_generate(model)
 
         self.module = model
         self.global_steps = 0
