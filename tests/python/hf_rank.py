@@ -32,11 +32,20 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     if mode == "generate":
         generate_ragged(swap, out, rank, world)
+    saved = None
     if mode == "accelerate":
         engine, wrapped, steps_run = accelerate_loop(swap, rank, world, global_batch)
+        saved = work / "pretrained"  # written as transformers' no_trainer examples write it
     else:
         engine, wrapped, steps_run = trainer_run(swap, work, rank, world, global_batch, sys.argv[6:] == ["resume"])
     masters = engine.state_dict_fp32()  # every rank takes part
+    if saved is not None:
+        accelerator = accelerate_state["accelerator"]
+        accelerator.wait_for_everyone()
+        accelerator.unwrap_model(engine).save_pretrained(
+            saved, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(engine))
+        accelerator.wait_for_everyone()
     if rank == 0:
         report = {
             "world": world,
@@ -44,6 +53,10 @@ def main():
             "steps_run": steps_run,
             "params": {k: v.flatten().tolist() for k, v in masters.items()},
         }
+        if saved is not None:
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved).state_dict()
+            report["saved_max_diff"] = max((reloaded[k] - v.view(reloaded[k].shape)).abs().max().item()
+                                           for k, v in masters.items())
         pathlib.Path(out).write_text(json.dumps(report))
     engine.destroy()
     if world > 1:
@@ -52,6 +65,9 @@ def main():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # torch keeps the Gloo group's threads past destroy (see multirank_worker.py)
+
+
+accelerate_state = {}
 
 
 def generate_ragged(swap, out, rank, world):
@@ -87,6 +103,7 @@ def accelerate_loop(swap, rank, world, global_batch):
     import accelerate
 
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+    accelerate_state["accelerator"] = accelerator
     cfg = ds_config(f"{swap}/rank{rank}")
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "reduce_bucket_size"):
         cfg.pop(key, None)

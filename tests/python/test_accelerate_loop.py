@@ -160,3 +160,18 @@ def test_accelerate_save_state_and_load_state_resume_a_tier_engine_exactly(tmp_p
         acc3.load_state(str(tmp_path / "plain"))
     acc3.free_memory()
     model3.destroy()
+
+
+def test_save_pretrained_takes_transformers_keywords_and_refuses_what_it_cannot_honour(tmp_path, swap_dir):
+    acc, model, _, _, _ = _accelerate_engine(swap_dir, hooks=False)
+    engine = acc.unwrap_model(model)
+    engine.save_pretrained(str(tmp_path / "a"), is_main_process=acc.is_main_process, save_function=acc.save,
+                           state_dict=acc.get_state_dict(model))
+    assert (tmp_path / "a" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="not the engine's"):
+        engine.save_pretrained(str(tmp_path / "b"), state_dict={"other.weight": torch.zeros(1)})
+    with pytest.raises(NotImplementedError, match="safetensors only"):
+        engine.save_pretrained(str(tmp_path / "c"), safe_serialization=False)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    acc.free_memory()
+    model.destroy()

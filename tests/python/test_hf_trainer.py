@@ -307,6 +307,9 @@ def test_accelerate_across_two_ranks_trains_the_engine_as_one_process(tmp_path):
     two = _run_trainer_ranks(tmp_path, 2, "two", mode="accelerate")
     assert two["wrapped"] == "TierEngine" and one["steps_run"] == two["steps_run"] == [1, 2, 3, 4]
     _same_masters(two, one)
+    # The examples' save: unwrap_model(model).save_pretrained(dir, is_main_process=...,
+    # save_function=accelerator.save, state_dict=accelerator.get_state_dict(model)) on every rank.
+    assert one["saved_max_diff"] == 0 and two["saved_max_diff"] == 0
 
 
 def test_two_ranks_under_torchrun_train_as_one_process_and_resume(tmp_path):

@@ -344,12 +344,46 @@ class StateMixin:
                     sd[f"{prefix}.{name}" if prefix else name] = b.detach().cpu()
         return sd
 
-    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype=None, save_config=True):
+    def save_pretrained(
+        self,
+        save_dir,
+        *,
+        max_shard_size="5GB",
+        dtype=None,
+        save_config=True,
+        is_main_process=True,
+        save_function=None,
+        state_dict=None,
+        safe_serialization=True,
+        push_to_hub=False,
+    ):
         """Writes the current weights to ``save_dir`` as a transformers safetensors checkpoint
         (sharded, with its index and the model's ``config.json``), one tensor in host memory at a
-        time; see :func:`tier.torch.hf.save_pretrained`. Returns the files written."""
+        time; see :func:`tier.torch.hf.save_pretrained`. Returns the files written.
+
+        Across ranks every rank calls it (the weights are gathered) and rank 0 writes. The
+        keywords of ``PreTrainedModel.save_pretrained`` that scripts pass (accelerate's
+        ``save_pretrained(dir, is_main_process=..., save_function=accelerator.save)``) are
+        accepted: ``is_main_process`` and ``save_function`` do not change who writes or how (the
+        files are safetensors); a ``state_dict`` is not needed, since the engine's own current
+        weights are written, and one passed is refused unless it is the engine's (the same keys);
+        ``safe_serialization=False`` and ``push_to_hub`` are refused."""
         from . import hf
 
+        del is_main_process, save_function
+        if not safe_serialization:
+            raise NotImplementedError("engine.save_pretrained writes safetensors only; leave safe_serialization=True")
+        if push_to_hub:
+            raise NotImplementedError("engine.save_pretrained does not push to the Hub; push the folder it writes")
+        if state_dict is not None:
+            mine = {n for n, _ in self.module.named_parameters()}
+            theirs = {k[len("module.") :] if k.startswith("module.") else k for k in state_dict}
+            if not mine <= theirs:
+                missing = sorted(mine - theirs)[:3]
+                raise ValueError(
+                    f"engine.save_pretrained(state_dict=...): the engine writes its own weights, and the state dict "
+                    f"given is not the engine's (it lacks {missing}); write another state dict with transformers"
+                )
         return hf.save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype, save_config=save_config)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
