@@ -37,17 +37,7 @@ def _loader():
 def _loop(model, optimizer, scheduler, clip=None):
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=GAS, cpu=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, _loader(), scheduler)
-    losses = []
-    for micro in loader:
-        with accelerator.accumulate(model):
-            out = model(**micro)
-            losses.append(out.loss.item())
-            accelerator.backward(out.loss)
-            if clip is not None and accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    losses = _micro_steps(accelerator, model, optimizer, scheduler, loader, clip)
     accelerator.free_memory()
     return losses
 
@@ -121,13 +111,16 @@ def _accelerate_engine(swap_dir, hooks):
     return accelerator, model, optimizer, list(loader), scheduler
 
 
-def _micro_steps(accelerator, model, optimizer, scheduler, micros):
+def _micro_steps(accelerator, model, optimizer, scheduler, micros, clip=None):
+    """accelerate's loop over `micros`; the loss of each."""
     losses = []
     for micro in micros:
         with accelerator.accumulate(model):
             out = model(**micro)
             losses.append(out.loss.item())
             accelerator.backward(out.loss)
+            if clip is not None and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
