@@ -4,7 +4,7 @@ process group), or alone without them. test_hf_trainer.py starts it.
 
 argv: mode out_json swap_dir work_dir global_batch [resume]. mode "trainer": tier.hf.TierTrainer;
 mode "accelerate": accelerate's own loop (prepare, accumulate, backward, step) over the engine of
-tier.torch.initialize; mode "generate": see generate_ragged. Trains 4 optimizer steps of the test's small
+tier.torch.initialize; modes "generate" and "modify": see generate_ragged and modify_on_one_rank. Trains 4 optimizer steps of the test's small
 Qwen2 with a global batch of `global_batch` sequences (split evenly over the ranks) and
 accumulation 2, then rank 0 writes every parameter's fp32 master (a collective across ranks) and
 the Trainer's last logged loss. Every run saves a Trainer checkpoint at step 2; with `resume`
@@ -32,6 +32,8 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     if mode == "generate":
         generate_ragged(swap, out, rank, world)
+    if mode == "modify":
+        modify_on_one_rank(swap, out, rank, world)
     saved = None
     if mode == "accelerate":
         engine, wrapped, steps_run = accelerate_loop(swap, rank, world, global_batch)
@@ -68,6 +70,41 @@ def main():
 
 
 accelerate_state = {}
+
+
+def modify_on_one_rank(swap, out, rank, world):
+    """engine.modify_parameters with modifier_rank 1 (stage 3 across ranks): rank 1 halves
+    lm_head and rank 0 multiplies it by 7, which must not count; rank 0 writes the gathered
+    masters and the logits of a forward after it."""
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    cfg = ds_config(f"{swap}/rank{rank}")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "gradient_clipping"):
+        cfg.pop(key)
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        cfg["zero_optimization"].pop(key)
+    cfg["optimizer"]["params"] = {"lr": 1e-3}
+    cfg["bf16"] = {"enabled": False}
+    model = make_model()
+    engine, _, _, _ = tier.torch.initialize(model=model, config=cfg)
+    modifier = world - 1
+    with engine.modify_parameters([model.lm_head.weight], modifier_rank=modifier):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(0.5 if rank == modifier else 7.0)
+    with torch.no_grad():
+        logits = engine(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
+    masters = engine.state_dict_fp32()
+    if rank == 0:
+        pathlib.Path(out).write_text(json.dumps({
+            "world": world, "logits": logits.flatten().tolist(),
+            "lm_head": masters["lm_head.weight"].flatten().tolist()}))
+    engine.destroy()
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def generate_ragged(swap, out, rank, world):

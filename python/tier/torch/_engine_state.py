@@ -3,6 +3,7 @@ and save_pretrained, DeepSpeed's engine queries, close and destroy (mixed into T
 engine.py)."""
 
 import atexit
+import contextlib
 import json
 import os
 import time
@@ -91,6 +92,95 @@ class StateMixin:
         out = torch.empty(slot.shape, dtype=self.compute_dtype)
         self.native.read(slot.tid, out)
         return out
+
+    @contextlib.contextmanager
+    def modify_parameters(self, params=None, modifier_rank=0):
+        """Inside the block the given parameters (the module's ``Parameter`` objects or their names;
+        all of them by default) hold their current values instead of their empty placeholders, in
+        the compute dtype, so they can be read and edited as in a plain model
+        (``deepspeed.zero.GatheredParameters(params, modifier_rank=...)``'s role). On leaving, each
+        one whose values changed is written back: to the engine, and for a trainable one to its
+        fp32 master too, which the next step starts from (its moments are kept); the others are
+        left exactly as they were. Run no forward inside the block.
+
+        Across ranks a collective: every rank enters with the same parameters, and the values of
+        rank ``modifier_rank`` are the ones kept. A block left by an exception writes nothing."""
+        self._settle()
+        if self.native_optimizer is not None:
+            self._finish_owed_step()
+        if params is None:
+            slots = list(self._slots)
+        else:
+            by_name = {s.name: s for s in self._slots}
+            slots = []
+            for p in params:
+                s = by_name.get(p) if isinstance(p, str) else self._slot_of.get(id(p))
+                if s is None:
+                    raise KeyError(f"modify_parameters: {p if isinstance(p, str) else 'a tensor'} is not a parameter "
+                                   "the engine holds")
+                if s not in slots:
+                    slots.append(s)
+        if self._zero is not None and not 0 <= modifier_rank < self._zero.world:
+            raise ValueError(f"modify_parameters: modifier_rank {modifier_rank} is not a rank of {self._zero.world}")
+        held = []
+        try:
+            for s in slots:
+                value = self.parameter(s.name).view(s.shape)
+                held.append((s, s.param.data, value.clone()))
+                s.param.data = value
+            yield
+        except BaseException:
+            for s, placeholder, _ in held:
+                s.param.data = placeholder
+            raise
+        changed = []
+        for s, placeholder, before in held:
+            now = s.param.data
+            s.param.data = placeholder
+            if tuple(now.shape) != s.shape:
+                raise ValueError(f"modify_parameters: {s.name} left the block with shape {tuple(now.shape)}, not "
+                                 f"{s.shape}; nothing was written")
+            changed.append((s, now.detach().to("cpu", self.compute_dtype).contiguous(), before))
+        if self._zero is not None:
+            # The modifier's values everywhere, and which of them it changed.
+            flags = torch.tensor([0 if torch.equal(v, b) else 1 for _, v, b in changed], dtype=torch.int32)
+            self._zero.broadcast(flags, modifier_rank)
+            for (_, v, _), f in zip(changed, flags.tolist()):
+                if f:
+                    self._zero.broadcast(v, modifier_rank)
+            changed = [(s, v) for (s, v, _), f in zip(changed, flags.tolist()) if f]
+        else:
+            changed = [(s, v) for s, v, b in changed if not torch.equal(v, b)]
+        self._write_parameters(changed)
+
+    def _write_parameters(self, values):
+        """Writes whole values (compute dtype, CPU) of parameters into the engine: a trainable one's
+        fp32 master (this rank's part), and the engine's copy from it as the optimizer converts."""
+        if not values:
+            return
+        stage3 = self._zero is not None and self._zero.stage == 3
+        for s, v in values:
+            flat = v.reshape(-1)
+            if s.pid is not None:
+                master = flat[s.zero_start : s.zero_start + s.zero_count].float().contiguous()
+                self.native_optimizer.write_state(s.pid, "master", master)
+                low = torch.empty(s.zero_count, dtype=self.compute_dtype)
+                self.native_optimizer.read_param(s.pid, low)
+                lease = self.native.acquire(s.tid, "host", "read_write")
+                t = torch.from_dlpack(lease.as_tensor())
+                at = 0 if stage3 else s.zero_start
+                t[at : at + s.zero_count] = low
+                del t, lease
+            elif stage3:
+                shard = torch.zeros(s.zero_shard, dtype=self.compute_dtype)
+                shard[: s.zero_count] = flat[s.zero_start : s.zero_start + s.zero_count]
+                self.native.write(s.tid, shard)
+            else:
+                self.native.write(s.tid, v)
+        if self._zero is not None and not stage3:
+            self._gather_updated_params()
+        self.native.flush()
+        self._param_version += 1
 
     def _gathered_master(self, slot):
         """Across ranks: the fp32 master of one trainable parameter, gathered (a collective)."""

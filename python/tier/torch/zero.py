@@ -199,6 +199,15 @@ class ZeroGroup:
         if t is not host:
             host.copy_(t)
 
+    def broadcast(self, tensor, src):
+        """``tensor`` (host memory) in place from group rank ``src``: its values on every rank."""
+        t = tensor.to(self.device) if self.device.type != "cpu" else tensor
+        root = dist.get_global_rank(self.pg, src) if self.pg is not None else src
+        self._run(f"broadcast of {tensor.numel()} elements from rank {src}",
+                  lambda: dist.broadcast(t, src=root, group=self.pg))
+        if t is not tensor:
+            tensor.copy_(t)
+
     def reduce_scatter(self, flat, async_op=False):
         """``flat`` holds ``world`` equal segments, segment ``q`` for rank ``q``: returns the sum over
         ranks of this rank's segment (with ``async_op``: (it, work), valid after ``wait(work)``)."""
