@@ -133,10 +133,12 @@ class StateMixin:
             for s, placeholder, _ in held:
                 s.param.data = placeholder
             raise
-        changed = []
-        for s, placeholder, before in held:
-            now = s.param.data
+        left = []
+        for s, placeholder, before in held:  # every placeholder back first, whatever follows
+            left.append((s, s.param.data, before))
             s.param.data = placeholder
+        changed = []
+        for s, now, before in left:
             if tuple(now.shape) != s.shape:
                 raise ValueError(f"modify_parameters: {s.name} left the block with shape {tuple(now.shape)}, not "
                                  f"{s.shape}; nothing was written")
