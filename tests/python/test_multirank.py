@@ -377,3 +377,52 @@ def test_the_main_job_runs_under_torchrun(tmp_path):
     # Rank 0 reports, once.
     assert done.stdout.count("summary") == 1 and "step   2/2" in done.stdout
     assert not os.listdir(tmp_path / "swap") if (tmp_path / "swap").exists() else True
+
+
+class _OneRank:
+    """A group of one for GatherPrefetcher: an all-gather is the shard itself."""
+
+    world = 1
+
+    def all_gather(self, local, async_op=False):
+        return local.clone(), None
+
+    def wait(self, work, what):
+        pass
+
+
+class _Slot:
+    def __init__(self, name, numel):
+        self.name, self.numel, self.zero_shard = name, numel, numel
+
+
+def test_the_stage3_gather_prefetcher_keeps_the_training_record_through_evaluation_forwards():
+    """An evaluation's forward runs a prefix of the training step's fetches: the record stays, so
+    the training step after it is prefetched; from the second such forward in a row the
+    lookahead stops where they stop (no gathers of the backward's parameters for a forward), and
+    a micro-step that goes past that place looks ahead again."""
+    from tier.torch.zero import GatherPrefetcher
+
+    a, b, c, d = (_Slot(n, 4) for n in "abcd")
+    started = []
+    pf = GatherPrefetcher(_OneRank(), budget=10**6, read_shard=lambda s: (started.append(s.name), torch.ones(4))[1])
+
+    def micro_step(fetches):
+        pf.begin()
+        before = (pf.hits, pf.misses)
+        for s in fetches:
+            pf.gather([s])
+        return pf.hits - before[0], pf.misses - before[1]
+
+    train, evaluate = [a, b, c, d], [a, b]
+    micro_step(train)
+    assert micro_step(train) == (4, 0)  # recorded, then prefetched whole
+    assert micro_step(evaluate) == (2, 0)
+    assert pf.record == [(a,), (b,), (c,), (d,)]
+    started.clear()
+    micro_step(evaluate)  # the second in a row: from now on the lookahead stops at its end
+    started.clear()
+    assert micro_step(evaluate) == (2, 0) and "c" not in started and "d" not in started
+    hits, misses = micro_step(train)  # goes past the end: c is fetched on the spot, d ahead again
+    assert (hits, misses) == (3, 1)
+    assert micro_step(train) == (4, 0) and pf.end_hint is None

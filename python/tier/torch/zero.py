@@ -382,6 +382,12 @@ class GatherPrefetcher:
     through the model) waits out and drops what was started and gathers on the spot, and nothing
     more is prefetched in that micro-step. Every rank runs the same model, so every rank records
     the same sequence and issues the same collectives in the same order.
+
+    A micro-step that runs a prefix of the record and stops (an evaluation's forward between
+    training steps) leaves the record as it was, so the training step after it is prefetched
+    whole; a second one in a row ending at the same place makes that place the expected end, where
+    the lookahead stops (a run of forwards, as generation makes, does not gather the backward's
+    parameters each time) until a micro-step goes past it.
     """
 
     def __init__(self, group, budget, read_shard):
@@ -395,12 +401,21 @@ class GatherPrefetcher:
         self.diverged = False
         self.hits = 0
         self.misses = 0
+        self.short_at = None  # where the last micro-step stopped, when it ran a prefix of the record
+        self.end_hint = None  # the lookahead stops here (two such micro-steps in a row stopped here)
 
     def begin(self):
         """A micro-step starts (the outermost forward)."""
         self.drop()
         if self.current:
-            self.record = self.current
+            n = len(self.current)
+            if n < len(self.record) and self.record[:n] == self.current:
+                if self.short_at == n:
+                    self.end_hint = n
+                self.short_at = n
+            else:
+                self.record = self.current
+                self.short_at = self.end_hint = None
         self.current = []
         self.diverged = False
         self._prefetch(0)  # nothing changes the params from here to the end of backward
@@ -423,6 +438,8 @@ class GatherPrefetcher:
         slots = tuple(slots)
         pos = len(self.current)
         self.current.append(slots)
+        if self.end_hint is not None and pos >= self.end_hint:
+            self.end_hint = None  # this micro-step goes on past the expected end: look ahead again
         hit = self.inflight.pop(pos, None)
         if hit is not None and [id(s) for s in hit[0]] == [id(s) for s in slots]:
             _, gathered, work, width = hit
@@ -449,7 +466,8 @@ class GatherPrefetcher:
         nxt = start
         while nxt in self.inflight:
             nxt += 1
-        while nxt < len(self.record):
+        end = len(self.record) if self.end_hint is None else self.end_hint
+        while nxt < end:
             slots = self.record[nxt]
             need = sum(s.zero_shard for s in slots) * self.group.world
             if self.inflight and self.inflight_elems + need > self.budget:
