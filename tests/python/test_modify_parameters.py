@@ -99,3 +99,13 @@ def test_across_ranks_the_modifier_ranks_edit_is_the_one_kept(tmp_path):
     halved = (small_model().lm_head.weight.detach() * 0.5).flatten()
     assert torch.equal(torch.tensor(one["lm_head"]), halved)
     assert two["lm_head"] == one["lm_head"] and two["logits"] == one["logits"]
+
+
+def test_resizing_the_embeddings_after_initialize_is_refused_with_the_way_that_works(swap_dir):
+    model = make_model()
+    engine, _, _, _ = tier.torch.initialize(model, tier_config(swap_dir, gas=1))
+    with pytest.raises(RuntimeError, match="resize the model before initialize"):
+        engine.module.resize_token_embeddings(model.config.vocab_size + 2)
+    out = engine(**batch(0))  # the engine is as it was
+    assert torch.isfinite(out.loss)
+    engine.destroy()

@@ -249,6 +249,23 @@ def _sync_generate(model):
     model.generate = generate
 
 
+def _refuse_resizing(model):
+    """transformers' resize_token_embeddings after initialize would rebuild the embedding from the
+    empty placeholder (and fail with "not enough values to unpack"), or, where it did not fail,
+    leave the engine holding the old shapes: it is refused with the way that works."""
+
+    def refused(*args, **kwargs):
+        raise RuntimeError(
+            "resize_token_embeddings after tier.torch.initialize: the engine holds the parameters at the shapes "
+            "they were registered with; resize the model before initialize (add the tokens, resize, then "
+            "initialize), and set new rows' values afterwards with engine.modify_parameters if need be"
+        )
+
+    for module in model.modules():
+        if callable(getattr(type(module), "resize_token_embeddings", None)):
+            module.resize_token_embeddings = refused
+
+
 class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module):
     """The model with its parameters and optimizer state managed by tier. Call it like the model."""
 
@@ -349,6 +366,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
         self._zero = self._zero_group(process_group, zero, model)
         if self._zero is not None and self._zero.stage == 3 and self._zero.world > 1:
             _sync_generate(model)
+        _refuse_resizing(model)
 
         self.module = model
         self.global_steps = 0
