@@ -109,3 +109,21 @@ def test_resizing_the_embeddings_after_initialize_is_refused_with_the_way_that_w
     out = engine(**batch(0))  # the engine is as it was
     assert torch.isfinite(out.loss)
     engine.destroy()
+
+
+def test_an_edit_of_a_placeholder_is_not_lost_without_a_word(swap_dir):
+    """Outside a forward (and outside modify_parameters) a parameter is an empty placeholder: an
+    in-place edit of it changes nothing the engine holds. The next forward that needs it says so
+    instead of running as if the edit had applied; after that the engine runs on, unchanged."""
+    model = make_model()
+    engine, _, _, _ = tier.torch.initialize(model, tier_config(swap_dir, gas=1))
+    before = engine.state_dict_fp32()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="lm_head.weight was changed in place.*modify_parameters"):
+        engine(**batch(0))
+    out = engine(**batch(0))  # said once; nothing changed
+    engine.backward(out.loss)
+    engine.step()
+    assert not torch.equal(engine.state_dict_fp32()["lm_head.weight"], before["lm_head.weight"] * 0.5)
+    engine.destroy()

@@ -190,8 +190,27 @@ class FetchMixin:
                 )
 
     # ------------------------------------------------------------------ parameter movement
+    def _placeholder(self, slot):
+        """The parameter's values leave it: the empty placeholder, its version counter noted."""
+        slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        slot.placeholder_version = slot.param._version
+
+    def _check_placeholder(self, slot):
+        """Refuses a fetch of a parameter whose placeholder was changed in place since the engine
+        took its values (``model.lm_head.weight.mul_(0.5)`` after initialize): that edit was lost,
+        and training on as if it had applied would be wrong without a word."""
+        noted = slot.placeholder_version
+        if noted is not None and slot.param._version != noted:
+            slot.placeholder_version = slot.param._version  # said once
+            raise RuntimeError(
+                f"{slot.name} was changed in place while the engine held its values (outside a forward the "
+                "module's parameter is an empty placeholder), so the change was lost; edit parameters after "
+                "tier.torch.initialize inside engine.modify_parameters(...)"
+            )
+
     def _bring(self, slot):
         if slot.fetches == 0:
+            self._check_placeholder(slot)
             if self._zero is not None and self._zero.stage == 3:
                 self._gather_params([slot])
             else:
@@ -248,7 +267,7 @@ class FetchMixin:
             self._saved_params.removed(slot)
             # Kernels queued on the stream may still read the memory: the view's lease ends after
             # them (lease_stream at the fetch), not here.
-            slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            self._placeholder(slot)
 
     def _enter_forward(self):
         # A forward that is not part of a training micro-step (under no_grad, or in an
@@ -323,6 +342,8 @@ class FetchMixin:
         if self._zero is not None and self._zero.stage == 3:
             # Stage 3: one all-gather for those that are not here yet.
             need = list({id(s): s for s in slots if s.fetches == 0}.values())
+            for slot in need:
+                self._check_placeholder(slot)
             if need:
                 self._gather_params(need)
             for slot in slots:
@@ -333,6 +354,8 @@ class FetchMixin:
         # copies are queued, with the current stream made to wait for them (stream-ordered
         # acquires): the host goes on queueing the module's kernels while the weights are copied.
         need = list({id(s): s for s in slots if s.fetches == 0}.values())
+        for slot in need:
+            self._check_placeholder(slot)
         if need:
             stream = _activations.lease_stream(self.device)
             leases = self.native.acquire_many([s.tid for s in need], "device", "read", stream=stream)
@@ -344,7 +367,7 @@ class FetchMixin:
             except BaseException:
                 for slot in placed:  # all or nothing: a failed fetch holds nothing
                     self._saved_params.removed(slot)
-                    slot.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+                    self._placeholder(slot)
                 raise
             finally:
                 del leases

@@ -132,11 +132,13 @@ class StateMixin:
         except BaseException:
             for s, placeholder, _ in held:
                 s.param.data = placeholder
+                s.placeholder_version = s.param._version  # (the block's edits were its own)
             raise
         left = []
         for s, placeholder, before in held:  # every placeholder back first, whatever follows
             left.append((s, s.param.data, before))
             s.param.data = placeholder
+            s.placeholder_version = s.param._version
         changed = []
         for s, now, before in left:
             if tuple(now.shape) != s.shape:

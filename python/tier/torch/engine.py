@@ -61,6 +61,7 @@ class _Slot:
         "zero_shard",
         "zero_start",
         "zero_count",
+        "placeholder_version",
         "__weakref__",
     )
 
@@ -75,6 +76,9 @@ class _Slot:
         self.backward_fetches = 0
         self.recompute_holds = 0  # forward fetches of a recompute, kept until the module's backward
         self.trainable = param.requires_grad
+        # The parameter's version counter when it last became the empty placeholder: an in-place
+        # edit of it while the engine holds the values changes the counter (and nothing else).
+        self.placeholder_version = None
         # Across ranks (tier.torch.zero): the padded shard size and the elements this rank owns.
         self.zero_shard = self.numel
         self.zero_start = 0
@@ -490,6 +494,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                     )
                     del master
                 _zero_init.swap_data(slot.param, torch.empty(0, dtype=self.compute_dtype, device=self.device))
+                slot.placeholder_version = slot.param._version
                 continue
             data = self._initial_value(slot, store, initial_values)
             # A checkpoint's tensor not read yet (hf._StoredValue) is read into the engine, or taken.
@@ -537,6 +542,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 _zero_init.swap_data(slot.param, placeholder)
             else:
                 slot.param.data = placeholder
+            slot.placeholder_version = slot.param._version
             del data, low, owned
         if store is not None:
             store.drop_rest()
