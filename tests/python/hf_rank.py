@@ -60,6 +60,11 @@ def main():
             report["saved_max_diff"] = max((reloaded[k] - v.view(reloaded[k].shape)).abs().max().item()
                                            for k, v in masters.items())
         pathlib.Path(out).write_text(json.dumps(report))
+    finish(engine, world)
+
+
+def finish(engine, world):
+    """Tears the rank down and exits 0."""
     engine.destroy()
     if world > 1:
         torch.distributed.barrier()
@@ -99,12 +104,7 @@ def modify_on_one_rank(swap, out, rank, world):
         pathlib.Path(out).write_text(json.dumps({
             "world": world, "logits": logits.flatten().tolist(),
             "lm_head": masters["lm_head.weight"].flatten().tolist()}))
-    engine.destroy()
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish(engine, world)
 
 
 def generate_ragged(swap, out, rank, world):
@@ -128,12 +128,7 @@ def generate_ragged(swap, out, rank, world):
                                      eos_token_id=first if rank == 1 else None)
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps({"world": world, "ids": got[0].tolist()}))
-    engine.destroy()
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish(engine, world)
 
 
 def accelerate_loop(swap, rank, world, global_batch):

@@ -162,29 +162,39 @@ class StateMixin:
         fp32 master (this rank's part), and the engine's copy from it as the optimizer converts."""
         if not values:
             return
-        stage3 = self._zero is not None and self._zero.stage == 3
         for s, v in values:
             flat = v.reshape(-1)
             if s.pid is not None:
                 master = flat[s.zero_start : s.zero_start + s.zero_count].float().contiguous()
                 self.native_optimizer.write_state(s.pid, "master", master)
-                low = torch.empty(s.zero_count, dtype=self.compute_dtype)
-                self.native_optimizer.read_param(s.pid, low)
-                lease = self.native.acquire(s.tid, "host", "read_write")
-                t = torch.from_dlpack(lease.as_tensor())
-                at = 0 if stage3 else s.zero_start
-                t[at : at + s.zero_count] = low
-                del t, lease
-            elif stage3:
-                shard = torch.zeros(s.zero_shard, dtype=self.compute_dtype)
-                shard[: s.zero_count] = flat[s.zero_start : s.zero_start + s.zero_count]
-                self.native.write(s.tid, shard)
+                self._param_from_master(s)
             else:
-                self.native.write(s.tid, v)
-        if self._zero is not None and not stage3:
+                self._write_frozen(s, flat)
+        if self._zero is not None and self._zero.stage < 3:
             self._gather_updated_params()
         self.native.flush()
         self._param_version += 1
+
+    def _param_from_master(self, slot):
+        """The engine's copy of a trainable parameter (this rank's part) from its fp32 master, as
+        the optimizer converts its outputs. Stages 1 and 2 then need _gather_updated_params."""
+        low = torch.empty(slot.zero_count, dtype=self.compute_dtype)
+        self.native_optimizer.read_param(slot.pid, low)
+        lease = self.native.acquire(slot.tid, "host", "read_write")
+        t = torch.from_dlpack(lease.as_tensor())
+        at = 0 if self._zero is not None and self._zero.stage == 3 else slot.zero_start
+        t[at : at + slot.zero_count] = low
+        del t, lease
+
+    def _write_frozen(self, slot, flat):
+        """A frozen parameter's whole value (flat, compute dtype) into the engine: this rank's shard
+        in stage 3, else all of it."""
+        if self._zero is not None and self._zero.stage == 3:
+            shard = torch.zeros(slot.zero_shard, dtype=self.compute_dtype)
+            shard[: slot.zero_count] = flat[slot.zero_start : slot.zero_start + slot.zero_count]
+            self.native.write(slot.tid, shard)
+        else:
+            self.native.write(slot.tid, flat.view(slot.shape))
 
     def _gathered_master(self, slot):
         """Across ranks: the fp32 master of one trainable parameter, gathered (a collective)."""

@@ -451,15 +451,8 @@ def load(engine, load_dir, tag):
     # The low-precision params from the masters, as the optimizer writes them.
     stage3 = engine._zero is not None and engine._zero.stage == 3
     for s in engine._slots:
-        if s.pid is None:
-            continue
-        low = torch.empty(s.zero_count, dtype=engine.compute_dtype)
-        engine.native_optimizer.read_param(s.pid, low)
-        lease = engine.native.acquire(s.tid, "host", "read_write")
-        flat = torch.from_dlpack(lease.as_tensor())
-        at = 0 if stage3 else s.zero_start
-        flat[at : at + s.zero_count] = low
-        del flat, lease
+        if s.pid is not None:
+            engine._param_from_master(s)
     frozen = [s for s in engine._slots if not s.trainable]
     if frozen:
         esize = torch.empty(0, dtype=engine.compute_dtype).element_size()
@@ -468,13 +461,7 @@ def load(engine, load_dir, tag):
                 raw = f.read(s.numel * esize)
                 if len(raw) != s.numel * esize:
                     raise _tier.DataLoss(f"checkpoint {path}: frozen.bin is shorter than the model needs ({s.name})")
-                t = torch.frombuffer(bytearray(raw), dtype=engine.compute_dtype)
-                if stage3:
-                    shard = torch.zeros(s.zero_shard, dtype=engine.compute_dtype)
-                    shard[: s.zero_count] = t[s.zero_start : s.zero_start + s.zero_count]
-                    engine.native.write(s.tid, shard)
-                else:
-                    engine.native.write(s.tid, t)
+                engine._write_frozen(s, torch.frombuffer(bytearray(raw), dtype=engine.compute_dtype))
     if engine._zero is not None and not stage3:
         engine._gather_updated_params()
     engine.native.flush()
