@@ -77,12 +77,9 @@ def finish(engine, world):
 accelerate_state = {}
 
 
-def modify_on_one_rank(swap, out, rank, world):
-    """engine.modify_parameters with modifier_rank 1 (stage 3 across ranks): rank 1 halves
-    lm_head and rank 0 multiplies it by 7, which must not count; rank 0 writes the gathered
-    masters and the logits of a forward after it."""
-    if world > 1:
-        torch.distributed.init_process_group("gloo")
+def plain_config(swap, rank, **top):
+    """The test's DeepSpeed config for an engine made directly (not by the Trainer): without the
+    "auto" values the Trainer fills, fp32, lr 1e-3; ``top`` sets top-level keys."""
     cfg = ds_config(f"{swap}/rank{rank}")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                 "gradient_clipping"):
@@ -91,6 +88,17 @@ def modify_on_one_rank(swap, out, rank, world):
         cfg["zero_optimization"].pop(key)
     cfg["optimizer"]["params"] = {"lr": 1e-3}
     cfg["bf16"] = {"enabled": False}
+    cfg.update(top)
+    return cfg
+
+
+def modify_on_one_rank(swap, out, rank, world):
+    """engine.modify_parameters with modifier_rank 1 (stage 3 across ranks): rank 1 halves
+    lm_head and rank 0 multiplies it by 7, which must not count; rank 0 writes the gathered
+    masters and the logits of a forward after it."""
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    cfg = plain_config(swap, rank)
     model = make_model()
     engine, _, _, _ = tier.torch.initialize(model=model, config=cfg)
     modifier = world - 1
@@ -112,14 +120,7 @@ def generate_ragged(swap, out, rank, world):
     at its first token (its eos) and rank 0's runs 6 tokens: rank 0 writes its token ids."""
     if world > 1:
         torch.distributed.init_process_group("gloo")  # (the Trainer's and accelerate's state do this)
-    cfg = ds_config(f"{swap}/rank{rank}")
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                "gradient_clipping"):
-        cfg.pop(key)
-    cfg["optimizer"]["params"] = {"lr": 1e-3}  # (an inference-only engine spans one process)
-    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
-        cfg["zero_optimization"].pop(key)
-    cfg["bf16"] = {"enabled": False}
+    cfg = plain_config(swap, rank)  # (with its optimizer: an inference-only engine spans one process)
     engine, _, _, _ = tier.torch.initialize(model=make_model(), config=cfg)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
@@ -136,12 +137,7 @@ def accelerate_loop(swap, rank, world, global_batch):
 
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
     accelerate_state["accelerator"] = accelerator
-    cfg = ds_config(f"{swap}/rank{rank}")
-    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "reduce_bucket_size"):
-        cfg.pop(key, None)
-    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
-        cfg["zero_optimization"].pop(key)
-    cfg.update(gradient_accumulation_steps=2, gradient_clipping=0.5, bf16={"enabled": False})
+    cfg = plain_config(swap, rank, gradient_accumulation_steps=2, gradient_clipping=0.5)
     cfg["optimizer"]["params"] = {"lr": 3e-3, "weight_decay": 0.01}
     engine, optimizer, _, _ = tier.torch.initialize(model=make_model(), config=cfg)
     loader = torch.utils.data.DataLoader(Tokens(n=32), batch_size=global_batch // world, shuffle=False)

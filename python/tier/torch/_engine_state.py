@@ -122,39 +122,30 @@ class StateMixin:
                     slots.append(s)
         if self._zero is not None and not 0 <= modifier_rank < self._zero.world:
             raise ValueError(f"modify_parameters: modifier_rank {modifier_rank} is not a rank of {self._zero.world}")
-        held = []
+        held = []  # (slot, its values as the block began)
         try:
             for s in slots:
                 value = self.parameter(s.name).view(s.shape)
-                held.append((s, s.param.data, value.clone()))
+                held.append((s, value.clone()))
                 s.param.data = value
             yield
-        except BaseException:
-            for s, placeholder, _ in held:
-                s.param.data = placeholder
-                s.placeholder_version = s.param._version  # (the block's edits were its own)
-            raise
-        left = []
-        for s, placeholder, before in held:  # every placeholder back first, whatever follows
-            left.append((s, s.param.data, before))
-            s.param.data = placeholder
-            s.placeholder_version = s.param._version
-        changed = []
-        for s, now, before in left:
+        finally:
+            left = [(s, s.param.data) for s, _ in held]
+            for s, _ in held:  # every placeholder back, whatever follows (the block's edits were its own)
+                self._placeholder(s)
+        for s, now in left:
             if tuple(now.shape) != s.shape:
                 raise ValueError(f"modify_parameters: {s.name} left the block with shape {tuple(now.shape)}, not "
                                  f"{s.shape}; nothing was written")
-            changed.append((s, now.detach().to("cpu", self.compute_dtype).contiguous(), before))
+        values = [now.detach().to("cpu", self.compute_dtype).contiguous() for _, now in left]
+        flags = torch.tensor([0 if torch.equal(v, b) else 1 for v, (_, b) in zip(values, held)], dtype=torch.int32)
         if self._zero is not None:
             # The modifier's values everywhere, and which of them it changed.
-            flags = torch.tensor([0 if torch.equal(v, b) else 1 for _, v, b in changed], dtype=torch.int32)
             self._zero.broadcast(flags, modifier_rank)
-            for (_, v, _), f in zip(changed, flags.tolist()):
+            for v, f in zip(values, flags.tolist()):
                 if f:
                     self._zero.broadcast(v, modifier_rank)
-            changed = [(s, v) for (s, v, _), f in zip(changed, flags.tolist()) if f]
-        else:
-            changed = [(s, v) for s, v, b in changed if not torch.equal(v, b)]
+        changed = [(s, v) for (s, _), v, f in zip(held, values, flags.tolist()) if f]
         self._write_parameters(changed)
 
     def _write_parameters(self, values):

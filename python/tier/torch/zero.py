@@ -202,9 +202,8 @@ class ZeroGroup:
     def broadcast(self, tensor, src):
         """``tensor`` (host memory) in place from group rank ``src``: its values on every rank."""
         t = tensor.to(self.device) if self.device.type != "cpu" else tensor
-        root = dist.get_global_rank(self.pg, src) if self.pg is not None else src
         self._run(f"broadcast of {tensor.numel()} elements from rank {src}",
-                  lambda: dist.broadcast(t, src=root, group=self.pg))
+                  lambda: dist.broadcast(t, src=dist.get_global_rank(self.pg, src), group=self.pg))
         if t is not tensor:
             tensor.copy_(t)
 
