@@ -109,6 +109,8 @@ enum class GradMode : std::uint8_t {
   kBorrow = 1,
 };
 
+class MasterSource;  // below: where the fp32 master params live when the optimizer does not hold them
+
 struct OffloadedOptimizerOptions {
   StateHome home = StateHome::kNvme;
 
@@ -141,6 +143,19 @@ struct OffloadedOptimizerOptions {
   // only names the arena they lie in, for the swap space's fixed buffers (may be null). The
   // source, not the optimizer, reports them as resident.
   std::function<Result<PinnedRegion>(std::uint64_t bytes, const std::string& name)> pinned_source;
+  // (optional) The fp32 master params are the caller's, not the optimizer's: e.g. an fp32 model
+  // whose parameters live in engine tensors, which would otherwise hold the same values as the
+  // master after every step (4 bytes per element more on disk, written twice per step). Each
+  // chunk record then holds the moments only; the step reads a partition's master from the source
+  // before updating its first chunk, and writes each chunk's updated values back into it once that
+  // chunk's record is committed (a copy in memory), so a step that fails part-way still leaves
+  // every chunk whole, before or after the step. read_state / write_state of kMaster, read_params
+  // and checkpoints (whose format is unchanged) go through the source too. Partitions deliver no
+  // params (the update is their params): their output must be kNone or kF32, and
+  // PartitionSpec::initial null. Needs the NVMe home with state_copies 1 and no speculation_chunks
+  // (an overlapped pass's updated masters wait in the pipeline buffers until the step commits);
+  // not with Lamb. Must outlive the optimizer.
+  MasterSource* master_source = nullptr;
   // NVMe home: how many copies of the state the swap space keeps (tier.optimizer.state_copies).
   //  2: every chunk has a committed slot and a shadow slot; a step writes the shadows and switches
   //     over only when every chunk is written, so a failed step leaves the previous state whole
@@ -267,6 +282,24 @@ class GradSource {
   // source may start bringing the gradient in. At most once per partition and step; a hinted
   // partition may still not be asked for (the step fails first), so whatever the hint started
   // must be let go when the step returns.
+  virtual void prefetch(PartitionId id) { (void)id; }
+};
+
+// The fp32 master params of the partitions, held by the caller (OffloadedOptimizerOptions::
+// master_source). Called on the thread that calls into the optimizer, or an overlapped step's pass
+// thread (one at a time). The optimizer pairs every acquire with one release and holds at most one
+// lease per partition at a time.
+class MasterSource {
+ public:
+  virtual ~MasterSource() = default;
+  // Partition id's master: numel floats, readable and writable, valid until release(id). An
+  // error fails what asked for it (a step fails as on an I/O error: every chunk stays whole).
+  virtual Result<float*> acquire(PartitionId id) = 0;
+  // Done with it; `wrote`: values were written into it (the source keeps them, e.g. writes its
+  // tensor home). Once per acquire.
+  virtual Status release(PartitionId id, bool wrote) = 0;
+  // A hint: acquire(id) will come soon (a serial step names the next chunk's partitions while it
+  // updates the current one). Whatever it starts must be let go if acquire never comes.
   virtual void prefetch(PartitionId id) { (void)id; }
 };
 

@@ -783,6 +783,16 @@ Status OffloadedOptimizer::save_checkpoint(const std::string& path) {
   const std::size_t elem_bytes[kSections] = {4, dtype_size(cpu::exp_avg_dtype(sd)),
                                              dtype_size(cpu::exp_avg_sq_dtype(sd)), 0, 0};
   auto write_chunk = [&](const Chunk& c, float* base) -> Status {
+    // Masters held by the caller (master_source): into the record's master section first.
+    if (im.external()) TIER_RETURN_IF_ERROR(im.fill_masters(c, base));
+    struct LetGo {
+      Impl& im;
+      const Chunk& c;
+      float* base;
+      ~LetGo() {
+        if (im.external()) im.settle_masters(c, base, /*put_back=*/false).ignore();
+      }
+    } let_go{im, c, base};
     for (PartitionId pid = c.first; pid <= c.last; ++pid) {
       const Partition& p = im.parts[pid];
       const std::uint64_t a = std::max(p.start, c.start);
@@ -870,9 +880,14 @@ Status OffloadedOptimizer::load_checkpoint(const std::string& path, const std::f
       const std::function<void(std::size_t)> written = [&](std::size_t i) { im.commit_spare(im.chunks[i]); };
       s = detail::run_pipeline(
           *im.swap, im.chunks, im.bufs, false, true,
-          [&](std::size_t i, Buffer& b) {
+          [&](std::size_t i, Buffer& b) -> Status {
             if (!im.take_spare(im.chunks[i])) return internal_error("load_checkpoint: no spare slot");
-            return rd.fill(im.chunks[i], b.state);
+            TIER_RETURN_IF_ERROR(rd.fill(im.chunks[i], b.state));
+            if (!im.external()) return {};
+            // The masters are the caller's: copied there now (a failure from here on leaves a
+            // mix, reported below as for the state).
+            TIER_RETURN_IF_ERROR(im.hold_masters(im.chunks[i]));
+            return im.settle_masters(im.chunks[i], b.state, /*put_back=*/true);
           },
           nullptr, nullptr, nullptr, nullptr, &written);
       im.drop_spares();

@@ -40,8 +40,10 @@ constexpr std::uint64_t kMinAutoChunk = 256 * 1024;
 // Pinned bytes of a buffer of `ce` elements: the chunk record (16 bytes per element for fp32
 // state, 12 for bf16, about 10 for int8, with page rounding), then 4 bytes of low-precision
 // staging per element.
-std::uint64_t buffer_bytes_for(std::uint64_t ce, cpu::StateDType d) {
-  return detail::round_up(ChunkLayout::of(ce, d).bytes + ce * 4, 4096);
+// With the masters outside (master_source): the record, then the master section; no staging (such
+// partitions deliver nothing).
+std::uint64_t buffer_bytes_for(std::uint64_t ce, cpu::StateDType d, bool external_master) {
+  return detail::round_up(ChunkLayout::of(ce, d, external_master).span + (external_master ? 0 : ce * 4), 4096);
 }
 // Elements per piece handed to one update thread.
 constexpr std::uint64_t kUpdateGranule = 32 * 1024;
@@ -157,6 +159,80 @@ void OffloadedOptimizer::Impl::drop_spares() {
 void OffloadedOptimizer::Impl::commit_spare(Chunk& c) {
   std::swap(c.slot[c.committed], c.next);
   drop_spare(c);
+}
+
+Result<float*> OffloadedOptimizer::Impl::hold_master(PartitionId pid) {
+  MasterLease& l = masters[pid];
+  if (l.holds == 0) {
+    auto d = opt.master_source->acquire(pid);
+    if (!d.ok()) return d.status().with_context(str("the master params of ", partition_label(pid, parts[pid])));
+    if (*d == nullptr) {
+      return internal_error(str("the MasterSource gave no memory for ", partition_label(pid, parts[pid])));
+    }
+    l.data = *d;
+    l.wrote = false;
+  }
+  ++l.holds;
+  return l.data;
+}
+
+Status OffloadedOptimizer::Impl::let_go_master(PartitionId pid, bool wrote) {
+  MasterLease& l = masters[pid];
+  if (l.holds == 0)
+    return internal_error(str("optimizer: ", partition_label(pid, parts[pid]), "'s master is not held"));
+  l.wrote = l.wrote || wrote;
+  if (--l.holds > 0) return {};
+  l.data = nullptr;
+  Status s = opt.master_source->release(pid, l.wrote);
+  if (!s.ok()) return s.with_context(str("releasing the master params of ", partition_label(pid, parts[pid])));
+  return {};
+}
+
+namespace {
+// Calls fn(pid, element of the chunk, element of the partition, n) for each partition piece of c.
+template <class Fn>
+void for_chunk_pieces(const OffloadedOptimizer::Impl& im, const Chunk& c, Fn&& fn) {
+  for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+    const Partition& p = im.parts[pid];
+    const std::uint64_t a = std::max(p.start, c.start);
+    const std::uint64_t e = std::min(p.start + p.numel, c.start + c.numel);
+    if (e > a) fn(pid, a - c.start, a - p.start, e - a);
+  }
+}
+}  // namespace
+
+Status OffloadedOptimizer::Impl::hold_masters(const Chunk& c) {
+  for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+    auto held = hold_master(pid);
+    if (held.ok()) continue;
+    for (PartitionId q = c.first; q < pid; ++q) let_go_master(q, false).ignore();
+    return held.status();
+  }
+  return {};
+}
+
+Status OffloadedOptimizer::Impl::fill_masters(const Chunk& c, void* base) {
+  TIER_RETURN_IF_ERROR(hold_masters(c));
+  float* m = master(base, c);
+  for_chunk_pieces(*this, c, [&](PartitionId pid, std::uint64_t ca, std::uint64_t pa, std::uint64_t n) {
+    std::memcpy(m + ca, masters[pid].data + pa, n * sizeof(float));
+  });
+  return {};
+}
+
+Status OffloadedOptimizer::Impl::settle_masters(const Chunk& c, void* base, bool put_back) {
+  if (put_back) {
+    const float* m = master(base, c);
+    for_chunk_pieces(*this, c, [&](PartitionId pid, std::uint64_t ca, std::uint64_t pa, std::uint64_t n) {
+      std::memcpy(masters[pid].data + pa, m + ca, n * sizeof(float));
+    });
+  }
+  Status first;
+  for (PartitionId pid = c.first; pid <= c.last; ++pid) {
+    Status s = let_go_master(pid, put_back);
+    if (first.ok()) first = s;
+  }
+  return first;
 }
 
 PartitionId OffloadedOptimizer::Impl::partition_at(const Chunk& c, std::uint64_t flat) const {
@@ -418,6 +494,24 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     }
   }
 
+  if (o.master_source != nullptr) {
+    // The masters stay the caller's until a chunk's update is committed: that needs one copy of
+    // the state on NVMe (a chunk commits alone), and an overlapped pass that updates no more
+    // chunks than there are buffers (their masters wait there).
+    const char* why = o.home != StateHome::kNvme  ? "the state on NVMe"
+                      : o.state_copies != 1       ? "state_copies 1"
+                      : o.speculation_chunks != 0 ? "speculation_chunks 0"
+                                                  : nullptr;
+    if (why != nullptr) {
+      return invalid_argument(str("optimizer: masters held by the caller (master_source) need ", why));
+    }
+    for (std::size_t g = 0; g < o.groups.size(); ++g) {
+      if (o.groups[g].kind == cpu::OptimizerKind::kLamb) {
+        return invalid_argument(str("optimizer: parameter group ", g,
+                                    " is Lamb, whose norms pass reads the masters; not with master_source"));
+      }
+    }
+  }
   auto im = std::make_unique<Impl>();
   im->opt = o;
   for (std::size_t g = 0; g < o.groups.size(); ++g) {
@@ -430,18 +524,21 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
 
   // Chunk size: what the buffer budget allows, capped by the model size when known.
   const cpu::StateDType sd = o.state_dtype;
+  const bool ext = o.master_source != nullptr;
   std::uint64_t ce = o.chunk_elements;
   if (ce == 0) {
     const std::uint64_t budget = o.buffer_bytes ? o.buffer_bytes : kDefaultBufferBytes;
     // The largest multiple of 1024 whose buffers fit the budget (a first guess from the bytes
     // per element, walked down past the sections' page rounding).
-    const std::uint64_t per_element = static_cast<std::uint64_t>(4 + cpu::state_bytes_per_element(sd) + 4 + 0.5);
+    // (No staging with the masters outside: they are the params.)
+    const std::uint64_t per_element =
+        static_cast<std::uint64_t>(4 + cpu::state_bytes_per_element(sd) + (ext ? 0 : 4) + 0.5);
     ce = budget / o.buffer_count / per_element / detail::kSectionAlign * detail::kSectionAlign;
-    while (ce > 0 && buffer_bytes_for(ce, sd) * o.buffer_count > budget) ce -= detail::kSectionAlign;
+    while (ce > 0 && buffer_bytes_for(ce, sd, ext) * o.buffer_count > budget) ce -= detail::kSectionAlign;
     if (ce == 0) {
       return invalid_argument(str("optimizer: buffer_bytes ", o.buffer_bytes, " leaves no room for ", o.buffer_count,
                                   " buffers of at least ", detail::kSectionAlign, " elements (",
-                                  buffer_bytes_for(detail::kSectionAlign, sd) * o.buffer_count,
+                                  buffer_bytes_for(detail::kSectionAlign, sd, ext) * o.buffer_count,
                                   " bytes); raise tier.optimizer.buffer_bytes"));
     }
     if (o.max_elements) {
@@ -452,9 +549,9 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
           kMinAutoChunk, detail::round_up((o.max_elements + kMinChunks - 1) / kMinChunks, detail::kSectionAlign));
       ce = std::min({ce, spread, detail::round_up(o.max_elements, detail::kSectionAlign)});
     }
-  } else if (o.buffer_bytes && buffer_bytes_for(ce, sd) * o.buffer_count > o.buffer_bytes) {
+  } else if (o.buffer_bytes && buffer_bytes_for(ce, sd, ext) * o.buffer_count > o.buffer_bytes) {
     return invalid_argument(str("optimizer: ", o.buffer_count, " buffers of ", ce, " elements need ",
-                                format_bytes(buffer_bytes_for(ce, sd) * o.buffer_count),
+                                format_bytes(buffer_bytes_for(ce, sd, ext) * o.buffer_count),
                                 " of pinned memory but buffer_bytes allows ", format_bytes(o.buffer_bytes),
                                 "; lower chunk_elements or buffer_count, or raise buffer_bytes"));
   }
@@ -464,8 +561,8 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
   }
 
   // Pinned buffers.
-  const std::uint64_t state_bytes = ChunkLayout::of(ce, sd).bytes;
-  const std::uint64_t buf_bytes = buffer_bytes_for(ce, sd);
+  const std::uint64_t state_bytes = ChunkLayout::of(ce, sd, ext).bytes;
+  const std::uint64_t buf_bytes = buffer_bytes_for(ce, sd, ext);
   const std::uint64_t align = buf_bytes >= HostArena::kHugePage ? HostArena::kHugePage : 4096;
   im->arena = o.arena;
   if (im->arena == nullptr && !o.pinned_source) {
@@ -498,7 +595,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     Buffer buf;
     buf.mem = std::move(mem).value();
     buf.state = reinterpret_cast<float*>(buf.mem.data);
-    buf.staging = buf.mem.data + state_bytes;
+    buf.staging = buf.mem.data + ChunkLayout::of(ce, sd, ext).span;
     im->bufs.push_back(std::move(buf));
   }
 
@@ -559,7 +656,7 @@ Status open_chunk(OffloadedOptimizer::Impl& im, PartitionId first) {
   Chunk c;
   c.start = im.elements;
   c.stride = im.chunk_elems;
-  c.layout = ChunkLayout::of(c.stride, im.state_dtype());
+  c.layout = im.layout_of(c.stride);
   c.first = c.last = first;
   if (im.nvme()) {
     Buffer& b = im.bufs[im.chunks.size() % im.bufs.size()];
@@ -600,7 +697,7 @@ Status close_chunk(OffloadedOptimizer::Impl& im) {
   // (every offset only decreases, so moving them in order never overwrites one not yet moved).
   const std::uint64_t stride = detail::round_up(c.numel, detail::kSectionAlign);
   if (stride < c.stride) {
-    const ChunkLayout small = ChunkLayout::of(stride, im.state_dtype());
+    const ChunkLayout small = im.layout_of(stride);
     const cpu::StateDType d = im.state_dtype();
     const std::uint64_t used[5] = {0, c.numel * dtype_size(cpu::exp_avg_dtype(d)),
                                    c.numel * dtype_size(cpu::exp_avg_sq_dtype(d)),
@@ -614,7 +711,7 @@ Status close_chunk(OffloadedOptimizer::Impl& im) {
   }
   // state_copies 1: slots and spares trade places, so each has a whole chunk's room (a short last
   // chunk's slot too). The spares come with the first chunk.
-  const std::uint64_t slot_bytes = im.once() ? ChunkLayout::of(im.chunk_elems, im.state_dtype()).bytes : c.bytes();
+  const std::uint64_t slot_bytes = im.once() ? im.layout_of(im.chunk_elems).bytes : c.bytes();
   while (im.once() && im.pool.size() < im.pool_size && im.chunks.size() == 1) {
     auto e = im.swap->allocate(slot_bytes);
     if (!e.ok()) {
@@ -665,6 +762,10 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
     return invalid_argument(str("optimizer: partition '", spec.name, "' has an implausible ", spec.numel, " elements"));
   }
   if (im.parts.size() >= 0xFFFFFFFFull) return resource_exhausted("optimizer: too many partitions");
+  if (im.external() && spec.output != ParamOutput::kNone && spec.output != ParamOutput::kF32) {
+    return invalid_argument(str("optimizer: partition '", spec.name, "' asks for ", param_output_name(spec.output),
+                                " params, but its fp32 master is the caller's (master_source): it is its params"));
+  }
   // int8 state: the partition starts on a block boundary (its blocks then never straddle another
   // partition, and chunk boundaries fall on its block boundaries). The gap stays zero.
   const std::uint64_t gap =
@@ -679,7 +780,7 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
   }
   if (gap) {
     // elements is not on a chunk boundary (those are multiples of 256), so a chunk is open.
-    std::memset(im.open_base + im.open_fill, 0, gap * sizeof(float));
+    if (!im.external()) std::memset(im.open_base + im.open_fill, 0, gap * sizeof(float));  // (the master section)
     im.open_fill += gap;
     im.elements += gap;
     if (im.open_fill == im.chunk_elems) TIER_RETURN_IF_ERROR(close_chunk(im));
@@ -689,18 +790,36 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
   p.start = im.elements;
   p.numel = spec.numel;
   p.group = spec.group;
-  p.output = spec.output;
+  // The caller's master is the partition's params: nothing is delivered.
+  p.output = im.external() ? ParamOutput::kNone : spec.output;
   p.name = spec.name;
   im.parts.push_back(std::move(p));
   im.numel_total += spec.numel;
+  if (im.external()) {
+    im.masters.emplace_back();
+    if (spec.initial != nullptr) {
+      // Initial values given all the same: they go to the caller's master.
+      auto m = im.hold_master(id);
+      if (!m.ok()) {
+        im.parts.pop_back();
+        im.masters.pop_back();
+        im.numel_total -= spec.numel;
+        return m.status();
+      }
+      std::memcpy(*m, spec.initial, spec.numel * sizeof(float));
+      TIER_RETURN_IF_ERROR(im.let_go_master(id, true));
+    }
+  }
 
   std::uint64_t done = 0;
   while (done < spec.numel) {
     if (!im.chunk_open) TIER_RETURN_IF_ERROR(open_chunk(im, id));
     Chunk& c = im.chunks.back();
     const std::uint64_t take = std::min(spec.numel - done, im.chunk_elems - im.open_fill);
-    float* dst = im.open_base + im.open_fill;
-    if (spec.initial) {
+    float* dst = im.open_base + im.open_fill;  // the master section (fp32) comes first
+    if (im.external()) {
+      // (no master in the record)
+    } else if (spec.initial) {
       std::memcpy(dst, spec.initial + done, take * sizeof(float));
     } else {
       std::memset(dst, 0, take * sizeof(float));
@@ -878,6 +997,18 @@ namespace {
 void restore_steps(OffloadedOptimizer::Impl& im, const std::vector<std::int64_t>& old_steps) {
   std::lock_guard<std::mutex> lock(im.groups_mu);
   for (std::size_t g = 0; g < old_steps.size(); ++g) im.groups[g].set_step(old_steps[g]).ignore();
+}
+
+// master_source: the masters an overlapped pass filled are given back to the source, those of the
+// chunks whose update was committed with their updated values (waiting in the pipeline buffers,
+// which the pass's reads did not touch there), the others as they were. Before anything else uses
+// the buffers.
+void settle_pass_masters(OffloadedOptimizer::Impl& im, detail::Overlap& ov, bool committed) {
+  for (const detail::LeftoverRead& f : ov.filled) {
+    Status s = im.settle_masters(im.chunks[f.chunk], im.bufs[f.buffer].state, committed && ov.written[f.chunk] != 0);
+    if (!s.ok()) log(LogLevel::kError, str("optimizer overlapped step: ", s.to_string()));
+  }
+  ov.filled.clear();
 }
 
 // Counters and the timeline after a step.
@@ -1229,6 +1360,11 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
     // (the step's own constants: a group's kind is fixed when the step begins)
     any_lamb = any_lamb || steps[static_cast<std::size_t>(p.group)].hyper_params().kind == cpu::OptimizerKind::kLamb;
   }
+  if (any_lamb && im.external()) {
+    rollback();
+    return failed_precondition(
+        "optimizer step: a Lamb group's norms pass reads the masters, which are the caller's here (master_source)");
+  }
   // Finishing: the trust ratios are the ones pass 1 took over the state the step began with.
   if (owed) part_steps = owed->part_steps;
   if (any_declared) count_chunks(/*over_walk=*/!(any_lamb && !owed));
@@ -1304,20 +1440,41 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
   // overlapped pass does not: its gradients are declared while it runs).
   std::vector<std::uint8_t> hinted;
   std::size_t position = 0;  // of the chunk being processed in the walk
+  // (And the next chunk's masters, when they are the caller's and not held yet.)
   auto hint_next = [&] {
-    if (spec || options.grads == nullptr || position + 1 >= (walk ? walk->order.size() : im.chunks.size())) return;
+    if (spec || (options.grads == nullptr && !im.external()) ||
+        position + 1 >= (walk ? walk->order.size() : im.chunks.size()))
+      return;
     if (hinted.empty()) hinted.assign(im.parts.size(), 0);
     const Chunk& next = im.chunks[walk ? walk->order[position + 1] : position + 1];
     for (PartitionId pid = next.first; pid <= next.last; ++pid) {
       const Partition& p = im.parts[pid];
-      if (!p.declared || p.grad != nullptr || hinted[pid]) continue;
+      if (hinted[pid]) continue;
+      if (im.external() && im.masters[pid].holds == 0) {
+        hinted[pid] = 1;
+        im.opt.master_source->prefetch(pid);
+      }
+      if (options.grads == nullptr || !p.declared || p.grad != nullptr) continue;
       hinted[pid] = 1;
       options.grads->prefetch(pid);
     }
   };
+  // master_source, serial: the chunk whose masters buffer b holds (-1: none). Its updated masters
+  // go back to the source once its write completed and its spare is committed (im.done): when the
+  // buffer comes round again, or after the last chunk.
+  std::vector<std::ptrdiff_t> filled_in(im.bufs.size(), -1);
+  auto settle_buffer = [&](std::size_t b) {
+    const std::ptrdiff_t j = filled_in[b];
+    if (j < 0) return;
+    filled_in[b] = -1;
+    const auto ci = static_cast<std::size_t>(j);
+    Status s = im.settle_masters(im.chunks[ci], im.bufs[b].state, im.done[ci] != 0);
+    if (!s.ok()) log(LogLevel::kError, str("optimizer step: ", s.to_string()));
+  };
   auto process = [&](std::size_t i, std::size_t b, float* base, std::byte* staging) -> Status {
     Chunk& c = im.chunks[i];
-    drain(pending[b]);  // the staging is about to be overwritten
+    drain(pending[b]);            // the staging is about to be overwritten
+    if (!spec) settle_buffer(b);  // its master section is about to be overwritten
     // state_copies 1: the chunk's write goes to a spare (a pass's is held until it is committed or
     // dropped, so the pool bounds how far it runs ahead of the gradient norm).
     if (im.once() && !im.take_spare(c)) {
@@ -1334,10 +1491,16 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
       TIER_RETURN_IF_ERROR(output_chunk(im, c, base, staging, dest, pending_part));
       ++r.redelivered_chunks;
     } else {
-      if (any_declared) {
-        TIER_RETURN_IF_ERROR(fetch_grads(c));
-        hint_next();
+      if (im.external()) {
+        TIER_RETURN_IF_ERROR(im.fill_masters(c, base));
+        if (spec) {
+          spec->filled.push_back({i, b});
+        } else {
+          filled_in[b] = static_cast<std::ptrdiff_t>(i);
+        }
       }
+      if (any_declared) TIER_RETURN_IF_ERROR(fetch_grads(c));
+      if (any_declared || im.external()) hint_next();
       TIER_RETURN_IF_ERROR(update_chunk(im, c, base, staging, steps, dest, part_steps));
       updated_any = true;
       ++r.updated_chunks;
@@ -1394,6 +1557,9 @@ Result<StepReport> run_step(OffloadedOptimizer& self, OffloadedOptimizer::Impl& 
         im.once() ? &written : nullptr);
     if (!spec && im.once()) {
       im.drop_spares();  // writes that failed or were not issued
+    }
+    if (!spec) {
+      for (std::size_t b = 0; b < im.bufs.size(); ++b) settle_buffer(b);
     }
     if (walk)
       r.reused_chunks = static_cast<std::uint64_t>(std::count(walk->preloaded.begin(), walk->preloaded.end(), 1));
@@ -1696,7 +1862,10 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   Result<StepReport> pass = std::move(held->result);
   // state_copies 1: the chunks the pass wrote become the state (they are the step's), or are dropped.
-  auto drop_pass = [&] { im.drop_spares(); };
+  auto drop_pass = [&] {
+    im.drop_spares();
+    settle_pass_masters(im, *held, /*committed=*/false);
+  };
   auto commit_pass = [&] {
     std::uint64_t n = 0;
     for (std::size_t i = 0; i < im.chunks.size(); ++i) {
@@ -1704,6 +1873,7 @@ Result<StepReport> OffloadedOptimizer::finish_overlapped_step() {
       im.commit_spare(im.chunks[i]);
       ++n;
     }
+    settle_pass_masters(im, *held, /*committed=*/true);
     drop_pass();
     return n;
   };
@@ -1824,6 +1994,7 @@ void OffloadedOptimizer::cancel_overlapped_step() noexcept {
   im.skipping.clear();
   std::unique_ptr<detail::Overlap> held = std::move(im.overlap);
   im.drop_spares();
+  settle_pass_masters(im, *held, /*committed=*/false);
   restore_steps(im, held->old_steps);
   // The params the pass delivered are not the committed state's: deliver those again.
   if (held->options.sink != nullptr) held->options.sink->abandoned();
@@ -2037,6 +2208,12 @@ Status OffloadedOptimizer::read_state(PartitionId id, StateKind kind, float* dst
   TIER_RETURN_IF_ERROR(im.idle("read_state"));
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "read_state"));
   if (count > 0 && dst == nullptr) return invalid_argument("optimizer read_state: null destination");
+  if (kind == StateKind::kMaster && im.external()) {
+    if (count == 0) return {};
+    TIER_ASSIGN_OR_RETURN(float* m, im.hold_master(id));
+    std::memcpy(dst, m + offset, count * sizeof(float));
+    return im.let_go_master(id, false);
+  }
   const bool raw = kind == StateKind::kMaster || im.state_dtype() == cpu::StateDType::kF32;
   return for_pieces(im, id, offset, count,
                     [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
@@ -2068,6 +2245,12 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
   TIER_RETURN_IF_ERROR(check_range(im, id, offset, count, "write_state"));
   if (count > 0 && src == nullptr) return invalid_argument("optimizer write_state: null source");
   TIER_RETURN_IF_ERROR(check_encodable(im, kind, src, count));
+  if (kind == StateKind::kMaster && im.external()) {
+    if (count == 0) return {};
+    TIER_ASSIGN_OR_RETURN(float* m, im.hold_master(id));
+    std::memcpy(m + offset, src, count * sizeof(float));
+    return im.let_go_master(id, true);
+  }
   const Partition& p = im.parts[id];
   return for_pieces(
       im, id, offset, count, [&](std::size_t ci, std::uint64_t a, std::uint64_t n, std::uint64_t done) -> Status {
@@ -2177,7 +2360,8 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   // the whole state when smaller), so the pass streams from memory as the step does; the slots
   // hold sane values (params ~1, zero moments), touched once before timing.
   const std::uint64_t ce = im.chunk_elems;
-  const std::uint64_t record_floats = ChunkLayout::of(ce, im.state_dtype()).bytes / 4;
+  const ChunkLayout full = im.layout_of(ce);
+  const std::uint64_t record_floats = full.span / 4;     // (with the master section, wherever it lies)
   const std::uint64_t slot_floats = record_floats + ce;  // a record and the staging
   const std::uint64_t slots = std::max<std::uint64_t>(
       1, std::min<std::uint64_t>(im.chunks.size(), ((256ull << 20) + slot_floats * 4 - 1) / (slot_floats * 4)));
@@ -2188,8 +2372,9 @@ Result<PassReport> OffloadedOptimizer::measure_update_seconds() {
   }
   for (std::uint64_t k = 0; k < slots; ++k) {
     float* base = scratch.get() + k * slot_floats;
-    for (std::uint64_t i = 0; i < ce; ++i) base[i] = 1.0f + static_cast<float>(i % 1000) * 1e-3f;
-    std::memset(base + ce, 0, (slot_floats - ce) * sizeof(float));
+    std::memset(base, 0, slot_floats * sizeof(float));
+    float* m = base + full.offset[static_cast<int>(Section::kMaster)] / 4;
+    for (std::uint64_t i = 0; i < ce; ++i) m[i] = 1.0f + static_cast<float>(i % 1000) * 1e-3f;
   }
   const std::vector<void*> no_dest;
   const auto t0 = Clock::now();
@@ -2224,7 +2409,7 @@ OptimizerStats OffloadedOptimizer::stats() const {
   s.nvme_bytes = im.nvme_slot_bytes.load();
   s.state_copies = im.nvme() ? im.opt.state_copies : 1;
   s.spare_slots = im.pool_size;
-  s.spare_bytes = im.pool_size * ChunkLayout::of(im.chunk_elems, im.state_dtype()).bytes;
+  s.spare_bytes = im.pool_size * im.layout_of(im.chunk_elems).bytes;
   s.failed_step_owed = im.owed_flag.load();
   if (im.own_swap) {
     const nvme::SwapSpaceStats ss = im.own_swap->stats();

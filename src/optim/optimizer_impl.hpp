@@ -52,19 +52,26 @@ struct Partition {
 // The sections of a chunk record of `stride` elements, as byte offsets: master (fp32), exp_avg and
 // exp_avg_sq in the state dtype, then (int8 only) one fp32 scale per 256 elements of each. Every
 // section starts on a 4 KiB boundary. With fp32 state this is three sections of stride floats
-// (the layout of format versions 1 and 2).
+// (the layout of format versions 1 and 2). When the masters are the caller's
+// (OffloadedOptimizerOptions::master_source), the master section moves after the others, outside
+// the record: `bytes` (what is stored and moved) ends before it, `span` (the memory a buffer gives
+// the chunk) holds it too.
 enum class Section : std::uint8_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kExpAvgScales = 3, kExpAvgSqScales = 4 };
 struct ChunkLayout {
   std::uint64_t offset[5] = {};
   std::uint64_t bytes = 0;
-  static ChunkLayout of(std::uint64_t stride, cpu::StateDType d) {
+  std::uint64_t span = 0;
+  static ChunkLayout of(std::uint64_t stride, cpu::StateDType d, bool external_master = false) {
     ChunkLayout l;
     const std::uint64_t sizes[5] = {stride * 4, stride * dtype_size(cpu::exp_avg_dtype(d)),
                                     stride * dtype_size(cpu::exp_avg_sq_dtype(d)),
                                     cpu::state_scale_count(d, stride) * 4, cpu::state_scale_count(d, stride) * 4};
-    for (int s = 0; s < 5; ++s) {
-      l.offset[s] = l.bytes;
-      l.bytes += (sizes[s] + 4095) / 4096 * 4096;
+    static constexpr int kInRecord[5] = {0, 1, 2, 3, 4};
+    static constexpr int kMasterLast[5] = {1, 2, 3, 4, 0};
+    for (int s : external_master ? kMasterLast : kInRecord) {
+      l.offset[s] = l.span;
+      l.span += (sizes[s] + 4095) / 4096 * 4096;
+      if (s != 0 || !external_master) l.bytes = l.span;
     }
     return l;
   }
@@ -145,6 +152,10 @@ struct Overlap {
   std::vector<cpu::AdamStep> steps;
   // Chunks the pass had read but not updated when it stopped (its thread; read after the join).
   std::vector<LeftoverRead> leftover;
+  // master_source: the chunks whose masters the pass filled, with the buffer holding each (its
+  // thread; read after the join). Their updated masters wait there until the step commits (the
+  // pass updates at most as many chunks as there are buffers, and reads leave that section alone).
+  std::vector<LeftoverRead> filled;
   Result<StepReport> result{Status(StatusCode::kInternal, "the overlapped pass has not ended")};
   std::thread thread;
 };
@@ -241,6 +252,41 @@ struct OffloadedOptimizer::Impl {
   // Chunk c's write to `next` completed: `next` becomes its slot, its old slot a spare.
   void commit_spare(detail::Chunk& c);
 
+  // master_source: the masters are the caller's. Per partition, the lease on its master while
+  // chunks hold it (each hold is a chunk, or a state access, using it), and whether anything was
+  // written into it. Touched by one thread at a time (a step's, or an overlapped pass's until it
+  // is joined).
+  struct MasterLease {
+    float* data = nullptr;
+    std::uint32_t holds = 0;
+    bool wrote = false;
+  };
+  std::vector<MasterLease> masters;
+  bool external() const noexcept { return opt.master_source != nullptr; }
+  // Chunk layouts. With the masters outside, a chunk's master section sits where a whole chunk's
+  // does, past any record a buffer reads (a short last chunk's would otherwise lie inside the next
+  // chunk's read into the same buffer, while its updated masters wait there).
+  detail::ChunkLayout layout_of(std::uint64_t stride) const {
+    detail::ChunkLayout l = detail::ChunkLayout::of(stride, opt.state_dtype, external());
+    if (external()) {
+      const detail::ChunkLayout whole = detail::ChunkLayout::of(chunk_elems, opt.state_dtype, true);
+      l.offset[static_cast<int>(detail::Section::kMaster)] = whole.offset[static_cast<int>(detail::Section::kMaster)];
+      l.span = whole.span;
+    }
+    return l;
+  }
+  // One hold of partition pid's master (the first acquires it from the source).
+  Result<float*> hold_master(PartitionId pid);
+  // Gives one hold back (the last releases it, saying whether it was written); the release's error.
+  Status let_go_master(PartitionId pid, bool wrote);
+  // One hold of each of chunk c's partitions' masters (on an error, none).
+  Status hold_masters(const detail::Chunk& c);
+  // Chunk c's partitions' masters held and copied into the master section at `base` (laid out
+  // with c's layout). On an error nothing stays held.
+  Status fill_masters(const detail::Chunk& c, void* base);
+  // After fill_masters (or hold_masters): the master section at `base` copied back into the partitions' masters
+  // (`put_back`; the chunk's update is committed) or not, and the holds given back.
+  Status settle_masters(const detail::Chunk& c, void* base, bool put_back);
   bool nvme() const noexcept { return opt.home == StateHome::kNvme; }
   // `finishing`: step() may finish a failed step that is owed; everything else is refused then.
   Status usable(const char* what, bool loading = false, bool finishing = false) const;
