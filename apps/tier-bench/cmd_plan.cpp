@@ -517,9 +517,15 @@ int run_plan(Args& args) {
     if (c.optimizer_home == "cpu") c.host += 12.0 * trained + (p_off ? 0.0 : 4.0 * trained) + buffers;
     // NVMe: the optimizer's state (once and a spare chunk per pipeline buffer, or a committed and a
     // next copy: tier.optimizer.state_copies), params (and room to stage them), gradients.
+    // An fp32 model on NVMe with the state once: its parameters are the masters
+    // (tier.optimizer.params_are_masters), so the records hold m and v only.
+    const bool masters_in_params = p_nvme && o_nvme && dtype == "fp32" && state_copies == 1;
+    const double record = masters_in_params ? 8.0 : 12.0;  // bytes per element of a chunk record
     if (o_nvme) {
-      const double spares = state_copies == 1 ? buffers * 12.0 / 16.0 : 0.0;  // a record per buffer
-      c.nvme += 12.0 * static_cast<double>(state_copies) * trained + spares + 4.0 * trained;
+      // A record per pipeline buffer, whose bytes hold a record and 4 B per element (the staging,
+      // or the master section).
+      const double spares = state_copies == 1 ? buffers * record / (record + 4.0) : 0.0;
+      c.nvme += record * static_cast<double>(state_copies) * trained + spares + 4.0 * trained;
     }
     if (p_nvme) c.nvme += pb * stored;
     // Streamed weights per step: each micro-step's forward and backward read them, less what the
@@ -559,7 +565,10 @@ int run_plan(Args& args) {
       // written back, the 4 B fp32 gradient read (p_nvme: from the engine's NVMe file, through its
       // lease), and the updated params written (pb B; p_nvme: to the engine's file). They go at
       // once, so all at the mixed rate.
-      const double io = (12.0 + 12.0 + 4.0 + pb) * trained / mixed_rate(rates);
+      // With the params as masters: 8 B of records each way, the master read through the
+      // parameter's lease (4 B) and written home once (pb).
+      const double io =
+          (masters_in_params ? 8.0 + 8.0 + 4.0 + 4.0 + pb : 12.0 + 12.0 + 4.0 + pb) * trained / mixed_rate(rates);
       c.optimizer = std::max(io, trained / rates.adam);
     } else if (o_off) {
       c.optimizer = trained / rates.adam;

@@ -276,7 +276,7 @@ void bind_step_driver(nb::module_& m) {
       .def(
           "__init__",
           [](PyStepDriver* self, const EngineConfig& cfg, std::uint64_t max_elements, std::uint64_t max_params,
-             nb::object engine, bool fault_injection) {
+             nb::object engine, bool fault_injection, bool engine_masters) {
             Engine* e = engine.is_none() ? nullptr : &nb::cast<Engine&>(engine);
             auto options =
                 unwrap(optim::OffloadedOptimizerOptions::from_config(cfg, max_elements, e ? &e->counters() : nullptr));
@@ -296,18 +296,24 @@ void bind_step_driver(nb::module_& m) {
               // wraps the optimizer's own I/O engines, so that the engine's transfers stay sound.
               step::serve_beside(options, *e, /*share_swap=*/!fault_injection);
             }
-            std::unique_ptr<StepDriver> d = unwrap(unlocked([&] { return StepDriver::create(options); }));
+            if (engine_masters && e == nullptr) {
+              raise_status(invalid_argument("engine_masters: the masters are engine tensors; give the engine"));
+            }
+            std::unique_ptr<StepDriver> d =
+                unwrap(unlocked([&] { return StepDriver::create(options, engine_masters ? e : nullptr); }));
             new (self) PyStepDriver();
             self->engine_ref = engine;
             self->faults = std::move(faults);
             self->d = std::move(d);
           },
           "config"_a, "max_elements"_a, "max_params"_a = 0, "engine"_a = nb::none(), "fault_injection"_a = false,
+          "engine_masters"_a = false,
           "The optimizer of `config` (its optimizer section, offload_optimizer, clipping, accumulation); "
           "max_elements: the parameters' elements together (sizes the swap files' cap). engine: a tier Engine "
           "whose host budget holds the optimizer's buffers, whose swap space (with an NVMe tier) holds its state "
           "inside tier.budgets.nvme, and whose counters it reports into (tier.torch's). "
-          "fault_injection (tests only): _inject_io_fault can make the optimizer's I/O fail.")
+          "fault_injection (tests only): _inject_io_fault can make the optimizer's I/O fail. engine_masters: the "
+          "fp32 parameters' masters are their engine tensors (add_engine_param), not kept a second time.")
       .def(
           "_inject_io_fault",
           [](PyStepDriver& o, const std::string& op, int err, std::uint64_t nth, std::uint64_t count,
@@ -357,6 +363,20 @@ void bind_step_driver(nb::module_& m) {
           "Adds a parameter with the shape, dtype (float32, bfloat16, float16) and values of `initial` (copied); "
           "returns its index. dtype ('fp32', 'bf16', 'fp16'): the parameter's, when `initial` is another (the fp32 "
           "values a bf16 parameter was made from: the master keeps them).")
+      .def(
+          "add_engine_param",
+          [](PyStepDriver& o, const std::string& name, const std::vector<std::int64_t>& shape, std::uint64_t tensor,
+             int group, std::uint64_t offset) {
+            StepDriver& d = o.get();
+            return unwrap(unlocked(
+                [&] { return d.add_engine_param(name, shape, group, static_cast<TensorId>(tensor), offset); }));
+          },
+          "name"_a, "shape"_a, "tensor"_a, "group"_a = 0, "offset"_a = 0,
+          "(engine_masters) Adds an fp32 parameter whose values and master are elements [offset, offset + numel) "
+          "of fp32 engine tensor `tensor`, updated in place by each step; returns its index.")
+      .def_prop_ro(
+          "engine_masters", [](PyStepDriver& o) { return o.get().engine_masters(); },
+          "Whether the masters are the engine's parameter tensors.")
       .def(
           "finish_registration",
           [](PyStepDriver& o) { check(unlocked([&] { return o.get().finish_registration(); })); },

@@ -159,6 +159,12 @@ struct OptimizerPipelineConfig {
   // state_copies 1: spare chunks beyond the pipeline's buffers that an overlapped pass may update
   // ahead of the gradient norm.
   int speculation_chunks = 0;
+  // An fp32 model whose parameters and state are on NVMe: each parameter's engine tensor is its fp32
+  // master, which the optimizer does not keep again (4 bytes per parameter less on disk and
+  // written per step). Acted on by the adapters where it applies (state_copies 1, no
+  // speculation_chunks, overlap not "delayed", not Lamb, one process); false keeps a master of
+  // the optimizer's own.
+  bool params_are_masters = true;
 };
 
 // Where checkpointed activations go (tier.activations.offload): left on the device (none), or

@@ -72,6 +72,37 @@ class EngineGradSource final : public optim::GradSource {
   std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;  // started by prefetch
 };
 
+// The fp32 masters of partitions whose parameters are engine tensors (an fp32 model: the tensor
+// and the master would hold the same values after every step), leased for reading and writing
+// while the optimizer holds them (OffloadedOptimizerOptions::master_source). A prefetch hint
+// starts the acquire, which acquire() then waits for; drop_hints() lets go of those never asked
+// for. Used by one thread at a time, as the optimizer calls it.
+class EngineMasterSource final : public optim::MasterSource {
+ public:
+  explicit EngineMasterSource(Engine& engine);
+  ~EngineMasterSource() override;
+
+  // Partition `id`'s master is elements [offset, offset + numel) of fp32 tensor `tensor`.
+  // Errors: kInvalidArgument (a tensor that is not fp32 or too short, an id bound already).
+  Status bind(optim::PartitionId id, TensorId tensor, std::uint64_t offset, std::uint64_t numel);
+
+  Result<float*> acquire(optim::PartitionId id) override;
+  Status release(optim::PartitionId id, bool wrote) override;
+  void prefetch(optim::PartitionId id) override;
+  // Cancels the hinted acquires not asked for (after a step, which may have failed first).
+  void drop_hints();
+
+ private:
+  struct Place {
+    std::int64_t tensor = -1;
+    std::uint64_t offset = 0;
+  };
+  Engine& engine_;
+  std::vector<Place> places_;
+  std::unordered_map<optim::PartitionId, Lease> leases_;
+  std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;
+};
+
 // Makes an optimizer serve beside `engine` (tier.torch's and the C ABI's wiring): its pipeline
 // buffers are pinned memory inside the engine's host budget (Engine::reserve_host), its I/O
 // registers the engine's arena, and, with the state on NVMe and `share_swap`, its chunks are

@@ -56,6 +56,8 @@ class Communicator;  // tier/comm.hpp
 
 namespace tier::step {
 
+class EngineMasterSource;  // tier/engine_step_io.hpp
+
 // A view of a row-major, contiguous tensor in host memory.
 struct HostTensor {
   const void* data = nullptr;
@@ -142,6 +144,14 @@ class StepDriver {
   // The optimizer of prepared options: from_config's, with what a host framework adds (the
   // engine's counters, its host budget as the pinned source, its arena, a wrapped I/O engine).
   static Result<std::unique_ptr<StepDriver>> create(const optim::OffloadedOptimizerOptions& options);
+  // The same, with the fp32 masters of the parameters added by add_engine_param kept in their
+  // engine tensors instead of the optimizer's records (OffloadedOptimizerOptions::master_source:
+  // 4 bytes per parameter less on disk and written per step). The options must allow it (state on
+  // NVMe, state_copies 1, no speculation_chunks, no Lamb); the engine outlives the driver. Every
+  // parameter is then added with add_engine_param, and steps are serial or overlapped (not
+  // start_async, whose forward reads the params the step writes).
+  static Result<std::unique_ptr<StepDriver>> create(const optim::OffloadedOptimizerOptions& options,
+                                                    Engine* engine_masters);
   ~StepDriver();
   StepDriver(const StepDriver&) = delete;
   StepDriver& operator=(const StepDriver&) = delete;
@@ -154,6 +164,15 @@ class StepDriver {
   // The same, for a parameter of dtype `dtype` whose initial values are given in another one
   // (typically the fp32 values a bf16 parameter was made from: the master keeps them exactly).
   Result<std::size_t> add_param(const std::string& name, const HostTensor& initial, int group, DType dtype);
+  // (A driver made with engine_masters.) Adds an fp32 parameter of shape `shape` whose values, and
+  // fp32 master, are elements [offset, offset + numel) of fp32 engine tensor `tensor`: nothing is
+  // copied, and each step updates the tensor in place (the update is committed chunk by chunk,
+  // each chunk's values written into the tensor once its state is on disk). Errors: add_param's,
+  // and kInvalidArgument for a tensor that is not fp32 or too short, or a driver without
+  // engine_masters.
+  Result<std::size_t> add_engine_param(const std::string& name, std::span<const std::int64_t> shape, int group,
+                                       TensorId tensor, std::uint64_t offset = 0);
+  bool engine_masters() const noexcept { return masters_ != nullptr; }
   // Lays the state out now (writes the last chunk) instead of at the first gradient, step or
   // state access, so that its I/O error is met here. Parameters cannot be added afterwards.
   Status finish_registration();
@@ -261,6 +280,12 @@ class StepDriver {
   struct Async;
 
   explicit StepDriver(std::unique_ptr<optim::OffloadedOptimizer> opt);
+  // add_param's checks of a new parameter's name, dtype and group; its numel.
+  Result<std::uint64_t> check_new_param(const std::string& name, std::span<const std::int64_t> shape, DType dtype,
+                                        int group) const;
+  // Records a parameter the optimizer took as partition `id`.
+  Result<std::size_t> note_param(const std::string& name, std::span<const std::int64_t> shape, DType dtype,
+                                 std::uint64_t numel, int group, optim::PartitionId id);
   // kFailedPrecondition while an asynchronous step runs.
   Status idle(const char* what) const;
   // kFailedPrecondition while a step that failed part-way is owed (state_copies 1).
@@ -281,6 +306,8 @@ class StepDriver {
   // (the optimizer's applied count moved past `applied_before`).
   void book(const Result<optim::StepReport>& r, std::uint64_t applied_before);
 
+  // engine_masters: where the masters are (declared first: it outlives the optimizer).
+  std::unique_ptr<EngineMasterSource> masters_;
   std::unique_ptr<optim::OffloadedOptimizer> opt_;
   int accumulation_steps_ = 1;
   std::vector<ParamInfo> params_;

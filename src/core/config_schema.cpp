@@ -676,6 +676,10 @@ std::vector<KeySpec> build_schema() {
           .auto_is(0)
           .TIER_FIELD(tier.optimizer.speculation_chunks)
           .sample(16, -1));
+  add(K("tier.optimizer.params_are_masters", VK::kBool)
+          .auto_is(true)
+          .TIER_FIELD(tier.optimizer.params_are_masters)
+          .sample(false, "sometimes"));
   add(K("tier.optimizer.state_dtype", VK::kEnum)
           .TIER_ENUM_FIELD(tier.optimizer.state_dtype, OptimizerStateDType, "fp32", "bf16", "int8")
           .sample("int8", "fp8"));

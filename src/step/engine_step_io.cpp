@@ -103,6 +103,70 @@ void EngineGradSource::prefetch(optim::PartitionId id) {
                                      /*traced=*/false));
 }
 
+EngineMasterSource::EngineMasterSource(Engine& engine) : engine_(engine) {}
+
+EngineMasterSource::~EngineMasterSource() {
+  drop_hints();
+  for (auto& [id, lease] : leases_) lease.abandon().ignore();
+}
+
+Status EngineMasterSource::bind(optim::PartitionId id, TensorId tensor, std::uint64_t offset, std::uint64_t numel) {
+  TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tensor));
+  if (info.desc.dtype != DType::kF32) {
+    return invalid_argument(str("the master of partition ", id, " would be tensor '", info.desc.name, "', which is ",
+                                dtype_name(info.desc.dtype), "; a master is fp32"));
+  }
+  if (offset > info.desc.numel || numel > info.desc.numel - offset) {
+    return invalid_argument(str("the master of partition ", id, " would be elements [", offset, ", ", offset + numel,
+                                ") of tensor '", info.desc.name, "', which has ", info.desc.numel));
+  }
+  if (id < places_.size() && places_[id].tensor >= 0) {
+    return invalid_argument(str("partition ", id, " already has its master in tensor ", places_[id].tensor));
+  }
+  if (id >= places_.size()) places_.resize(id + 1);
+  places_[id] = Place{static_cast<std::int64_t>(tensor), offset};
+  return Status::Ok();
+}
+
+Result<float*> EngineMasterSource::acquire(optim::PartitionId id) {
+  if (id >= places_.size() || places_[id].tensor < 0) {
+    return invalid_argument(str("partition ", id, " has no tensor for its master (EngineMasterSource::bind)"));
+  }
+  if (leases_.count(id)) return internal_error(str("the master of partition ", id, " is leased already"));
+  const auto tid = static_cast<TensorId>(places_[id].tensor);
+  Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
+  if (auto ahead = ahead_.find(id); ahead != ahead_.end()) {
+    got = ahead->second.wait();
+    ahead_.erase(ahead);
+  } else {
+    got = engine_.acquire_now(tid, Tier::kHost, Access::kReadWrite, /*traced=*/false);
+  }
+  TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
+  float* data = static_cast<float*>(lease.data()) + places_[id].offset;
+  leases_[id] = std::move(lease);
+  return data;
+}
+
+Status EngineMasterSource::release(optim::PartitionId id, bool wrote) {
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return internal_error(str("the master of partition ", id, " is not leased"));
+  // Not written: the tensor keeps its contents and nothing is written home.
+  Status s = wrote ? it->second.release() : it->second.abandon();
+  leases_.erase(it);
+  return s;
+}
+
+void EngineMasterSource::prefetch(optim::PartitionId id) {
+  if (id >= places_.size() || places_[id].tensor < 0 || ahead_.count(id) || leases_.count(id)) return;
+  ahead_.emplace(id, engine_.acquire(static_cast<TensorId>(places_[id].tensor), Tier::kHost, Access::kReadWrite,
+                                     /*traced=*/false));
+}
+
+void EngineMasterSource::drop_hints() {
+  for (auto& [id, f] : ahead_) f.cancel();
+  ahead_.clear();
+}
+
 namespace {
 // Whether two lists of swap paths name the same directories (as sets, after resolving them).
 bool same_paths(const std::vector<std::string>& a, const std::vector<std::string>& b) {

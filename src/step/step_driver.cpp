@@ -138,8 +138,21 @@ Result<std::unique_ptr<StepDriver>> StepDriver::create(const EngineConfig& confi
 }
 
 Result<std::unique_ptr<StepDriver>> StepDriver::create(const optim::OffloadedOptimizerOptions& options) {
-  TIER_ASSIGN_OR_RETURN(std::unique_ptr<optim::OffloadedOptimizer> opt, optim::OffloadedOptimizer::create(options));
-  return std::unique_ptr<StepDriver>(new StepDriver(std::move(opt)));
+  return create(options, nullptr);
+}
+
+Result<std::unique_ptr<StepDriver>> StepDriver::create(const optim::OffloadedOptimizerOptions& options,
+                                                       Engine* engine_masters) {
+  optim::OffloadedOptimizerOptions o = options;
+  std::unique_ptr<EngineMasterSource> masters;
+  if (engine_masters != nullptr) {
+    masters = std::make_unique<EngineMasterSource>(*engine_masters);
+    o.master_source = masters.get();
+  }
+  TIER_ASSIGN_OR_RETURN(std::unique_ptr<optim::OffloadedOptimizer> opt, optim::OffloadedOptimizer::create(o));
+  std::unique_ptr<StepDriver> d(new StepDriver(std::move(opt)));
+  d->masters_ = std::move(masters);
+  return d;
 }
 
 Status StepDriver::ensure_registered() {
@@ -166,7 +179,8 @@ Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTen
   return add_param(name, initial, group, initial.dtype);
 }
 
-Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTensor& initial, int group, DType dtype) {
+Result<std::uint64_t> StepDriver::check_new_param(const std::string& name, std::span<const std::int64_t> shape,
+                                                  DType dtype, int group) const {
   TIER_RETURN_IF_ERROR(idle("add_param"));
   if (name.empty()) return invalid_argument("add_param: the name is empty");
   if (registered_) {
@@ -177,20 +191,40 @@ Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTen
   if (by_name_.count(name) != 0) {
     return Status(StatusCode::kAlreadyExists, str("add_param: a parameter named '", name, "' was already added"));
   }
-  for (DType d : {initial.dtype, dtype}) {
-    if (!is_param_dtype(d)) {
-      return invalid_argument(
-          str("add_param '", name, "': dtype ", dtype_name(d), "; parameters are float32, bfloat16 or float16"));
-    }
+  if (!is_param_dtype(dtype)) {
+    return invalid_argument(
+        str("add_param '", name, "': dtype ", dtype_name(dtype), "; parameters are float32, bfloat16 or float16"));
   }
-  TIER_ASSIGN_OR_RETURN(std::uint64_t numel, numel_of(initial.shape, str("add_param '", name, "'")));
-  if (numel == 0)
-    return invalid_argument(str("add_param '", name, "': shape ", shape_text(initial.shape), " has no elements"));
-  if (initial.data == nullptr) return invalid_argument(str("add_param '", name, "': no data"));
+  TIER_ASSIGN_OR_RETURN(std::uint64_t numel, numel_of(shape, str("add_param '", name, "'")));
+  if (numel == 0) return invalid_argument(str("add_param '", name, "': shape ", shape_text(shape), " has no elements"));
   if (group < 0 || static_cast<std::size_t>(group) >= opt_->group_count()) {
     return invalid_argument(str("add_param '", name, "': group ", group, " does not exist (", opt_->group_count(),
                                 " groups; add_group adds one)"));
   }
+  return numel;
+}
+
+Result<std::size_t> StepDriver::note_param(const std::string& name, std::span<const std::int64_t> shape, DType dtype,
+                                           std::uint64_t numel, int group, optim::PartitionId id) {
+  if (id != params_.size()) return internal_error(str("add_param '", name, "': partition id ", id, " out of order"));
+  params_.push_back(ParamInfo{name, std::vector<std::int64_t>(shape.begin(), shape.end()), dtype, numel, group});
+  by_name_.emplace(name, params_.size() - 1);
+  grads_in_.push_back(0);
+  return params_.size() - 1;
+}
+
+Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTensor& initial, int group, DType dtype) {
+  if (masters_) {
+    return invalid_argument(str("add_param '", name,
+                                "': this driver keeps the masters in engine tensors (engine_masters); add the "
+                                "parameter with add_engine_param"));
+  }
+  TIER_ASSIGN_OR_RETURN(std::uint64_t numel, check_new_param(name, initial.shape, dtype, group));
+  if (!is_param_dtype(initial.dtype)) {
+    return invalid_argument(str("add_param '", name, "': dtype ", dtype_name(initial.dtype),
+                                "; parameters are float32, bfloat16 or float16"));
+  }
+  if (initial.data == nullptr) return invalid_argument(str("add_param '", name, "': no data"));
   std::vector<float> widened;
   const float* values = static_cast<const float*>(initial.data);
   if (initial.dtype != DType::kF32) {
@@ -206,12 +240,25 @@ Result<std::size_t> StepDriver::add_param(const std::string& name, const HostTen
   spec.initial = values;
   spec.name = name;
   TIER_ASSIGN_OR_RETURN(optim::PartitionId id, opt_->add_partition(spec));
-  if (id != params_.size()) return internal_error(str("add_param '", name, "': partition id ", id, " out of order"));
-  params_.push_back(
-      ParamInfo{name, std::vector<std::int64_t>(initial.shape.begin(), initial.shape.end()), dtype, numel, group});
-  by_name_.emplace(name, params_.size() - 1);
-  grads_in_.push_back(0);
-  return params_.size() - 1;
+  return note_param(name, initial.shape, dtype, numel, group, id);
+}
+
+Result<std::size_t> StepDriver::add_engine_param(const std::string& name, std::span<const std::int64_t> shape,
+                                                 int group, TensorId tensor, std::uint64_t offset) {
+  if (!masters_) {
+    return invalid_argument(
+        str("add_engine_param '", name, "': this driver keeps the masters itself (create it with engine_masters)"));
+  }
+  TIER_ASSIGN_OR_RETURN(std::uint64_t numel, check_new_param(name, shape, DType::kF32, group));
+  TIER_RETURN_IF_ERROR(masters_->bind(static_cast<optim::PartitionId>(params_.size()), tensor, offset, numel)
+                           .with_context(str("add_engine_param '", name, "'")));
+  optim::PartitionSpec spec;
+  spec.numel = numel;
+  spec.group = group;
+  spec.output = optim::ParamOutput::kF32;  // (the update is the params: nothing is delivered)
+  spec.name = name;
+  TIER_ASSIGN_OR_RETURN(optim::PartitionId id, opt_->add_partition(spec));
+  return note_param(name, shape, DType::kF32, numel, group, id);
 }
 
 Result<int> StepDriver::add_group(double lr, double beta1, double beta2, double eps, double weight_decay) {
@@ -384,6 +431,7 @@ Result<optim::StepReport> StepDriver::step(const StepArgs& args) {
 }
 
 void StepDriver::book(const Result<optim::StepReport>& r, std::uint64_t applied_before) {
+  if (masters_) masters_->drop_hints();  // (a step that failed may not have taken what it hinted)
   // An error after the update was committed (its outputs not all delivered) consumed the
   // gradients all the same.
   if (r.ok() || opt_->steps_applied() != applied_before) after_step(r.ok() ? *r : optim::StepReport{});
@@ -451,6 +499,11 @@ void StepDriver::cancel_overlap() noexcept {
 
 Status StepDriver::start_async(const StepArgs& args) {
   TIER_RETURN_IF_ERROR(idle("start_async"));
+  if (masters_) {
+    return failed_precondition(
+        "start_async: the masters are the engine's parameter tensors (engine_masters), which the next forward reads "
+        "while an asynchronous step would write them; use step() or start_overlap()");
+  }
   if (overlap_started_ && opt_->overlapped_step_running()) {
     return failed_precondition(
         "start_async: an overlapped step is running; finish_overlap() or cancel_overlap() first");

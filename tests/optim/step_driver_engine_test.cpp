@@ -6,6 +6,8 @@
 // bad targets are refused with nothing applied.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <chrono>
 #include <cstring>
@@ -301,6 +303,124 @@ TEST(StepDriverEngine, OverlappedAndAsynchronousStepsGiveTheSerialStepsBits) {
     EXPECT_EQ(overlapped.engine_param(k), serial.engine_param(k)) << "param " << k;
     EXPECT_EQ(async.engine_param(k), serial.engine_param(k)) << "param " << k;
   }
+}
+
+// fp32 parameters whose engine tensors are their masters (StepDriver::create with engine_masters,
+// add_engine_param): the tensors are updated in place, to the bits of a driver that keeps masters
+// of its own and writes its outputs into the same kind of tensors, serial and overlapped; the
+// optimizer's records hold the moments only; the checkpoint is the same file.
+struct Fp32Rig {
+  std::vector<std::uint64_t> numels{2000, 370, 1300};
+  Engine* engine = nullptr;
+  std::unique_ptr<StepDriver> driver;
+  std::vector<std::int64_t> param_tensors, grad_tensors;
+
+  Fp32Rig(Engine& e, const std::string& nvme_dir, const std::string& tag, bool masters_in_tensors) : engine(&e) {
+    auto cfg = EngineConfig::from_json(
+        R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+        nvme_dir + R"("}}, "tier": {"io": {"use_direct": false}, "optimizer": {"chunk_elements": 1024}}})");
+    EXPECT_TRUE(cfg.ok()) << cfg.status().to_string();
+    auto o = optim::OffloadedOptimizerOptions::from_config(*cfg, 2000 + 370 + 1300);
+    EXPECT_TRUE(o.ok()) << o.status().to_string();
+    auto d = StepDriver::create(*o, masters_in_tensors ? &e : nullptr);
+    EXPECT_TRUE(d.ok()) << d.status().to_string();
+    if (!d.ok()) return;
+    driver = std::move(d).value();
+    EXPECT_EQ(driver->engine_masters(), masters_in_tensors);
+    for (std::size_t k = 0; k < numels.size(); ++k) {
+      const auto init = values(numels[k], 0.5f, float(k));
+      const std::string name = tag + "/p" + std::to_string(k);
+      auto p = e.register_tensor(TensorDesc{name, DType::kF32, numels[k], Role::kParam}, Tier::kHost, init.data());
+      auto g = e.register_tensor(TensorDesc{"grad/" + name, DType::kF32, numels[k], Role::kGrad}, Tier::kHost);
+      EXPECT_TRUE(p.ok() && g.ok());
+      param_tensors.push_back(*p);
+      grad_tensors.push_back(*g);
+      const std::vector<std::int64_t> shape{static_cast<std::int64_t>(numels[k])};
+      auto idx = masters_in_tensors ? driver->add_engine_param(name, shape, 0, static_cast<TensorId>(*p))
+                                    : driver->add_param(name, HostTensor{init.data(), DType::kF32, shape});
+      EXPECT_TRUE(idx.ok()) << idx.status().to_string();
+    }
+  }
+  StepArgs args() const {
+    StepArgs a;
+    a.engine = EngineTargets{engine, param_tensors, {}, grad_tensors};
+    return a;
+  }
+  std::vector<float> tensor(std::size_t k) const {
+    std::vector<float> out(numels[k]);
+    EXPECT_TRUE(engine->read(static_cast<TensorId>(param_tensors[k]), out.data()).ok());
+    return out;
+  }
+  std::vector<float> state(std::size_t k, optim::StateKind kind) const {
+    std::vector<float> out(numels[k]);
+    EXPECT_TRUE(driver->read_state(k, kind, out.data()).ok());
+    return out;
+  }
+  void declare(int step) {
+    for (std::size_t k = numels.size(); k-- > 0;) {  // (backward's order)
+      const auto g = grad_of(k, numels[k], step);
+      ASSERT_TRUE(engine->write(static_cast<TensorId>(grad_tensors[k]), g.data()).ok());
+      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), DType::kF32, g.size())).value();
+      ASSERT_TRUE(driver->declare_grad(k, sumsq).ok());
+    }
+  }
+};
+
+TEST(StepDriverEngine, Fp32ParamsThatAreTheirMastersAreUpdatedInPlaceToTheSameBits) {
+  const std::string base = nvme::test::shm_base();
+  ScratchDir dir_a(base, "driver-own-masters"), dir_b(base, "driver-engine-masters");
+  auto engine = make_engine();
+  ASSERT_NE(engine, nullptr);
+  Fp32Rig own(*engine, dir_a.path(), "own", false);
+  Fp32Rig in_place(*engine, dir_b.path(), "in-place", true);
+  ASSERT_TRUE(own.driver && in_place.driver);
+  for (int step = 1; step <= 4; ++step) {
+    for (Fp32Rig* r : {&own, &in_place}) {
+      if (step % 2 == 1) {
+        r->declare(step);
+        auto rep = r->driver->step(r->args());
+        ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+      } else {
+        ASSERT_TRUE(r->driver->start_overlap(r->args()).ok());
+        r->declare(step);
+        auto rep = r->driver->finish_overlap();
+        ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+        EXPECT_TRUE(rep->overlapped);
+      }
+    }
+    for (std::size_t k = 0; k < own.numels.size(); ++k) {
+      const auto want = own.tensor(k);
+      EXPECT_EQ(in_place.tensor(k), want) << "param " << k << " after step " << step;
+      EXPECT_EQ(in_place.state(k, optim::StateKind::kMaster), want) << "param " << k;
+      for (auto kind : {optim::StateKind::kExpAvg, optim::StateKind::kExpAvgSq}) {
+        EXPECT_EQ(in_place.state(k, kind), own.state(k, kind)) << "param " << k;
+      }
+    }
+  }
+  // The records hold the moments only: 8 bytes per element instead of 12.
+  const auto stats = [](const Fp32Rig& r) { return nlohmann::json::parse(r.driver->stats_json()); };
+  EXPECT_EQ(stats(in_place)["record_bytes"].get<std::uint64_t>() * 3,
+            stats(own)["record_bytes"].get<std::uint64_t>() * 2);
+  // The same checkpoint file: saved from the tensors, loaded by a driver with masters of its own.
+  const std::string ckpt = dir_b.path() + "/ckpt";
+  ASSERT_TRUE(in_place.driver->save(ckpt).ok());
+  ScratchDir dir_c(base, "driver-loads");
+  auto engine2 = make_engine();  // (the same names: a checkpoint checks them)
+  ASSERT_NE(engine2, nullptr);
+  Fp32Rig other(*engine2, dir_c.path(), "in-place", false);
+  const Status loaded = other.driver->load(ckpt);
+  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+  for (std::size_t k = 0; k < own.numels.size(); ++k) {
+    EXPECT_EQ(other.state(k, optim::StateKind::kMaster), in_place.tensor(k)) << "param " << k;
+  }
+  // What a driver with engine masters cannot do is refused.
+  const std::vector<std::int64_t> shape{4};
+  std::vector<float> four(4, 1.0f);
+  EXPECT_EQ(in_place.driver->add_param("late", HostTensor{four.data(), DType::kF32, shape}).status().code(),
+            StatusCode::kInvalidArgument);
+  in_place.declare(5);
+  EXPECT_EQ(in_place.driver->start_async(in_place.args()).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST(StepDriverEngine, AParameterWithoutAGradientIsRefusedSkippedOrZeroedAsAsked) {

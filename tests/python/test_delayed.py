@@ -118,7 +118,10 @@ def test_a_nvme_budget_without_room_for_the_second_gradients_is_an_error_at_init
     """The delayed update's second set of fp32 gradients lives on NVMe beside the first: a budget
     that cannot hold it is refused at initialize (naming the key and the figure), instead of a
     registration timing out at the first step."""
-    engine, *_ = tier.torch.initialize(make_model(), delayed_config(swap_dir, overlap="exact"))
+    measured = delayed_config(swap_dir, overlap="exact")
+    # (as "delayed" keeps them: a master of the optimizer's own beside each fp32 parameter)
+    measured["tier"]["optimizer"]["params_are_masters"] = False
+    engine, *_ = tier.torch.initialize(make_model(), measured)
     opt = engine.optimizer.stats()
     # The tensors on NVMe, and the optimizer's room in the same swap files and budget.
     assert opt["shared_swap"]

@@ -120,14 +120,15 @@ def test_optimizer_pass_is_every_byte_at_the_mixed_rate(tmp_path):
     rates = got["rates"]
     assert rates["nvme_mixed_source"] == "from read and write"
     assert rates["nvme_mixed_bytes_per_second"] == pytest.approx(2 / (1 / 2e9 + 1 / 4e9))
-    # The state read and written (12 + 12 B), the fp32 gradient read (4 B), the params written (4 B).
-    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(32 * n / rates["nvme_mixed_bytes_per_second"])
+    # An fp32 model's params are its masters: m and v read and written (8 + 8 B), the fp32 gradient
+    # read (4 B), the params read as the masters (4 B) and written back (4 B).
+    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(28 * n / rates["nvme_mixed_bytes_per_second"])
     # A given mixed rate replaces it.
     got = plan(*common, "--nvme-read-gbps", 2, "--nvme-write-gbps", 4, "--nvme-mixed-gbps", 1.5)
     assert got["rates"]["nvme_mixed_bytes_per_second"] == pytest.approx(1.5e9)
     assert got["rates"]["nvme_mixed_source"] == "given"
-    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(32 * n / 1.5e9)
-    # bf16: params written back in 2 bytes.
+    assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(28 * n / 1.5e9)
+    # bf16: the master in the records (12 + 12 B), params written back in 2 bytes.
     got = plan("--model", tmp_path, "--nvme-size", "1T", "--adam-gparams", 1000, "--nvme-mixed-gbps", 1.5)
     assert _nvme_row(got)["optimizer_seconds"] == pytest.approx(30 * n / 1.5e9)
 

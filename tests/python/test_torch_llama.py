@@ -233,7 +233,10 @@ def test_a_host_budget_too_small_for_a_step_is_refused_at_initialize(swap_dir):
     with pytest.raises(tier.ResourceExhausted) as e:
         tier.torch.initialize(make_model(), cfg)
     message = str(e.value)
-    assert "tier.budgets.host is 4.20 MiB" in message and "pinned buffers take 4.00 MiB" in message, message
+    assert "tier.budgets.host is 4.20 MiB" in message, message
+    # (4 MiB of buffer_bytes, less the page rounding of chunks sized to fit them)
+    pinned = float(message.split("pinned buffers take ")[1].split(" MiB")[0])
+    assert 3.9 <= pinned <= 4.0, message
     need = int(message.split("raise tier.budgets.host to at least ")[1].split("(")[1].split(" bytes")[0])
     cfg["tier"]["budgets"]["host"] = need
     cfg["tier"]["acquire_timeout_ms"] = 20000

@@ -4,6 +4,7 @@ counters), the stalls, and the adapter's forward/backward/step and the optimizer
 
 import collections
 import json
+import time
 
 import pytest
 
@@ -30,6 +31,11 @@ def test_trace_file_holds_every_transfer_and_the_training_spans(swap_dir, tmp_pa
     cfg["tier"]["trace_file"] = str(path)
     engine, *_ = tier.torch.initialize(make_model(), cfg)
     tier_losses(engine, 3)
+    # The prefetcher may have started the next step's loads as the last one ended: the counts are
+    # taken once they are done, so that both sides hold the same transfers.
+    deadline = time.monotonic() + 10
+    while engine.stats()["metrics"].get("prefetch.inflight_bytes", 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     links = engine.stats()["links"]
     engine.destroy()  # the engine writes the file as it closes
     trace = json.loads(path.read_text())

@@ -225,22 +225,27 @@ def plain_peft_logits(args, adapter_dir, ids, timings=None):
         return model(input_ids=ids).logits.float()
 
 
-def _state_copies(config):
-    """tier.optimizer.state_copies as the config (a dict or a JSON file's path) resolves it."""
+def _state_bytes_per_element(config, esize):
+    """Bytes of optimizer state per trained element on NVMe, as the config (a dict or a JSON file's
+    path) resolves it: master, m and v (12), in one slot or two (tier.optimizer.state_copies);
+    m and v only (8) when an fp32 model's parameters are its masters (state once,
+    tier.optimizer.params_are_masters)."""
     if isinstance(config, str):
         with open(config) as f:
             config = json.load(f)
     resolved = json.loads(_tier.Config.from_json(json.dumps(config)).to_json())
-    return int(resolved["tier"]["optimizer"]["state_copies"])
+    opt = resolved["tier"]["optimizer"]
+    copies = int(opt["state_copies"])
+    masters_in_params = esize == 4 and copies == 1 and opt.get("params_are_masters", True)
+    return (8 if masters_in_params else 12) * copies
 
 
 def check_disk(args, shape, swap_dir, config):
     """Refuses, before anything is written, a run whose NVMe files cannot fit the swap folder's
-    disk: the parameters in their dtype and the optimizer's fp32 state for the trainable ones
-    (master, m and v: 12 bytes per element, in one slot or two: tier.optimizer.state_copies)."""
+    disk: the parameters in their dtype and the optimizer's fp32 state for the trainable ones."""
     n_params, _, _, trainable = shape
     esize = _esize(args)
-    state = 12 * trainable * _state_copies(config)
+    state = _state_bytes_per_element(config, esize) * trainable
     footprint.check_nvme_room([swap_dir], {"parameters": n_params * esize, "optimizer state": state})
 
 

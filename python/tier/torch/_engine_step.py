@@ -436,7 +436,8 @@ class StepMixin:
         now, with the numbers, not met as a TimedOut after tier.acquire_timeout_ms mid-step. Inside
         the budget: the optimizer's pinned buffers, then one chunk's gradients (fp32) and updated
         parameters (compute dtype) as the optimizer reads and delivers them, or the largest
-        parameter's fp32 master and its update, whichever is more."""
+        parameter's fp32 master and its update, whichever is more; with the parameters as masters,
+        those of the chunks in flight too."""
         if self.native_optimizer is None:
             return
         budget = json.loads(self.native.stats_json())["tiers"]["host"]["budget_bytes"]
@@ -446,6 +447,14 @@ class StepMixin:
         chunk = min(st["chunk_elements"], elements) * (4 + esize)
         largest = max((s.zero_count for s in self._slots if s.trainable), default=0) * (4 + esize)
         moving = max(chunk, largest)
+        if getattr(self, "_engine_masters", False):
+            # The parameters are the masters: a chunk's stay leased until its write completed, so
+            # the chunks in the pipeline (buffer_count, and the next one, hinted) hold theirs, and
+            # the partitions reaching past them, beside a chunk's gradients.
+            chunk_elems = min(st["chunk_elements"], elements)
+            largest_elems = max((s.zero_count for s in self._slots if s.trainable), default=0)
+            masters = 4 * ((st["buffer_count"] + 2) * chunk_elems + largest_elems)
+            moving = max(moving, masters + 4 * max(chunk_elems, largest_elems))
         need = st["pinned_bytes"] + moving
         if need > budget:
             fmt = _tier.format_bytes

@@ -437,6 +437,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                     "prefetching)"
                 )
 
+        self._engine_masters = False
         if self.inference_only:
             # Nothing trains: no gradients, no fp32 masters, and a forward outside no_grad builds no
             # graph over the streamed weights.
@@ -455,6 +456,20 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             opt_config = _tier.Config.from_json(json.dumps(opt_cfg))
             # The step driver (include/tier/step_driver.hpp): the step over the engine's tensors,
             # its buffers in the engine's host budget.
+            # An fp32 model with its parameters and state on NVMe: each parameter's engine tensor
+            # is its master (tier.optimizer.params_are_masters; docs/optimizer.md), not kept twice.
+            tier_opt = resolved["tier"]["optimizer"]
+            self._engine_masters = (
+                bool(tier_opt.get("params_are_masters", True))
+                and self.compute_dtype_name == "fp32"
+                and param_home == "nvme"
+                and zero.get("offload_optimizer", {}).get("device") == "nvme"
+                and int(tier_opt.get("state_copies", 1)) == 1
+                and int(tier_opt.get("speculation_chunks", 0)) == 0
+                and tier_opt.get("overlap") != "delayed"
+                and str(resolved.get("optimizer", {}).get("type", "")).lower() != "lamb"
+                and self._zero is None
+            )
             self.native_optimizer = _tier.StepDriver(
                 opt_config,
                 trainable_numel,
@@ -462,6 +477,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 engine=self.native,
                 # Tests only: TIER_FAULT_INJECTION=1 lets optimizer._inject_io_fault fail its I/O.
                 fault_injection=os.environ.get("TIER_FAULT_INJECTION") == "1",
+                engine_masters=self._engine_masters,
             )
             groups = self._build_groups(model_parameters)
 
@@ -485,7 +501,11 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 # staging tensor becomes the parameter's (a 7B model is not written twice); only a
                 # trainable one is read, for its fp32 master.
                 slot.tid = store.adopt(slot.param, slot.name, index)
-                if slot.trainable and slot.zero_count > 0:
+                if slot.trainable and slot.zero_count > 0 and self._engine_masters:
+                    slot.pid = self.native_optimizer.add_engine_param(
+                        slot.name, [slot.numel], slot.tid, groups.get(id(slot.param), 0)
+                    )
+                elif slot.trainable and slot.zero_count > 0:
                     master = torch.empty(slot.numel, dtype=self.compute_dtype)
                     self.native.read(slot.tid, master)
                     group = groups.get(id(slot.param), 0)
@@ -530,7 +550,11 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                     slot.name, self.compute_dtype_name, numel, "param", index, param_home, low,
                     durable=param_home != "nvme",
                 )
-            if slot.trainable and slot.zero_count > 0:
+            if slot.trainable and slot.zero_count > 0 and self._engine_masters:
+                slot.pid = self.native_optimizer.add_engine_param(
+                    slot.name, [slot.numel], slot.tid, groups.get(id(slot.param), 0)
+                )
+            elif slot.trainable and slot.zero_count > 0:
                 if owned is None:  # read into the engine: the master from the engine's copy
                     owned = torch.empty(slot.numel, dtype=self.compute_dtype)
                     self.native.read(slot.tid, owned)
