@@ -60,17 +60,46 @@ std::unique_ptr<Engine> make_engine(bool delayed_streams = false) {
   return e.ok() ? std::move(e).value() : nullptr;
 }
 
-// Three bf16 parameters (flat, as a framework's shards) in an engine, their fp32 gradient sums in
-// engine tensors beside them, and a driver whose masters are the fp32 values they were made from.
-struct Rig {
+// Three parameters in an engine and their fp32 gradient sums in engine tensors beside them, with
+// the driver that steps them.
+struct EngineParams {
   std::vector<std::uint64_t> numels{2000, 370, 1300};  // 4 chunks of 1024: parameters span them
-  std::vector<std::vector<float>> init;
-  std::vector<std::vector<std::int64_t>> shapes;
   Engine* engine = nullptr;
   std::unique_ptr<StepDriver> driver;
   std::vector<std::int64_t> param_tensors, grad_tensors;
 
-  Rig(Engine& e, const std::string& nvme_dir, const std::string& tag) : engine(&e) {
+  explicit EngineParams(Engine& e) : engine(&e) {}
+  StepArgs args() const {
+    StepArgs a;
+    a.engine = EngineTargets{engine, param_tensors, {}, grad_tensors};
+    return a;
+  }
+  // Writes parameter k's gradient into its engine tensor; returns its sum of squares.
+  double put_grad(std::size_t k, const std::vector<float>& g) {
+    EXPECT_TRUE(engine->write(static_cast<TensorId>(grad_tensors[k]), g.data()).ok());
+    return cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), DType::kF32, g.size())).value();
+  }
+  // Parameter k's engine tensor, as elements of T.
+  template <class T>
+  std::vector<T> tensor_as(std::size_t k) const {
+    std::vector<T> out(numels[k]);
+    EXPECT_TRUE(engine->read(static_cast<TensorId>(param_tensors[k]), out.data()).ok());
+    return out;
+  }
+  std::vector<float> state(std::size_t k, optim::StateKind kind) const {
+    std::vector<float> out(numels[k]);
+    EXPECT_TRUE(driver->read_state(k, kind, out.data()).ok());
+    return out;
+  }
+};
+
+// Three bf16 parameters (flat, as a framework's shards), and a driver whose masters are the fp32
+// values they were made from.
+struct Rig : EngineParams {
+  std::vector<std::vector<float>> init;
+  std::vector<std::vector<std::int64_t>> shapes;
+
+  Rig(Engine& e, const std::string& nvme_dir, const std::string& tag) : EngineParams(e) {
     std::uint64_t total = 0;
     for (auto n : numels) total += n;
     driver = make_driver(nvme_dir, total);
@@ -92,28 +121,7 @@ struct Rig {
     }
   }
 
-  StepArgs args() const {
-    StepArgs a;
-    a.engine = EngineTargets{engine, param_tensors, {}, grad_tensors};
-    return a;
-  }
-
-  // Writes parameter k's gradient into its engine tensor; returns its sum of squares.
-  double put_grad(std::size_t k, const std::vector<float>& g) {
-    EXPECT_TRUE(engine->write(static_cast<TensorId>(grad_tensors[k]), g.data()).ok());
-    return cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), DType::kF32, g.size())).value();
-  }
-
-  std::vector<std::uint16_t> engine_param(std::size_t k) const {
-    std::vector<std::uint16_t> out(numels[k]);
-    EXPECT_TRUE(engine->read(static_cast<TensorId>(param_tensors[k]), out.data()).ok());
-    return out;
-  }
-  std::vector<float> state(std::size_t k, optim::StateKind kind) const {
-    std::vector<float> out(numels[k]);
-    EXPECT_TRUE(driver->read_state(k, kind, out.data()).ok());
-    return out;
-  }
+  std::vector<std::uint16_t> engine_param(std::size_t k) const { return tensor_as<std::uint16_t>(k); }
 };
 
 std::vector<float> grad_of(std::size_t k, std::uint64_t n, int step) {
@@ -309,13 +317,8 @@ TEST(StepDriverEngine, OverlappedAndAsynchronousStepsGiveTheSerialStepsBits) {
 // add_engine_param): the tensors are updated in place, to the bits of a driver that keeps masters
 // of its own and writes its outputs into the same kind of tensors, serial and overlapped; the
 // optimizer's records hold the moments only; the checkpoint is the same file.
-struct Fp32Rig {
-  std::vector<std::uint64_t> numels{2000, 370, 1300};
-  Engine* engine = nullptr;
-  std::unique_ptr<StepDriver> driver;
-  std::vector<std::int64_t> param_tensors, grad_tensors;
-
-  Fp32Rig(Engine& e, const std::string& nvme_dir, const std::string& tag, bool masters_in_tensors) : engine(&e) {
+struct Fp32Rig : EngineParams {
+  Fp32Rig(Engine& e, const std::string& nvme_dir, const std::string& tag, bool masters_in_tensors) : EngineParams(e) {
     auto cfg = EngineConfig::from_json(
         R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
@@ -342,27 +345,10 @@ struct Fp32Rig {
       EXPECT_TRUE(idx.ok()) << idx.status().to_string();
     }
   }
-  StepArgs args() const {
-    StepArgs a;
-    a.engine = EngineTargets{engine, param_tensors, {}, grad_tensors};
-    return a;
-  }
-  std::vector<float> tensor(std::size_t k) const {
-    std::vector<float> out(numels[k]);
-    EXPECT_TRUE(engine->read(static_cast<TensorId>(param_tensors[k]), out.data()).ok());
-    return out;
-  }
-  std::vector<float> state(std::size_t k, optim::StateKind kind) const {
-    std::vector<float> out(numels[k]);
-    EXPECT_TRUE(driver->read_state(k, kind, out.data()).ok());
-    return out;
-  }
+  std::vector<float> tensor(std::size_t k) const { return tensor_as<float>(k); }
   void declare(int step) {
     for (std::size_t k = numels.size(); k-- > 0;) {  // (backward's order)
-      const auto g = grad_of(k, numels[k], step);
-      ASSERT_TRUE(engine->write(static_cast<TensorId>(grad_tensors[k]), g.data()).ok());
-      const double sumsq = cpu::sum_of_squares(cpu::ConstTensorRef(g.data(), DType::kF32, g.size())).value();
-      ASSERT_TRUE(driver->declare_grad(k, sumsq).ok());
+      ASSERT_TRUE(driver->declare_grad(k, put_grad(k, grad_of(k, numels[k], step))).ok());
     }
   }
 };
