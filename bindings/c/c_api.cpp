@@ -1134,6 +1134,9 @@ tier_status_t tier_optimizer_create(const tier_optimizer_config_t* config, tier_
     Result<tier::EngineConfig> cfg = parse_config(c.json, c.json_path, c.strict, c.ignore_env);
     if (!cfg.ok()) return cfg.status().with_context("config");
     auto handle = std::make_unique<tier_optimizer>();
+    if (c.engine_masters != 0 && c.engine == nullptr) {
+      return tier::invalid_argument("config->engine_masters: the masters are engine tensors; set config->engine");
+    }
     if (c.engine == nullptr) {
       TIER_ASSIGN_OR_RETURN(handle->driver, tier::step::StepDriver::create(*cfg, c.max_elements, c.max_params));
     } else {
@@ -1143,7 +1146,8 @@ tier_status_t tier_optimizer_create(const tier_optimizer_config_t* config, tier_
           auto options, tier::optim::OffloadedOptimizerOptions::from_config(*cfg, c.max_elements, &engine.counters()));
       options.max_partitions = c.max_params;
       tier::step::serve_beside(options, engine);
-      TIER_ASSIGN_OR_RETURN(handle->driver, tier::step::StepDriver::create(options));
+      TIER_ASSIGN_OR_RETURN(handle->driver,
+                            tier::step::StepDriver::create(options, c.engine_masters != 0 ? &engine : nullptr));
     }
     *out_optimizer = handle.release();
     return Status::Ok();
@@ -1165,6 +1169,37 @@ tier_status_t tier_optimizer_add_param(tier_optimizer_t* optimizer, const char* 
     TIER_ASSIGN_OR_RETURN(HostView v, host_view(initial, "initial", name, false, nullptr));
     TIER_ASSIGN_OR_RETURN(std::size_t index,
                           driver_of(optimizer).add_param(name, {v.data, v.layout.dtype, v.shape()}, group));
+    if (out_index != nullptr) *out_index = static_cast<uint32_t>(index);
+    return Status::Ok();
+  });
+}
+
+namespace {
+Result<tier::TensorId> resolve_handle(tier::capi::EngineCore& core, uint64_t handle, const std::string& what,
+                                      const std::function<Status(const tier::capi::TensorMeta&)>& check);
+}  // namespace
+
+tier_status_t tier_optimizer_add_engine_param(tier_optimizer_t* optimizer, const char* name, const int64_t* shape,
+                                              int32_t ndim, tier_tensor_t tensor, uint64_t offset, int32_t group,
+                                              uint32_t* out_index) {
+  return guarded("tier_optimizer_add_engine_param", [&]() -> Status {
+    TIER_C_REQUIRE(optimizer);
+    TIER_C_REQUIRE(name);
+    if (ndim < 0 || (ndim > 0 && shape == nullptr)) {
+      return tier::invalid_argument(
+          str("add_engine_param '", name, "': ndim ", ndim, " with shape ", shape == nullptr ? "NULL" : "given"));
+    }
+    if (!optimizer->engine) {
+      return tier::invalid_argument(str("add_engine_param '", name, "': the optimizer has no engine (config->engine)"));
+    }
+    const std::string what = str("add_engine_param '", name, "': tensor ", tensor.id);
+    TIER_ASSIGN_OR_RETURN(tier::TensorId id,
+                          resolve_handle(*optimizer->engine, tensor.id, what,
+                                         [](const tier::capi::TensorMeta&) { return Status::Ok(); }));
+    TIER_ASSIGN_OR_RETURN(
+        std::size_t index,
+        driver_of(optimizer).add_engine_param(
+            name, std::span<const std::int64_t>(shape, static_cast<std::size_t>(ndim)), group, id, offset));
     if (out_index != nullptr) *out_index = static_cast<uint32_t>(index);
     return Status::Ok();
   });

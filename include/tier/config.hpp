@@ -162,8 +162,8 @@ struct OptimizerPipelineConfig {
   // An fp32 model whose parameters and state are on NVMe: each parameter's engine tensor is its fp32
   // master, which the optimizer does not keep again (4 bytes per parameter less on disk and
   // written per step). Acted on by the adapters where it applies (state_copies 1, no
-  // speculation_chunks, overlap not "delayed", not Lamb, one process); false keeps a master of
-  // the optimizer's own.
+  // speculation_chunks, overlap not "delayed", not Lamb); false keeps a master of the optimizer's
+  // own.
   bool params_are_masters = true;
 };
 

@@ -533,9 +533,16 @@ typedef struct tier_optimizer_config {
    * it). The optimizer holds the engine: tier_engine_destroy may come first, the engine goes with
    * the optimizer. */
   tier_engine_t* engine;
+  /* With `engine`, nonzero: the parameters are fp32 engine tensors that are their own masters
+   * (tier.optimizer.params_are_masters' form for a framework whose parameters live in the engine):
+   * each is added with tier_optimizer_add_engine_param, the optimizer keeps no master of its own
+   * (4 bytes per parameter less on disk and written per step) and each step updates the tensors in
+   * place. Needs the state on NVMe kept once (tier.optimizer.state_copies 1, no speculation_chunks),
+   * not Lamb. */
+  int32_t engine_masters;
 } tier_optimizer_config_t;
 #define TIER_OPTIMIZER_CONFIG_INIT \
-  { sizeof(tier_optimizer_config_t), NULL, NULL, 0, 0, 0, 0, NULL }
+  { sizeof(tier_optimizer_config_t), NULL, NULL, 0, 0, 0, 0, NULL, 0 }
 
 /* Builds an optimizer from the config's "optimizer" section (Adam, AdamW, Adagrad, Lion, Lamb),
  * zero_optimization.offload_optimizer, gradient_clipping, fp16 loss scaling,
@@ -572,6 +579,16 @@ typedef struct tier_param_group {
 /* Adds a parameter group of the same kind as the config's optimizer; its index goes to
  * *out_group. Errors: TIER_ERROR_INVALID_ARGUMENT (a non-finite or negative value, a beta outside
  * [0, 1)). */
+/* (An optimizer made with engine_masters.) Adds an fp32 parameter named `name` of shape
+ * shape[0..ndim) whose values, and fp32 master, are elements [offset, offset + numel) of fp32
+ * tensor `tensor` of the optimizer's engine: nothing is copied, and each step updates the tensor in
+ * place (chunk by chunk, once the chunk's state is on disk). Its index goes to *out_index (may be
+ * NULL). Errors: those of tier_optimizer_add_param, and TIER_ERROR_INVALID_ARGUMENT for a tensor
+ * that is not fp32 or too short, or an optimizer without engine_masters. */
+TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_engine_param(tier_optimizer_t* optimizer, const char* name,
+                                                                         const int64_t* shape, int32_t ndim,
+                                                                         tier_tensor_t tensor, uint64_t offset,
+                                                                         int32_t group, uint32_t* out_index);
 TIER_API TIER_CHECK_RESULT tier_status_t tier_optimizer_add_group(tier_optimizer_t* optimizer,
                                                                   const tier_param_group_t* group, int32_t* out_group);
 

@@ -788,6 +788,92 @@ TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
 // (tier_sum_of_squares) are read by the step from there: serial (step 2 clipped) and overlapped
 // steps match an optimizer handed the same gradients as host arrays, bit for bit. Bad grad
 // tensors are refused naming the parameter, with nothing applied.
+// engine_masters: fp32 parameters that are engine tensors are their own masters, updated in place
+// by each step to the bits an optimizer with masters of its own gives; its records hold m and v
+// only; what does not fit the mode is refused.
+TEST(CApiCxx, EngineTensorsThatAreTheirOwnMastersAreUpdatedInPlace) {
+  TempDir dir;
+  tier_engine_t* e = make_engine(dir.path);
+  ASSERT_NE(e, nullptr) << tier_last_error();
+  std::atomic<int> deleted{0};
+  tier_tensor_options_t on_nvme = TIER_TENSOR_OPTIONS_INIT;
+  on_nvme.home = TIER_TIER_NVME;
+  tier_tensor_t t[2]{};
+  for (int k = 0; k < 2; ++k) {
+    const std::string name = text("p", k);
+    ASSERT_EQ(
+        tier_tensor_register(e, name.c_str(), Producer::make(static_cast<std::size_t>(kRankNumel[k]), 0.0f, &deleted),
+                             &on_nvme, &t[k]),
+        TIER_OK)
+        << tier_last_error();
+    std::vector<float> init(static_cast<std::size_t>(kRankNumel[k]));
+    for (std::int64_t i = 0; i < kRankNumel[k]; ++i) init[static_cast<std::size_t>(i)] = init_value(k, i);
+    ASSERT_EQ(tier_tensor_write(e, t[k], init.data(), init.size() * sizeof(float)), TIER_OK) << tier_last_error();
+  }
+  tier_optimizer_t* own = ranked_optimizer(dir.path, "own", {0, 1});
+  ASSERT_NE(own, nullptr);
+  const std::string json =
+      R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 1.0,)"
+      R"( "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+      (dir.path / "inplace").string() +
+      R"("}}, "tier": {"io": {"use_direct": false}, "optimizer": {"chunk_elements": 1024}}})";
+  tier_optimizer_config_t c = TIER_OPTIMIZER_CONFIG_INIT;
+  c.json = json.c_str();
+  c.ignore_env = 1;
+  c.max_elements = 4096;
+  c.engine_masters = 1;
+  tier_optimizer_t* inplace = nullptr;
+  EXPECT_EQ(tier_optimizer_create(&c, &inplace), TIER_ERROR_INVALID_ARGUMENT);  // no engine
+  EXPECT_NE(std::string(tier_last_error()).find("engine_masters"), std::string::npos) << tier_last_error();
+  c.engine = e;
+  ASSERT_EQ(tier_optimizer_create(&c, &inplace), TIER_OK) << tier_last_error();
+  for (int k = 0; k < 2; ++k) {
+    const std::string name = text("w", k);
+    uint32_t index = 9;
+    ASSERT_EQ(tier_optimizer_add_engine_param(inplace, name.c_str(), &kRankNumel[k], 1, t[k], 0, 0, &index), TIER_OK)
+        << tier_last_error();
+    EXPECT_EQ(index, static_cast<uint32_t>(k));
+  }
+  std::vector<float> one(1, 1.0f);
+  const std::int64_t n1 = 1;
+  DLTensor late = host_f32(one.data(), &n1);
+  EXPECT_EQ(tier_optimizer_add_param(inplace, "late", &late, 0, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(tier_optimizer_add_engine_param(own, "late", &n1, 1, t[0], 0, 0, nullptr), TIER_ERROR_INVALID_ARGUMENT);
+
+  std::vector<float> want[2];
+  for (int k = 0; k < 2; ++k) want[k].assign(static_cast<std::size_t>(kRankNumel[k]), 0.0f);
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<float> g[2];
+    for (int k = 0; k < 2; ++k) {
+      g[k].resize(static_cast<std::size_t>(kRankNumel[k]));
+      for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[k][static_cast<std::size_t>(i)] = grad_value(step, k, i);
+    }
+    DLTensor gt[2] = {host_f32(g[0].data(), &kRankNumel[0]), host_f32(g[1].data(), &kRankNumel[1])};
+    DLTensor outs[2] = {host_f32(want[0].data(), &kRankNumel[0]), host_f32(want[1].data(), &kRankNumel[1])};
+    DLTensor* out_p[2] = {&outs[0], &outs[1]};
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_EQ(tier_optimizer_add_grad(own, static_cast<uint32_t>(k), &gt[k]), TIER_OK);
+      ASSERT_EQ(tier_optimizer_add_grad(inplace, static_cast<uint32_t>(k), &gt[k]), TIER_OK);
+    }
+    tier_step_options_t oo = TIER_STEP_OPTIONS_INIT;
+    oo.params_out = out_p;
+    oo.num_params_out = 2;
+    ASSERT_EQ(tier_optimizer_step(own, &oo, nullptr), TIER_OK) << tier_last_error();
+    ASSERT_EQ(tier_optimizer_step(inplace, nullptr, nullptr), TIER_OK) << tier_last_error();
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> got(want[k].size());
+      ASSERT_EQ(tier_tensor_read(e, t[k], got.data(), got.size() * sizeof(float)), TIER_OK) << tier_last_error();
+      ASSERT_EQ(std::memcmp(got.data(), want[k].data(), got.size() * sizeof(float)), 0)
+          << "step " << step << ", w" << k;
+      ASSERT_NE(got[7], init_value(k, 7)) << "the steps changed nothing";
+    }
+  }
+  EXPECT_EQ(stats_number(inplace, "record_bytes") * 3, stats_number(own, "record_bytes") * 2);
+  tier_optimizer_destroy(inplace);
+  tier_optimizer_destroy(own);
+  tier_engine_destroy(e);
+}
+
 TEST(CApiCxx, DeclaredGradientsAreReadFromEngineTensors) {
   TempDir dir;
   tier_engine_t* e = make_engine(dir.path);

@@ -61,9 +61,7 @@ def config(args, swap):
         "tier": {
             "device": os.environ.get("TIER_TEST_DEVICE", "emulated"),
             "budgets": {"device": args.device_budget, "host": "16M", "nvme": "64M"},
-            # Ranks keep masters of the optimizer's own (params_are_masters is for one process):
-            # so does the one-process reference, so that their state's bytes compare.
-            "optimizer": {"buffer_bytes": "1M", "overlap": args.overlap, "params_are_masters": False},
+            "optimizer": {"buffer_bytes": "1M", "overlap": args.overlap},
         },
     }
     if args.offload_activations != "none":

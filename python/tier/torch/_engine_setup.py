@@ -82,6 +82,16 @@ class SetupMixin:
             return False
         return slot.param.dtype == self.compute_dtype and store.home == self._param_home
 
+    def _add_engine_param(self, slot, groups):
+        """Registers a trainable fp32 parameter whose engine tensor is its master (engine masters):
+        this rank's elements of it, which are its slice of the whole tensor (stages 1 and 2: they
+        are all-gathered from there after each step) or the front of its shard's (stage 3)."""
+        whole = self._zero is None or self._zero.stage < 3
+        offset = slot.zero_start if whole else 0
+        return self.native_optimizer.add_engine_param(
+            slot.name, [slot.zero_count], slot.tid, groups.get(id(slot.param), 0), offset
+        )
+
     @staticmethod
     def _initial_value(slot, store, initial_values):
         """A parameter's starting values as a CPU tensor: from ``initial_values`` (a checkpoint

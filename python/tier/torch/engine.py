@@ -468,7 +468,6 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 and int(tier_opt.get("speculation_chunks", 0)) == 0
                 and tier_opt.get("overlap") != "delayed"
                 and str(resolved.get("optimizer", {}).get("type", "")).lower() != "lamb"
-                and self._zero is None
             )
             self.native_optimizer = _tier.StepDriver(
                 opt_config,
@@ -502,9 +501,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                 # trainable one is read, for its fp32 master.
                 slot.tid = store.adopt(slot.param, slot.name, index)
                 if slot.trainable and slot.zero_count > 0 and self._engine_masters:
-                    slot.pid = self.native_optimizer.add_engine_param(
-                        slot.name, [slot.numel], slot.tid, groups.get(id(slot.param), 0)
-                    )
+                    slot.pid = self._add_engine_param(slot, groups)
                 elif slot.trainable and slot.zero_count > 0:
                     master = torch.empty(slot.numel, dtype=self.compute_dtype)
                     self.native.read(slot.tid, master)
@@ -551,9 +548,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
                     durable=param_home != "nvme",
                 )
             if slot.trainable and slot.zero_count > 0 and self._engine_masters:
-                slot.pid = self.native_optimizer.add_engine_param(
-                    slot.name, [slot.numel], slot.tid, groups.get(id(slot.param), 0)
-                )
+                slot.pid = self._add_engine_param(slot, groups)
             elif slot.trainable and slot.zero_count > 0:
                 if owned is None:  # read into the engine: the master from the engine's copy
                     owned = torch.empty(slot.numel, dtype=self.compute_dtype)
