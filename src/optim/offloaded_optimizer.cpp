@@ -595,7 +595,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     Buffer buf;
     buf.mem = std::move(mem).value();
     buf.state = reinterpret_cast<float*>(buf.mem.data);
-    buf.staging = buf.mem.data + ChunkLayout::of(ce, sd, ext).span;
+    buf.staging = ext ? nullptr : buf.mem.data + ChunkLayout::of(ce, sd, ext).span;  // (none: nothing delivered)
     im->bufs.push_back(std::move(buf));
   }
 
@@ -2289,6 +2289,13 @@ Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
   const std::uint64_t numel = im.parts[id].numel;
   if (dst == nullptr) return invalid_argument("optimizer read_params: null destination");
   if (dtype == DType::kF32) return read_state(id, StateKind::kMaster, static_cast<float*>(dst), 0, numel);
+  if (im.external()) {
+    // The caller's master, converted from where it is.
+    TIER_ASSIGN_OR_RETURN(float* m, im.hold_master(id));
+    const Status s = cpu::convert(cpu::ConstTensorRef(m, DType::kF32, numel), cpu::TensorRef{dst, dtype, numel});
+    const Status released = im.let_go_master(id, false);
+    return s.ok() ? released : s;
+  }
   // fp32 slices into buffer 0's staging (read_state bounces through its state part), converted.
   auto* tmp = reinterpret_cast<float*>(im.bufs[0].staging);
   for (std::uint64_t off = 0; off < numel; off += im.chunk_elems) {

@@ -200,8 +200,18 @@ TEST_P(CallerMasters, StepsMatchTheReferenceAndTheRecordsHoldTheMomentsOnly) {
   EXPECT_GE(b.record_bytes - a.record_bytes, (a.chunks - 1) * master_section);
   // Every slot and spare holds a whole chunk's record.
   EXPECT_EQ(a.nvme_bytes + (a.chunks + kBuffers) * master_section, b.nvme_bytes);
-  // No params are delivered: the update is the params.
+  // No params are delivered: the update is the params. read_params converts the source's.
   EXPECT_EQ(opt().partition_output(5), ParamOutput::kNone);
+  for (PartitionId id : {PartitionId{3}, PartitionId{7}}) {
+    const std::uint64_t n = fp32_model()[id].numel;
+    std::vector<std::uint16_t> got(n), want(n);
+    ASSERT_TRUE(opt().read_params(id, DType::kBF16, got.data()).ok());
+    ASSERT_TRUE(cpu::convert(cpu::ConstTensorRef(ref_->master(id).data(), DType::kF32, n),
+                             cpu::TensorRef{want.data(), DType::kBF16, n})
+                    .ok());
+    EXPECT_EQ(got, want) << "partition " << id;
+  }
+  EXPECT_EQ(masters_->outstanding(), 0u);
 }
 
 TEST_P(CallerMasters, OverlappedStepsMatchTheReferenceWhetherThePassHoldsIsRedoneOrSkipped) {
