@@ -575,10 +575,17 @@ float grad_value(int step, int k, std::int64_t i) {
   return scale * std::sin(0.11f * static_cast<float>(i) + static_cast<float>(step * 3 + k));
 }
 
+// Parameter w<k>'s gradient at `step` (grad_value for each element).
+std::vector<float> rank_grad(int step, int k) {
+  std::vector<float> g(static_cast<std::size_t>(kRankNumel[k]));
+  for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[static_cast<std::size_t>(i)] = grad_value(step, k, i);
+  return g;
+}
+
 // An optimizer holding parameters `ks` (their names w<k>), state on NVMe under dir/sub, beside
 // `engine` when given.
 tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::vector<int> ks,
-                                   tier_engine_t* engine = nullptr) {
+                                   tier_engine_t* engine = nullptr, const tier_tensor_t* engine_masters = nullptr) {
   const std::string json =
       R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 1.0,)"
       R"( "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
@@ -588,10 +595,20 @@ tier_optimizer_t* ranked_optimizer(const fs::path& dir, const char* sub, std::ve
   c.ignore_env = 1;
   c.max_elements = 4096;
   c.engine = engine;
+  c.engine_masters = engine_masters != nullptr ? 1 : 0;
   tier_optimizer_t* o = nullptr;
   EXPECT_EQ(tier_optimizer_create(&c, &o), TIER_OK) << tier_last_error();
   if (o == nullptr) return nullptr;
   for (int k : ks) {
+    if (engine_masters != nullptr) {  // the tensors hold the values: they are the masters
+      const std::string name = text("w", k);
+      uint32_t index = 99;
+      EXPECT_EQ(tier_optimizer_add_engine_param(o, name.c_str(), &kRankNumel[k], 1, engine_masters[k], 0, 0, &index),
+                TIER_OK)
+          << tier_last_error();
+      EXPECT_EQ(index, static_cast<uint32_t>(k));
+      continue;
+    }
     std::vector<float> init(static_cast<std::size_t>(kRankNumel[k]));
     for (std::int64_t i = 0; i < kRankNumel[k]; ++i) init[static_cast<std::size_t>(i)] = init_value(k, i);
     DLTensor t = host_f32(init.data(), &kRankNumel[k]);
@@ -667,8 +684,7 @@ TEST(CApiCxx, AnOptimizerBesideAnEngineKeepsItsStateInTheEnginesSwapFile) {
     }
     for (tier_optimizer_t* o : {own, beside}) {
       for (int k = 0; k < 2; ++k) {
-        std::vector<float> g(static_cast<std::size_t>(kRankNumel[k]));
-        for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[static_cast<std::size_t>(i)] = grad_value(step, k, i);
+        std::vector<float> g = rank_grad(step, k);
         DLTensor gt = host_f32(g.data(), &kRankNumel[k]);
         ASSERT_EQ(tier_optimizer_add_grad(o, static_cast<uint32_t>(k), &gt), TIER_OK) << tier_last_error();
       }
@@ -701,8 +717,7 @@ TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
       DLTensor outs[2];
       DLTensor* out_p[2];
       for (int k = 0; k < 2; ++k) {
-        std::vector<float> g(static_cast<std::size_t>(kRankNumel[k]));
-        for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[static_cast<std::size_t>(i)] = grad_value(step, k, i);
+        std::vector<float> g = rank_grad(step, k);
         DLTensor gt = host_f32(g.data(), &kRankNumel[k]);
         ASSERT_EQ(tier_optimizer_add_grad(ref, static_cast<uint32_t>(k), &gt), TIER_OK) << tier_last_error();
         ref_out[step][k].assign(static_cast<std::size_t>(kRankNumel[k]), 0.0f);
@@ -784,10 +799,6 @@ TEST(CApiCxx, RanksStepWithTheGlobalNormThroughACommunicator) {
   EXPECT_EQ(rv.calls.load(), 2 * kSteps);  // one fp64 all-reduce per rank and step
 }
 
-// Gradients summed in engine tensors (one homed on NVMe) and declared with their sums of squares
-// (tier_sum_of_squares) are read by the step from there: serial (step 2 clipped) and overlapped
-// steps match an optimizer handed the same gradients as host arrays, bit for bit. Bad grad
-// tensors are refused naming the parameter, with nothing applied.
 // engine_masters: fp32 parameters that are engine tensors are their own masters, updated in place
 // by each step to the bits an optimizer with masters of its own gives; its records hold m and v
 // only; what does not fit the mode is refused.
@@ -812,28 +823,14 @@ TEST(CApiCxx, EngineTensorsThatAreTheirOwnMastersAreUpdatedInPlace) {
   }
   tier_optimizer_t* own = ranked_optimizer(dir.path, "own", {0, 1});
   ASSERT_NE(own, nullptr);
-  const std::string json =
-      R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 1.0,)"
-      R"( "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
-      (dir.path / "inplace").string() +
-      R"("}}, "tier": {"io": {"use_direct": false}, "optimizer": {"chunk_elements": 1024}}})";
   tier_optimizer_config_t c = TIER_OPTIMIZER_CONFIG_INIT;
-  c.json = json.c_str();
-  c.ignore_env = 1;
-  c.max_elements = 4096;
+  c.json = "{}";
   c.engine_masters = 1;
-  tier_optimizer_t* inplace = nullptr;
-  EXPECT_EQ(tier_optimizer_create(&c, &inplace), TIER_ERROR_INVALID_ARGUMENT);  // no engine
+  tier_optimizer_t* refused = nullptr;
+  EXPECT_EQ(tier_optimizer_create(&c, &refused), TIER_ERROR_INVALID_ARGUMENT);  // no engine
   EXPECT_NE(std::string(tier_last_error()).find("engine_masters"), std::string::npos) << tier_last_error();
-  c.engine = e;
-  ASSERT_EQ(tier_optimizer_create(&c, &inplace), TIER_OK) << tier_last_error();
-  for (int k = 0; k < 2; ++k) {
-    const std::string name = text("w", k);
-    uint32_t index = 9;
-    ASSERT_EQ(tier_optimizer_add_engine_param(inplace, name.c_str(), &kRankNumel[k], 1, t[k], 0, 0, &index), TIER_OK)
-        << tier_last_error();
-    EXPECT_EQ(index, static_cast<uint32_t>(k));
-  }
+  tier_optimizer_t* inplace = ranked_optimizer(dir.path, "inplace", {0, 1}, e, t);
+  ASSERT_NE(inplace, nullptr);
   std::vector<float> one(1, 1.0f);
   const std::int64_t n1 = 1;
   DLTensor late = host_f32(one.data(), &n1);
@@ -843,11 +840,7 @@ TEST(CApiCxx, EngineTensorsThatAreTheirOwnMastersAreUpdatedInPlace) {
   std::vector<float> want[2];
   for (int k = 0; k < 2; ++k) want[k].assign(static_cast<std::size_t>(kRankNumel[k]), 0.0f);
   for (int step = 1; step <= 3; ++step) {
-    std::vector<float> g[2];
-    for (int k = 0; k < 2; ++k) {
-      g[k].resize(static_cast<std::size_t>(kRankNumel[k]));
-      for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[k][static_cast<std::size_t>(i)] = grad_value(step, k, i);
-    }
+    std::vector<float> g[2] = {rank_grad(step, 0), rank_grad(step, 1)};
     DLTensor gt[2] = {host_f32(g[0].data(), &kRankNumel[0]), host_f32(g[1].data(), &kRankNumel[1])};
     DLTensor outs[2] = {host_f32(want[0].data(), &kRankNumel[0]), host_f32(want[1].data(), &kRankNumel[1])};
     DLTensor* out_p[2] = {&outs[0], &outs[1]};
@@ -874,6 +867,10 @@ TEST(CApiCxx, EngineTensorsThatAreTheirOwnMastersAreUpdatedInPlace) {
   tier_engine_destroy(e);
 }
 
+// Gradients summed in engine tensors (one homed on NVMe) and declared with their sums of squares
+// (tier_sum_of_squares) are read by the step from there: serial (step 2 clipped) and overlapped
+// steps match an optimizer handed the same gradients as host arrays, bit for bit. Bad grad
+// tensors are refused naming the parameter, with nothing applied.
 TEST(CApiCxx, DeclaredGradientsAreReadFromEngineTensors) {
   TempDir dir;
   tier_engine_t* e = make_engine(dir.path);
@@ -900,11 +897,9 @@ TEST(CApiCxx, DeclaredGradientsAreReadFromEngineTensors) {
   eo.grad_tensors = grads;
   eo.num_grad_tensors = 2;
   for (int step = 1; step <= 3; ++step) {
-    std::vector<float> g[2];
+    std::vector<float> g[2] = {rank_grad(step, 0), rank_grad(step, 1)};
     double sumsq[2];
     for (int k = 0; k < 2; ++k) {
-      g[k].resize(static_cast<std::size_t>(kRankNumel[k]));
-      for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[k][static_cast<std::size_t>(i)] = grad_value(step, k, i);
       DLTensor gt = host_f32(g[k].data(), &kRankNumel[k]);
       ASSERT_EQ(tier_optimizer_add_grad(host, static_cast<uint32_t>(k), &gt), TIER_OK);
       ASSERT_EQ(tier_sum_of_squares(&gt, &sumsq[k]), TIER_OK) << tier_last_error();
@@ -996,11 +991,7 @@ TEST(CApiCxx, AStepWritesItsParamsIntoEngineTensors) {
       got1(static_cast<std::size_t>(kRankNumel[1]));
   for (int k = 0; k < 2; ++k) want[k].assign(static_cast<std::size_t>(kRankNumel[k]), 0.0f);
   for (int step = 1; step <= 3; ++step) {
-    std::vector<float> g[2];
-    for (int k = 0; k < 2; ++k) {
-      g[k].resize(static_cast<std::size_t>(kRankNumel[k]));
-      for (std::int64_t i = 0; i < kRankNumel[k]; ++i) g[k][static_cast<std::size_t>(i)] = grad_value(step, k, i);
-    }
+    std::vector<float> g[2] = {rank_grad(step, 0), rank_grad(step, 1)};
     DLTensor gt[2] = {host_f32(g[0].data(), &kRankNumel[0]), host_f32(g[1].data(), &kRankNumel[1])};
     DLTensor outs[2] = {host_f32(want[0].data(), &kRankNumel[0]), host_f32(want[1].data(), &kRankNumel[1])};
     DLTensor* out_p[2] = {&outs[0], &outs[1]};
