@@ -53,13 +53,37 @@ class EngineParamSink final : public optim::ParamSink {
   std::unordered_map<optim::PartitionId, Open> open_;
 };
 
+// Host leases of engine tensors, one per partition, each started ahead on a hint or taken at
+// once: what EngineGradSource and EngineMasterSource hold. Used by one thread at a time.
+class PartitionLeases {
+ public:
+  PartitionLeases(Engine& engine, Access access) : engine_(engine), access_(access) {}
+  ~PartitionLeases();  // cancels the hints never taken, abandons the leases still held
+  // Starts acquiring `tensor` for partition `id` (nothing when one is started or held already).
+  void hint(optim::PartitionId id, TensorId tensor);
+  // The lease of `tensor` for partition `id`: the hint's, waited for, or acquired now; held until
+  // end(id). kInternal when one is held already.
+  Result<void*> take(optim::PartitionId id, TensorId tensor);
+  // Ends partition `id`'s lease: released, or abandoned (a write lease whose memory was not
+  // written keeps the tensor's contents). kInternal when none is held.
+  Status end(optim::PartitionId id, bool abandon = false);
+  // Cancels the hints never taken.
+  void drop_hints();
+
+ private:
+  Engine& engine_;
+  Access access_;
+  std::unordered_map<optim::PartitionId, Lease> leases_;
+  std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;  // started by hint
+};
+
 // Declared gradients read from their engine tensors: one host read lease per partition while the
 // step needs it; a prefetch hint starts the acquire, which acquire() then waits for.
 class EngineGradSource final : public optim::GradSource {
  public:
   // tensors[i]: partition i's gradient tensor (< 0: none; asking for it is an error).
+  // (Hinted acquires never asked for, as when the step failed, are cancelled when it goes.)
   EngineGradSource(Engine& engine, std::vector<std::int64_t> tensors);
-  ~EngineGradSource() override;  // cancels hinted acquires never asked for (the step failed)
 
   Result<cpu::ConstTensorRef> acquire(optim::PartitionId id) override;
   void release(optim::PartitionId id) override;
@@ -68,8 +92,7 @@ class EngineGradSource final : public optim::GradSource {
  private:
   Engine& engine_;
   std::vector<std::int64_t> tensors_;
-  std::unordered_map<optim::PartitionId, Lease> leases_;
-  std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;  // started by prefetch
+  PartitionLeases leases_;
 };
 
 // The fp32 masters of partitions whose parameters are engine tensors (an fp32 model: the tensor
@@ -80,7 +103,6 @@ class EngineGradSource final : public optim::GradSource {
 class EngineMasterSource final : public optim::MasterSource {
  public:
   explicit EngineMasterSource(Engine& engine);
-  ~EngineMasterSource() override;
 
   // Partition `id`'s master is elements [offset, offset + numel) of fp32 tensor `tensor`.
   // Errors: kInvalidArgument (a tensor that is not fp32 or too short, an id bound already).
@@ -99,8 +121,7 @@ class EngineMasterSource final : public optim::MasterSource {
   };
   Engine& engine_;
   std::vector<Place> places_;
-  std::unordered_map<optim::PartitionId, Lease> leases_;
-  std::unordered_map<optim::PartitionId, AcquireFuture> ahead_;
+  PartitionLeases leases_;
 };
 
 // Makes an optimizer serve beside `engine` (tier.torch's and the C ABI's wiring): its pipeline

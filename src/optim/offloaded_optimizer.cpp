@@ -595,7 +595,7 @@ Result<std::unique_ptr<OffloadedOptimizer>> OffloadedOptimizer::create(const Off
     Buffer buf;
     buf.mem = std::move(mem).value();
     buf.state = reinterpret_cast<float*>(buf.mem.data);
-    buf.staging = ext ? nullptr : buf.mem.data + ChunkLayout::of(ce, sd, ext).span;  // (none: nothing delivered)
+    buf.staging = ext ? nullptr : buf.mem.data + state_bytes;  // (none with the masters outside: nothing delivered)
     im->bufs.push_back(std::move(buf));
   }
 
@@ -799,15 +799,16 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
     im.masters.emplace_back();
     if (spec.initial != nullptr) {
       // Initial values given all the same: they go to the caller's master.
-      auto m = im.hold_master(id);
-      if (!m.ok()) {
+      Status s = im.with_master(id, true, [&](float* m) {
+        std::memcpy(m, spec.initial, spec.numel * sizeof(float));
+        return Status();
+      });
+      if (!s.ok()) {
         im.parts.pop_back();
         im.masters.pop_back();
         im.numel_total -= spec.numel;
-        return m.status();
+        return s;
       }
-      std::memcpy(*m, spec.initial, spec.numel * sizeof(float));
-      TIER_RETURN_IF_ERROR(im.let_go_master(id, true));
     }
   }
 
@@ -816,13 +817,13 @@ Result<PartitionId> OffloadedOptimizer::add_partition(const PartitionSpec& spec)
     if (!im.chunk_open) TIER_RETURN_IF_ERROR(open_chunk(im, id));
     Chunk& c = im.chunks.back();
     const std::uint64_t take = std::min(spec.numel - done, im.chunk_elems - im.open_fill);
-    float* dst = im.open_base + im.open_fill;  // the master section (fp32) comes first
-    if (im.external()) {
-      // (no master in the record)
-    } else if (spec.initial) {
-      std::memcpy(dst, spec.initial + done, take * sizeof(float));
-    } else {
-      std::memset(dst, 0, take * sizeof(float));
+    if (!im.external()) {  // the master section (fp32) comes first; the caller holds it otherwise
+      float* dst = im.open_base + im.open_fill;
+      if (spec.initial) {
+        std::memcpy(dst, spec.initial + done, take * sizeof(float));
+      } else {
+        std::memset(dst, 0, take * sizeof(float));
+      }
     }
     c.last = id;
     im.open_fill += take;
@@ -2210,9 +2211,10 @@ Status OffloadedOptimizer::read_state(PartitionId id, StateKind kind, float* dst
   if (count > 0 && dst == nullptr) return invalid_argument("optimizer read_state: null destination");
   if (kind == StateKind::kMaster && im.external()) {
     if (count == 0) return {};
-    TIER_ASSIGN_OR_RETURN(float* m, im.hold_master(id));
-    std::memcpy(dst, m + offset, count * sizeof(float));
-    return im.let_go_master(id, false);
+    return im.with_master(id, false, [&](const float* m) {
+      std::memcpy(dst, m + offset, count * sizeof(float));
+      return Status();
+    });
   }
   const bool raw = kind == StateKind::kMaster || im.state_dtype() == cpu::StateDType::kF32;
   return for_pieces(im, id, offset, count,
@@ -2247,9 +2249,10 @@ Status OffloadedOptimizer::write_state(PartitionId id, StateKind kind, const flo
   TIER_RETURN_IF_ERROR(check_encodable(im, kind, src, count));
   if (kind == StateKind::kMaster && im.external()) {
     if (count == 0) return {};
-    TIER_ASSIGN_OR_RETURN(float* m, im.hold_master(id));
-    std::memcpy(m + offset, src, count * sizeof(float));
-    return im.let_go_master(id, true);
+    return im.with_master(id, true, [&](float* m) {
+      std::memcpy(m + offset, src, count * sizeof(float));
+      return Status();
+    });
   }
   const Partition& p = im.parts[id];
   return for_pieces(
@@ -2291,10 +2294,9 @@ Status OffloadedOptimizer::read_params(PartitionId id, DType dtype, void* dst) {
   if (dtype == DType::kF32) return read_state(id, StateKind::kMaster, static_cast<float*>(dst), 0, numel);
   if (im.external()) {
     // The caller's master, converted from where it is.
-    TIER_ASSIGN_OR_RETURN(float* m, im.hold_master(id));
-    const Status s = cpu::convert(cpu::ConstTensorRef(m, DType::kF32, numel), cpu::TensorRef{dst, dtype, numel});
-    const Status released = im.let_go_master(id, false);
-    return s.ok() ? released : s;
+    return im.with_master(id, false, [&](const float* m) {
+      return cpu::convert(cpu::ConstTensorRef(m, DType::kF32, numel), cpu::TensorRef{dst, dtype, numel});
+    });
   }
   // fp32 slices into buffer 0's staging (read_state bounces through its state part), converted.
   auto* tmp = reinterpret_cast<float*>(im.bufs[0].staging);

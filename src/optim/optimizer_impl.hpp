@@ -279,6 +279,15 @@ struct OffloadedOptimizer::Impl {
   Result<float*> hold_master(PartitionId pid);
   // Gives one hold back (the last releases it, saying whether it was written); the release's error.
   Status let_go_master(PartitionId pid, bool wrote);
+  // fn(master) on partition pid's master, held for the call (`wrote`: fn writes into it); fn's
+  // error first, else the release's.
+  template <class Fn>
+  Status with_master(PartitionId pid, bool wrote, Fn&& fn) {
+    TIER_ASSIGN_OR_RETURN(float* m, hold_master(pid));
+    const Status s = fn(m);
+    const Status released = let_go_master(pid, wrote);
+    return s.ok() ? released : s;
+  }
   // One hold of each of chunk c's partitions' masters (on an error, none).
   Status hold_masters(const detail::Chunk& c);
   // Chunk c's partitions' masters held and copied into the master section at `base` (laid out

@@ -61,12 +61,46 @@ Status EngineParamSink::close() {
   return first;
 }
 
-EngineGradSource::EngineGradSource(Engine& engine, std::vector<std::int64_t> tensors)
-    : engine_(engine), tensors_(std::move(tensors)) {}
-
-EngineGradSource::~EngineGradSource() {
-  for (auto& [id, f] : ahead_) f.cancel();
+PartitionLeases::~PartitionLeases() {
+  drop_hints();
+  for (auto& [id, lease] : leases_) lease.abandon().ignore();
 }
+
+void PartitionLeases::hint(optim::PartitionId id, TensorId tensor) {
+  if (ahead_.count(id) || leases_.count(id)) return;
+  ahead_.emplace(id, engine_.acquire(tensor, Tier::kHost, access_, /*traced=*/false));
+}
+
+Result<void*> PartitionLeases::take(optim::PartitionId id, TensorId tensor) {
+  if (leases_.count(id)) return internal_error(str("partition ", id, "'s tensor is leased already"));
+  Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
+  if (auto ahead = ahead_.find(id); ahead != ahead_.end()) {
+    got = ahead->second.wait();
+    ahead_.erase(ahead);
+  } else {
+    got = engine_.acquire_now(tensor, Tier::kHost, access_, /*traced=*/false);
+  }
+  TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
+  void* data = lease.data();
+  leases_[id] = std::move(lease);
+  return data;
+}
+
+Status PartitionLeases::end(optim::PartitionId id, bool abandon) {
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return internal_error(str("partition ", id, "'s tensor is not leased"));
+  Status s = abandon ? it->second.abandon() : it->second.release();
+  leases_.erase(it);
+  return s;
+}
+
+void PartitionLeases::drop_hints() {
+  for (auto& [id, f] : ahead_) f.cancel();
+  ahead_.clear();
+}
+
+EngineGradSource::EngineGradSource(Engine& engine, std::vector<std::int64_t> tensors)
+    : engine_(engine), tensors_(std::move(tensors)), leases_(engine, Access::kRead) {}
 
 Result<cpu::ConstTensorRef> EngineGradSource::acquire(optim::PartitionId id) {
   if (id >= tensors_.size() || tensors_[id] < 0) {
@@ -74,41 +108,22 @@ Result<cpu::ConstTensorRef> EngineGradSource::acquire(optim::PartitionId id) {
   }
   const auto tid = static_cast<TensorId>(tensors_[id]);
   TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tid));
-  auto ahead = ahead_.find(id);
-  Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
-  if (ahead != ahead_.end()) {
-    got = ahead->second.wait();
-    ahead_.erase(ahead);
-  } else {
-    got = engine_.acquire_now(tid, Tier::kHost, Access::kRead, /*traced=*/false);
-  }
-  TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
-  const void* data = lease.data();
-  leases_[id] = std::move(lease);
+  TIER_ASSIGN_OR_RETURN(void* data, leases_.take(id, tid));
   return cpu::ConstTensorRef(data, info.desc.dtype, info.desc.numel);
 }
 
 void EngineGradSource::release(optim::PartitionId id) {
-  auto it = leases_.find(id);
-  if (it == leases_.end()) return;
-  it->second.release().ignore();  // a read lease: nothing to write back
-  leases_.erase(it);
+  leases_.end(id).ignore();  // a read lease (or none): nothing to write back
 }
 
 // The serial step names the next chunk's gradients while it updates the current one: their reads
 // from NVMe start then, instead of stalling the update when it gets there.
 void EngineGradSource::prefetch(optim::PartitionId id) {
-  if (id >= tensors_.size() || tensors_[id] < 0 || ahead_.count(id)) return;
-  ahead_.emplace(id, engine_.acquire(static_cast<TensorId>(tensors_[id]), Tier::kHost, Access::kRead,
-                                     /*traced=*/false));
+  if (id >= tensors_.size() || tensors_[id] < 0) return;
+  leases_.hint(id, static_cast<TensorId>(tensors_[id]));
 }
 
-EngineMasterSource::EngineMasterSource(Engine& engine) : engine_(engine) {}
-
-EngineMasterSource::~EngineMasterSource() {
-  drop_hints();
-  for (auto& [id, lease] : leases_) lease.abandon().ignore();
-}
+EngineMasterSource::EngineMasterSource(Engine& engine) : engine_(engine), leases_(engine, Access::kReadWrite) {}
 
 Status EngineMasterSource::bind(optim::PartitionId id, TensorId tensor, std::uint64_t offset, std::uint64_t numel) {
   TIER_ASSIGN_OR_RETURN(TensorInfo info, engine_.info(tensor));
@@ -132,39 +147,22 @@ Result<float*> EngineMasterSource::acquire(optim::PartitionId id) {
   if (id >= places_.size() || places_[id].tensor < 0) {
     return invalid_argument(str("partition ", id, " has no tensor for its master (EngineMasterSource::bind)"));
   }
-  if (leases_.count(id)) return internal_error(str("the master of partition ", id, " is leased already"));
-  const auto tid = static_cast<TensorId>(places_[id].tensor);
-  Result<Lease> got{Status(StatusCode::kInternal, "no lease")};
-  if (auto ahead = ahead_.find(id); ahead != ahead_.end()) {
-    got = ahead->second.wait();
-    ahead_.erase(ahead);
-  } else {
-    got = engine_.acquire_now(tid, Tier::kHost, Access::kReadWrite, /*traced=*/false);
-  }
-  TIER_ASSIGN_OR_RETURN(Lease lease, std::move(got));
-  float* data = static_cast<float*>(lease.data()) + places_[id].offset;
-  leases_[id] = std::move(lease);
-  return data;
+  TIER_ASSIGN_OR_RETURN(void* data, leases_.take(id, static_cast<TensorId>(places_[id].tensor)));
+  return static_cast<float*>(data) + places_[id].offset;
 }
 
 Status EngineMasterSource::release(optim::PartitionId id, bool wrote) {
-  auto it = leases_.find(id);
-  if (it == leases_.end()) return internal_error(str("the master of partition ", id, " is not leased"));
   // Not written: the tensor keeps its contents and nothing is written home.
-  Status s = wrote ? it->second.release() : it->second.abandon();
-  leases_.erase(it);
-  return s;
+  return leases_.end(id, /*abandon=*/!wrote);
 }
 
 void EngineMasterSource::prefetch(optim::PartitionId id) {
-  if (id >= places_.size() || places_[id].tensor < 0 || ahead_.count(id) || leases_.count(id)) return;
-  ahead_.emplace(id, engine_.acquire(static_cast<TensorId>(places_[id].tensor), Tier::kHost, Access::kReadWrite,
-                                     /*traced=*/false));
+  if (id >= places_.size() || places_[id].tensor < 0) return;
+  leases_.hint(id, static_cast<TensorId>(places_[id].tensor));
 }
 
 void EngineMasterSource::drop_hints() {
-  for (auto& [id, f] : ahead_) f.cancel();
-  ahead_.clear();
+  leases_.drop_hints();
 }
 
 namespace {

@@ -234,10 +234,9 @@ def _state_bytes_per_element(config, esize):
         with open(config) as f:
             config = json.load(f)
     resolved = json.loads(_tier.Config.from_json(json.dumps(config)).to_json())
-    opt = resolved["tier"]["optimizer"]
-    copies = int(opt["state_copies"])
-    masters_in_params = esize == 4 and copies == 1 and opt.get("params_are_masters", True)
-    return (8 if masters_in_params else 12) * copies
+    if footprint.params_are_masters(resolved, "fp32" if esize == 4 else "16-bit"):
+        return 8
+    return 12 * int(resolved["tier"]["optimizer"]["state_copies"])
 
 
 def check_disk(args, shape, swap_dir, config):

@@ -444,17 +444,15 @@ class StepMixin:
         st = self.native_optimizer.stats()
         esize = torch.empty(0, dtype=self.compute_dtype).element_size()
         elements = sum(s.zero_count for s in self._slots if s.trainable)  # (partitions come later)
-        chunk = min(st["chunk_elements"], elements) * (4 + esize)
-        largest = max((s.zero_count for s in self._slots if s.trainable), default=0) * (4 + esize)
-        moving = max(chunk, largest)
-        if getattr(self, "_engine_masters", False):
+        chunk = min(st["chunk_elements"], elements)
+        largest = max((s.zero_count for s in self._slots if s.trainable), default=0)
+        moving = max(chunk, largest) * (4 + esize)
+        if self._engine_masters:
             # The parameters are the masters: a chunk's stay leased until its write completed, so
             # the chunks in the pipeline (buffer_count, and the next one, hinted) hold theirs, and
             # the partitions reaching past them, beside a chunk's gradients.
-            chunk_elems = min(st["chunk_elements"], elements)
-            largest_elems = max((s.zero_count for s in self._slots if s.trainable), default=0)
-            masters = 4 * ((st["buffer_count"] + 2) * chunk_elems + largest_elems)
-            moving = max(moving, masters + 4 * max(chunk_elems, largest_elems))
+            masters = 4 * ((st["buffer_count"] + 2) * chunk + largest)
+            moving = max(moving, masters + 4 * max(chunk, largest))
         need = st["pinned_bytes"] + moving
         if need > budget:
             fmt = _tier.format_bytes

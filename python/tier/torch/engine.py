@@ -458,17 +458,7 @@ class TierEngine(FetchMixin, StepMixin, StateMixin, SetupMixin, torch.nn.Module)
             # its buffers in the engine's host budget.
             # An fp32 model with its parameters and state on NVMe: each parameter's engine tensor
             # is its master (tier.optimizer.params_are_masters; docs/optimizer.md), not kept twice.
-            tier_opt = resolved["tier"]["optimizer"]
-            self._engine_masters = (
-                bool(tier_opt.get("params_are_masters", True))
-                and self.compute_dtype_name == "fp32"
-                and param_home == "nvme"
-                and zero.get("offload_optimizer", {}).get("device") == "nvme"
-                and int(tier_opt.get("state_copies", 1)) == 1
-                and int(tier_opt.get("speculation_chunks", 0)) == 0
-                and tier_opt.get("overlap") != "delayed"
-                and str(resolved.get("optimizer", {}).get("type", "")).lower() != "lamb"
-            )
+            self._engine_masters = _footprint.params_are_masters(resolved, self.compute_dtype_name)
             self.native_optimizer = _tier.StepDriver(
                 opt_config,
                 trainable_numel,

@@ -12,6 +12,25 @@ from .. import _tier
 _PAGE = 4096
 
 
+def params_are_masters(resolved, compute_dtype_name):
+    """Whether a config (resolved by the schema) makes an fp32 model's parameters the optimizer's
+    masters (tier.optimizer.params_are_masters, docs/optimizer.md): its parameters and state on
+    NVMe, the state kept once without speculation chunks, overlap not "delayed", not Lamb. The
+    optimizer then keeps m and v only (8 bytes per trained element with fp32 moments, not 12)."""
+    opt = resolved["tier"]["optimizer"]
+    zero = resolved.get("zero_optimization", {})
+    return (
+        bool(opt.get("params_are_masters", True))
+        and compute_dtype_name == "fp32"
+        and zero.get("offload_param", {}).get("device") == "nvme"
+        and zero.get("offload_optimizer", {}).get("device") == "nvme"
+        and int(opt.get("state_copies", 1)) == 1
+        and int(opt.get("speculation_chunks", 0)) == 0
+        and opt.get("overlap") != "delayed"
+        and str(resolved.get("optimizer", {}).get("type", "")).lower() != "lamb"
+    )
+
+
 def padded(nbytes):
     """Bytes an extent of ``nbytes`` holds on disk (4 KiB pages)."""
     return (int(nbytes) + _PAGE - 1) // _PAGE * _PAGE
