@@ -270,6 +270,30 @@ void bind_step_driver(nb::module_& m) {
         return unwrap(unlocked([&] { return cpu::sum_of_squares(ref); }));
       },
       "x"_a, "The float64 sum of squares of a float32/bfloat16/float16 CPU array (accumulate_grad's).");
+  m.def(
+      "fill_random",
+      [](nb::handle x, const std::string& distribution, float a, float b, std::uint64_t seed, std::uint64_t stream,
+         int threads) {
+        nb::ndarray<nb::c_contig, nb::device::cpu> d;
+        if (!nb::try_cast(x, d, /*convert=*/false)) {  // (not a converted copy: it is written)
+          raise_status(invalid_argument("fill_random: x must be a writable C-contiguous CPU array"));
+        }
+        const DType dt = unwrap(dtype_from(d.dtype(), std::nullopt, "fill_random"));
+        if (distribution != "normal" && distribution != "uniform") {
+          raise_status(
+              invalid_argument(str("fill_random: distribution '", distribution, "' is not normal or uniform")));
+        }
+        const cpu::TensorRef ref{d.data(), dt, d.size()};
+        const bool normal = distribution == "normal";
+        check(unlocked([&] {
+          return normal ? cpu::fill_normal(ref, a, b, seed, stream, threads)
+                        : cpu::fill_uniform(ref, a, b, seed, stream, threads);
+        }));
+      },
+      "x"_a, "distribution"_a, "a"_a, "b"_a, "seed"_a, "stream"_a, "threads"_a = 0,
+      "Fills a float32/bfloat16/float16 CPU array from tier's counter-based generator (tier/cpu_kernels.hpp "
+      "fill_normal, fill_uniform): 'normal' with mean a and std b, or 'uniform' in [a, b). Element i depends on "
+      "(seed, stream, i) only, whatever `threads` (0: all cores).");
   nb::class_<PyStepDriver>(m, "StepDriver",
                            "One training step over offloaded optimizer state, by parameter name "
                            "(tier/step_driver.hpp): what tier.jax and the C ABI train with.")

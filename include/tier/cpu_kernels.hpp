@@ -1,6 +1,7 @@
 // tier/cpu_kernels.hpp — the CPU's element-wise kernels over gradients and parameters: dtype
 // conversion (fp32 <-> fp16/bf16), sum of squares and global L2 norm, inf/nan detection, scaling
-// (loss-scale unscaling, clipping) and clipping by global norm; plus control of the SIMD target.
+// (loss-scale unscaling, clipping) and clipping by global norm; random fills (uniform, normal);
+// plus control of the SIMD target.
 //
 // Every kernel runs on SIMD vectors chosen at run time (Google Highway: AVX-512, AVX2, SSE4, NEON
 // or a portable fallback, from one binary) and takes a thread count: 1 runs on the calling thread
@@ -68,6 +69,21 @@ Result<bool> has_non_finite(ConstTensorRef x, int threads = 1);
 // x *= factor element-wise, in fp32 arithmetic, rounding back to x's dtype. Errors: a non-finite
 // factor.
 Status scale(TensorRef x, float factor, int threads = 1);
+
+// Random fills from a counter-based generator (Philox4x32-10), on SIMD vectors and `threads`
+// threads: what building a model with random weights spends its time on. Element i of x takes
+// its value from (seed, stream, i) alone, so a fill gives the same elements for any thread count,
+// and a tensor's first k elements are those of any longer tensor's fill with the same seed and
+// stream; different streams are independent sequences. fp16/bf16 elements are the fp32 values
+// rounded to nearest-even. The bits may differ between SIMD targets (the normal transform's
+// logarithm and sine), never between runs on one. Errors: a non-float dtype, a bad range.
+//
+// Uniform in [low, high) from 24 random bits per element (as PyTorch's CPU uniform_ draws them;
+// rounding to fp16/bf16 may give `high`). kInvalidArgument unless low <= high, both finite.
+Status fill_uniform(TensorRef x, float low, float high, std::uint64_t seed, std::uint64_t stream, int threads = 1);
+// Normal with `mean` and standard deviation `std` by the Box-Muller transform of two 24-bit
+// uniforms (|x - mean| < 5.8 std). kInvalidArgument unless both are finite and std >= 0.
+Status fill_normal(TensorRef x, float mean, float std, std::uint64_t seed, std::uint64_t stream, int threads = 1);
 
 // The global L2 norm of many tensors, accumulated chunk by chunk, e.g. while gradients stream in
 // from another tier. Not thread-safe: one accumulator per thread, or merge() them in a fixed order.
