@@ -31,8 +31,10 @@ import json
 import threading
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .. import _tier
+from . import fast_random as _fast_random
 from . import zero as _zero
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -90,23 +92,33 @@ class StagedParameters:
     def same_engine_config(self, cfg):
         return _engine_part(engine_config(cfg)) == _engine_part(self.raw_config)
 
-    def stage(self, param):
-        """Copies ``param`` into the engine and turns it into a meta tensor of its shape."""
+    def stage(self, param, fill=None):
+        """Copies ``param`` into the engine and turns it into a meta tensor of its shape. ``fill``
+        (a deferred random draw, fast_random.take_pending): writes its values into the engine's
+        memory instead, ``param``'s own never read."""
         dtype = _DTYPE_NAME.get(param.dtype)
         if dtype is None:
             raise TypeError(
                 f"tier.torch.init: a parameter of dtype {param.dtype} cannot be staged; tier holds fp32, bf16 and "
                 "fp16 parameters"
             )
-        data = param.detach()
-        if data.device.type != "cpu":
-            data = data.cpu()
-        data = data.contiguous()
-        tid = self.native.register(f"init/{self.count}", dtype, data.numel(), "user", 0, self.home, data)
+        numel, nbytes = param.numel(), param.numel() * param.element_size()
+        name = f"init/{self.count}"
+        # Homed on NVMe, the write home overlaps the construction of the next module (init's exit
+        # and initialize flush: durable, and a failed write reported).
+        durable = self.home != "nvme"
+        if fill is not None:
+            tid = self.native.register(name, dtype, numel, "user", 0, self.home, fill=fill, durable=durable)
+        else:
+            data = param.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+            data = data.contiguous()
+            tid = self.native.register(name, dtype, numel, "user", 0, self.home, data, durable=durable)
         self.count += 1
-        self.live[tid] = data.numel() * data.element_size()
-        self.staged_bytes += data.numel() * data.element_size()
-        self.written_bytes += data.numel() * data.element_size()
+        self.live[tid] = nbytes
+        self.staged_bytes += nbytes
+        self.written_bytes += nbytes
         swap_data(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
         param._tier_staged = (self, tid)
 
@@ -170,6 +182,52 @@ def staged_store(param):
     return staged[0] if staged is not None else None
 
 
+def _is_hf_model(module):
+    hf = _hf_pretrained_model()
+    return hf is not None and isinstance(module, hf)
+
+
+def _hf_pretrained_model():
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return PreTrainedModel
+
+
+def _params_init_may_touch(module):
+    """A module's own parameters and its direct children's (those of a child that is a model of
+    its own excepted), once each: what Hugging Face's _init_weights of the module may write."""
+    hf = _hf_pretrained_model()
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if hf is None or not isinstance(child, hf):
+            params.extend(child.parameters(recurse=False))
+    out, seen = [], set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class _Touched(Exception):
+    pass
+
+
+class _InPlaceProbe(TorchFunctionMode):
+    """Raises _Touched at the first operation that writes a tensor (an in-place method, a
+    setter, ``out=``), before it runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.startswith("__")) or name in ("__setitem__", "__set__"):
+            raise _Touched(name)
+        if kwargs and kwargs.get("out") is not None:
+            raise _Touched(name)
+        return func(*args, **(kwargs or {}))
+
+
 def _all_module_classes():
     seen, stack = set(), [torch.nn.Module]
     while stack:
@@ -189,17 +247,23 @@ class init:
 
     _active = threading.local()
 
-    def __init__(self, config=None, *, enabled=True):
+    def __init__(self, config=None, *, enabled=True, fast_random=False, seed=None):
         self.enabled = enabled
         self.store = StagedParameters(config) if enabled else None
         self._patched = []
         self._depth = {}
+        self._models = []  # the Hugging Face models under construction, outermost first
+        self.fast_random = _fast_random.fast_random(seed, defer=True) if enabled and fast_random else None
 
     def _stage_module(self, module):
         for p in module._parameters.values():
             if p is None or p.device.type == "meta" or p.numel() == 0 or staged_store(p) is not None:
                 continue
-            self.store.stage(p)
+            if self.fast_random is None:
+                self.store.stage(p)
+                continue
+            self.store.stage(p, self.fast_random.take_pending(p))
+            self.fast_random.forget(p)
 
     def _wrap_init(self, cls):
         original = cls.__dict__["__init__"]
@@ -209,18 +273,53 @@ class init:
         def wrapped(module, *args, **kwargs):
             key = id(module)
             ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            hf_model = ctx._depth[key] == 1 and _is_hf_model(module)
+            if hf_model:
+                ctx._models.append(module)
             try:
                 original(module, *args, **kwargs)
             finally:
                 ctx._depth[key] -= 1
                 if ctx._depth[key] == 0:
                     del ctx._depth[key]
+                if hf_model:
+                    ctx._models.pop()
             if key not in ctx._depth:
+                if ctx.fast_random is not None:
+                    ctx._initialize_now(module)
                 ctx._stage_module(module)
 
         wrapped._tier_original = original
         cls.__init__ = wrapped
         self._patched.append((cls, "__init__", original))
+
+    def _initialize_now(self, module):
+        """With fast_random: gives a module built inside a Hugging Face model its weight
+        initialisation as its construction ends, while its parameters are still in memory, so
+        each is written to the engine once (post_init then finds it done). Draws depend on the
+        tensor and its draw count only (fast_random), so the values are those post_init would
+        give. A model without the attributes its _init_weights needs yet is left to post_init."""
+        if _is_hf_model(module) or getattr(module, "_is_hf_initialized", False):
+            return
+        model = next((m for m in reversed(self._models) if "config" in m.__dict__), None)
+        if model is None:
+            return
+        from transformers import initialization as hf_init
+
+        touched = [p for p in _params_init_may_touch(module)]
+        counts = [(p, p.__dict__.get("_tier_random_draws")) for p in touched]
+        custom = model.is_custom_code() if hasattr(model, "is_custom_code") else False
+        try:
+            with torch.no_grad(), hf_init.guard_torch_init_functions():
+                model._initialize_weights(module, custom)
+        except (AttributeError, KeyError, TypeError):
+            # Left to post_init as it would be without this context: the draws not counted.
+            for p, n in counts:
+                if n is None:
+                    p.__dict__.pop("_tier_random_draws", None)
+                else:
+                    p._tier_random_draws = n
+            module.__dict__.pop("_is_hf_initialized", None)
 
     def __enter__(self):
         if not self.enabled:
@@ -228,6 +327,8 @@ class init:
         if getattr(init._active, "on", False):
             raise RuntimeError("tier.torch.init: contexts do not nest")
         init._active.on = True
+        if self.fast_random is not None:
+            self.fast_random.__enter__()
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 self._wrap_init(cls)
@@ -262,13 +363,20 @@ class init:
             if getattr(module, "_is_hf_initialized", False):
                 return original(model, module, *args, **kwargs)  # returns at once: nothing to bring
             # As initialize_weights_zero3: _init_weights may touch the direct children's parameters.
-            params = list(module.parameters(recurse=False))
-            for child in module.children():
-                if not isinstance(child, PreTrainedModel):
-                    params.extend(child.parameters(recurse=False))
+            params = [p for p in _params_init_may_touch(module) if staged_store(p) is store]
+            if params:
+                # First with the staged parameters as they are (meta tensors): most modules' init
+                # (a decoder layer's, an attention block's) writes none of them, and then nothing
+                # is read back. The probe stops the call at its first in-place write, before it
+                # runs (no random draw is made twice), and the call is made again on real values.
+                try:
+                    with _InPlaceProbe():
+                        return original(model, module, *args, **kwargs)
+                except Exception:  # noqa: BLE001 - any failure on meta tensors: run it on real ones
+                    pass
             staged, seen = [], set()
             for p in params:
-                if id(p) not in seen and staged_store(p) is store:
+                if id(p) not in seen:
                     seen.add(id(p))
                     store.materialize(p)
                     staged.append((p, p.detach().clone()))
@@ -287,6 +395,16 @@ class init:
     def __exit__(self, *exc):
         if not self.enabled:
             return False
+        try:
+            if exc[0] is None and self.store.home == "nvme":
+                # The staged writes home, durable (raises if one failed): a build that returns is
+                # on the disk, and its time includes the writing.
+                self.store.native.flush()
+        finally:
+            self._restore()
+        return False
+
+    def _restore(self):
         for cls, name, original in reversed(self._patched):
             if original is None:
                 try:
@@ -296,5 +414,6 @@ class init:
             else:
                 setattr(cls, name, original)
         self._patched.clear()
+        if self.fast_random is not None:
+            self.fast_random.__exit__(None, None, None)
         init._active.on = False
-        return False
