@@ -1,6 +1,9 @@
 """tier.torch.fast_random and tier.torch.init(fast_random=True): random weights from tier's
 counter-based generator, keyed by parameter; a model built into the engine has the weights of the
-same model built eagerly in the context, and each weight is written to the engine once."""
+same model built eagerly in the context, and each weight is written to the engine once. And what
+init does with writes to parameters it has already staged (PEFT's adapters)."""
+
+import contextlib
 
 import pytest
 
@@ -140,3 +143,46 @@ def test_a_deferred_draw_is_made_before_anything_else_touches_the_parameter(swap
     for slot in engine._slots:
         name = slot.name.split(".")[-1]
         assert torch.equal(engine.parameter(slot.name), getattr(want, name).detach()), slot.name
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["torch-generator", "tier-generator"])
+def test_lora_adapters_added_under_init_start_as_peft_makes_them(swap_dir, fast):
+    """PEFT zeroes each LoRA B matrix and redraws A after their modules are built, when tier has
+    already staged them: those writes reach the engine (B was left at the constructor's draw
+    before, so the adapted model did not start as the base)."""
+    peft = pytest.importorskip("peft")
+
+    def build():
+        model = transformers.AutoModelForCausalLM.from_config(llama())
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+
+    torch.manual_seed(0)
+    with tier.torch.fast_random(0) if fast else contextlib.nullcontext():
+        want = {n: p.detach().clone() for n, p in build().named_parameters()}
+    torch.manual_seed(0)
+    with tier.torch.init(cfg(swap_dir), fast_random=fast, seed=0):
+        model = build()
+    engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
+    names = [s.name for s in engine._slots]
+    assert sum("lora_B" in n for n in names) == 4
+    for name in names:
+        got = engine.parameter(name)
+        assert torch.equal(got, want[name]), name
+        if "lora_B" in name:
+            assert got.abs().max() == 0
+
+
+def test_a_write_after_construction_reaches_the_engine_and_a_partial_one_is_refused(swap_dir):
+    with tier.torch.init(cfg(swap_dir)):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        with torch.no_grad():
+            torch.nn.init.ones_(model[0].weight)
+            model[1].bias.fill_(3.0)
+            model[0].weight.requires_grad_(False)  # a flag, not a write: nothing read back
+            with pytest.raises(RuntimeError, match="part of a parameter already staged"):
+                model[1].weight[0].zero_()
+    assert model[0].weight.device.type == "meta" and not model[0].weight.requires_grad
+    engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
+    assert torch.equal(engine.parameter("0.weight"), torch.ones(8, 8))
+    assert torch.equal(engine.parameter("1.bias"), torch.full((2,), 3.0))

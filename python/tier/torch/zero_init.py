@@ -211,6 +211,55 @@ def _params_init_may_touch(module):
     return out
 
 
+# In-place methods that change a tensor's flags, not its values.
+_FLAG_METHODS = frozenset(("requires_grad_", "retain_grad", "share_memory_"))
+
+
+def _writes(func, kwargs):
+    name = getattr(func, "__name__", "")
+    if name in _FLAG_METHODS:
+        return False
+    return (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
+        kwargs.get("out") is not None
+    )
+
+
+class _StagedWrites(TorchFunctionMode):
+    """Inside init: an in-place operation on a staged parameter after its module was built (PEFT
+    zeroing a LoRA B matrix, a user's own init) is run on its values, read back from the engine,
+    and stored again, instead of doing nothing to a meta tensor. A write into part of one (a view
+    made while it is staged) cannot reach it and is refused."""
+
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _writes(func, kwargs):
+            return func(*args, **kwargs)
+        staged, seen = [], set()
+        for t in _fast_random._tensors(args, kwargs):
+            if staged_store(t) is self.store and t.device.type == "meta" and id(t) not in seen:
+                seen.add(id(t))
+                staged.append(t)
+            elif t.device.type == "meta" and t._base is not None and staged_store(t._base) is self.store:
+                raise RuntimeError(
+                    f"tier.torch.init: {getattr(func, '__name__', func)} writes into part of a parameter already "
+                    "staged in the engine (a view of it); write the whole parameter, or make the change "
+                    "inside the module's constructor or its transformers _init_weights"
+                )
+        if not staged:
+            return func(*args, **kwargs)
+        for p in staged:
+            self.store.materialize(p)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for p in staged:
+                self.store.restage(p)
+
+
 class _Touched(Exception):
     pass
 
@@ -329,6 +378,8 @@ class init:
         init._active.on = True
         if self.fast_random is not None:
             self.fast_random.__enter__()
+        self._writes_mode = _StagedWrites(self.store)
+        self._writes_mode.__enter__()
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 self._wrap_init(cls)
@@ -405,6 +456,9 @@ class init:
         return False
 
     def _restore(self):
+        if getattr(self, "_writes_mode", None) is not None:
+            self._writes_mode.__exit__(None, None, None)
+            self._writes_mode = None
         for cls, name, original in reversed(self._patched):
             if original is None:
                 try:
