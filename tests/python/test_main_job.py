@@ -1,6 +1,7 @@
 """The main job's summary (host memory per parameter, phase times), its presets and when it
 judges the loss."""
 
+import contextlib
 import json
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import tier.torch  # noqa: E402
 from tier.examples import finetune_llama  # noqa: E402
 
 TINY = ["--gas", "1", "--batch", "1", "--seq", "16", "--hidden", "64", "--layers", "1", "--heads", "2"]
@@ -99,40 +101,49 @@ def test_offloading_activations_without_checkpointing_is_refused(tmp_path, capsy
     assert "needs --checkpoint-activations" in capsys.readouterr().err
 
 
-def test_lora_in_bf16_with_checkpointing_trains_and_saves_an_adapter_plain_peft_loads(tmp_path, capsys):
+@pytest.mark.parametrize("init", ["torch", "tier"])
+def test_lora_in_bf16_with_checkpointing_trains_and_saves_an_adapter_plain_peft_loads(tmp_path, capsys, init):
     peft = pytest.importorskip("peft")
     import torch
     import transformers
 
     shape = ["--vocab", "320", "--kv-heads", "1", "--intermediate", "96", "--dtype", "bf16", "--lora-r", "4"]
     adapter = tmp_path / "adapter"
-    argv = TINY + shape + ["--checkpoint-activations", "--steps", "2", "--lr", "1e-2", "--swap-dir",
-                           str(tmp_path / "swap"), "--save-adapter", str(adapter), "--json"]
+    argv = TINY + shape + ["--checkpoint-activations", "--steps", "4", "--lr", "1e-2", "--swap-dir",
+                           str(tmp_path / "swap"), "--save-adapter", str(adapter), "--json", "--init", init]
     assert finetune_llama.main(argv) == 0
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{\n"):])["summary"]
     args = finetune_llama.main.__globals__["argparse"].Namespace(
         hidden=64, layers=1, heads=2, kv_heads=1, intermediate=96, vocab=320, seq=16, dtype="bf16", lora_r=4, seed=0,
-        lora_targets="q_proj,k_proj,v_proj,o_proj")
+        lora_targets="q_proj,k_proj,v_proj,o_proj", init=init)
     n_params, _, _, trainable = finetune_llama.model_shape(args)
     assert summary["parameters"] == n_params
     assert trainable == 4 * 4 * (64 + 64) - 2 * 4 * (64 - 32)  # k and v project to one kv head of 32
-    # The build wrote every bf16 weight at least once, at most twice (only changed values again).
-    assert 2 * n_params <= summary["build_bytes_written"] <= 2 * 2 * n_params and summary["build_seconds"] > 0
-    # Plain PEFT loads the adapter onto the same base (built eagerly with the same seed) and
-    # computes the trained model's logits, saved by the run beside the adapter.
+    # The build wrote every bf16 weight at least once, at most twice (only changed values again);
+    # with tier's generator the base exactly once (each drawn as its module's construction ends),
+    # the adapters twice (PEFT redraws A and zeroes B after building them).
+    assert summary["init"] == init
+    if init == "tier":
+        assert summary["build_bytes_written"] == 2 * n_params + 2 * trainable
+    else:
+        assert 2 * n_params <= summary["build_bytes_written"] <= 2 * 2 * n_params
+    assert summary["build_seconds"] > 0
+    # Plain PEFT loads the adapter onto the same base (built eagerly with the same seed and
+    # generator) and computes the trained model's logits, saved by the run beside the adapter.
     probe = torch.load(adapter / finetune_llama.PROBE_FILE)
     assert probe["input_ids"].shape == (1, 16)  # min(32, --seq)
     plain = finetune_llama.plain_peft_logits(args, adapter, probe["input_ids"])
     assert plain.shape == probe["logits"].shape == (1, 16, 320)
     assert torch.allclose(plain, probe["logits"], rtol=1e-5, atol=1e-5), (plain - probe["logits"]).abs().max()
-    # The trained adapter differs from a fresh one (LoRA's B starts at zero): its logits are not
-    # the base's.
+    # The trained adapter differs from a fresh one (LoRA's B starts at zero, as PEFT makes it,
+    # and the first step's warmup lr is 0): its logits are not the base's.
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        base = transformers.LlamaForCausalLM(finetune_llama.llama_config(args))
+        with tier.torch.fast_random(0) if init == "tier" else contextlib.nullcontext():
+            base = transformers.LlamaForCausalLM(finetune_llama.llama_config(args))
     finally:
         torch.set_default_dtype(previous)
     model = peft.PeftModel.from_pretrained(base, str(adapter), autocast_adapter_dtype=False)

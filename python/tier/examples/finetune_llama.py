@@ -14,6 +14,7 @@ summary ends the run.
 """
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -127,7 +128,8 @@ class BuildProgress:
     def _line(self):
         done = self.store.written_bytes
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        # Each weight is written when its module is built and again by transformers' init.
+        # With --init torch each weight is written when its module is built and again by
+        # transformers' init; with tier's generator once.
         return (f"building: {self.store.count} tensors staged, {fmt_bytes(done)} written (model "
                 f"{fmt_bytes(self.total)}), {fmt_bytes(done / dt)}/s")
 
@@ -145,17 +147,25 @@ class BuildProgress:
         return False
 
 
+def _fast_init(args):
+    return getattr(args, "init", "torch") == "tier"
+
+
 def make_model(args, config, say=print, build=None):
     """The model, built under tier.torch.init: each module's parameters go into the engine as it
-    is constructed, so the model never exists whole in host memory (same weights as an eager
-    build with the same seed). In bf16 with --dtype bf16; with --lora-r, wrapped by PEFT's LoRA
-    inside the same context (the adapters are staged like the rest, the base is frozen). ``build``
-    (a dict), when given, gets the build's seconds and bytes written."""
+    is constructed, so the model never exists whole in host memory (the same weights as an eager
+    build with the same seed, under tier.torch.fast_random for --init tier). In bf16 with --dtype
+    bf16; with --lora-r, wrapped by PEFT's LoRA inside the same context (the adapters are staged
+    like the rest, the base is frozen). ``build`` (a dict), when given, gets the build's seconds
+    and bytes written."""
     torch.manual_seed(args.seed)
     n_params = model_shape(args)[0]
     esize = _esize(args)
     previous = torch.get_default_dtype()
-    with tier.torch.init(config) as ctx, BuildProgress(ctx.store, n_params * esize, say) as progress:
+    fast = _fast_init(args)
+    ctx = tier.torch.init(config, fast_random=fast, seed=args.seed)  # creates the engine
+    # The build's time ends after init's exit, which waits for the last writes home.
+    with BuildProgress(ctx.store, n_params * esize, say) as progress, ctx:
         torch.set_default_dtype(_dtype(args))
         try:
             model = transformers.LlamaForCausalLM(llama_config(args))
@@ -203,7 +213,7 @@ def held_out_loss(engine, ids):
 
 def plain_peft_logits(args, adapter_dir, ids, timings=None):
     """The logits of ``ids`` through plain transformers + PEFT, without tier: the base built
-    eagerly with the run's seed and dtype (the same weights tier.torch.init made), the adapter
+    eagerly with the run's seed, dtype and generator (the same weights tier.torch.init made), the adapter
     loaded by ``peft.PeftModel.from_pretrained`` in the model's dtype, as the run trained it.
     Holds the whole base in host memory (13.5 GB at the 7b-lora preset). ``timings`` (a dict), when
     given, gets ``init_seconds``: the eager build alone, torch's init without tier."""
@@ -214,7 +224,8 @@ def plain_peft_logits(args, adapter_dir, ids, timings=None):
     torch.set_default_dtype(_dtype(args))
     t0 = time.perf_counter()
     try:
-        base = transformers.LlamaForCausalLM(llama_config(args))
+        with tier.torch.fast_random(args.seed) if _fast_init(args) else contextlib.nullcontext():
+            base = transformers.LlamaForCausalLM(llama_config(args))
     finally:
         torch.set_default_dtype(previous)
     if timings is not None:
@@ -329,7 +340,7 @@ PRESETS = {
 # projections) over the frozen base streamed from NVMe.
 _7B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 32, "intermediate": 11008, "vocab": 32000,
        "dtype": "bf16", "checkpoint_activations": True, "batch": 1, "seq": 128, "steps": 3, "gas": 1,
-       "device_fraction": 0.0}
+       "device_fraction": 0.0, "init": "tier"}
 PRESETS["7b"] = dict(_7B, lr=1e-5)
 PRESETS["7b-lora"] = dict(_7B, lr=2e-4, lora_r=16)
 # Fewer steps than this do not say whether the model learns: the loss is reported, not judged.
@@ -376,6 +387,9 @@ def parser():
                    f"{PROBE_FILE}, the trained model's logits on a fixed probe")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", choices=["torch", "tier"], default="torch",
+                   help="random weights from PyTorch's generator (one core), or from tier's counter-based one on "
+                   "every core, each weight written to NVMe once (tier.torch.fast_random; the 7b presets' default)")
     p.add_argument("--device-fraction", type=float, default=0.4, help="device budget as a fraction of the model")
     p.add_argument("--device-budget", type=int, default=0,
                    help="device budget in bytes (instead of --device-fraction); the presets use 768 MiB, like a "
@@ -552,6 +566,7 @@ def run(args, swap_dir):
         "parameters": n_params,
         "steps": args.steps,
         **build,  # build_seconds, build_bytes_written
+        "init": getattr(args, "init", "torch"),
         "seconds": total,
         "tokens_per_second": tokens_per_step * args.steps / total,
         "first_loss": history[0]["loss"],
