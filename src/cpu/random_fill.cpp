@@ -157,16 +157,20 @@ TIER_KERNEL_INLINE void Finish(D64 d64, bool normal, float a, float b, const Wor
   hn::StoreInterleaved2(hn::BitCast(d64, first), hn::BitCast(d64, second), d64, reinterpret_cast<std::uint64_t*>(out));
 }
 
-// Elements [4 * first_block, 4 * (first_block + 2 * lanes)) as fp32, in element order, into out.
+// Elements [4 * first_block, 4 * (first_block + 4 * lanes)) as fp32, in element order, into out:
+// four vectors of blocks, whose Philox rounds the compiler interleaves (inlined, independent).
 template <class D64>
 TIER_KERNEL_INLINE void Group(D64 d64, bool normal, float a, float b, std::uint64_t first_block, std::uint32_t s_lo,
                               std::uint32_t s_hi, std::uint32_t k0, std::uint32_t k1, float* HWY_RESTRICT out) {
   const std::size_t n = hn::Lanes(d64);
   const auto block = hn::Add(hn::Set(d64, first_block), hn::Iota(d64, 0));
-  Words wa, wb;
+  Words wa, wb, wc, wd;
   Philox2(d64, block, hn::Add(block, hn::Set(d64, n)), s_lo, s_hi, k0, k1, wa, wb);
+  Philox2(d64, hn::Add(block, hn::Set(d64, 2 * n)), hn::Add(block, hn::Set(d64, 3 * n)), s_lo, s_hi, k0, k1, wc, wd);
   Finish(d64, normal, a, b, wa, out);
   Finish(d64, normal, a, b, wb, out + 4 * n);
+  Finish(d64, normal, a, b, wc, out + 8 * n);
+  Finish(d64, normal, a, b, wd, out + 12 * n);
 }
 
 #if HWY_TARGET == HWY_SCALAR
@@ -220,14 +224,14 @@ void FillT(bool normal, float a, float b, std::uint64_t seed, std::uint64_t stre
 #else
   const hn::ScalableTag<std::uint64_t> d64;
   const hn::Repartition<float, decltype(d64)> df;
-  const std::size_t per_group = 8 * hn::Lanes(d64);  // elements, = 4 float vectors
+  const std::size_t per_group = 16 * hn::Lanes(d64);  // elements, = 8 float vectors
   const std::size_t nf = hn::Lanes(df);
   auto group = [&](std::uint64_t block, float* out) { Group(d64, normal, a, b, block, s_lo, s_hi, k0, k1, out); };
   auto store = [&](const float* src, std::uint8_t* dst) {
-    for (std::size_t j = 0; j < 4; ++j) StoreFromF32<K>(df, hn::Load(df, src + j * nf), dst + j * nf * ElemBytes(K));
+    for (std::size_t j = 0; j < 8; ++j) StoreFromF32<K>(df, hn::Load(df, src + j * nf), dst + j * nf * ElemBytes(K));
   };
 #endif
-  HWY_ALIGN float buf[8 * HWY_MAX_BYTES / 8 + 4];
+  HWY_ALIGN float buf[16 * HWY_MAX_BYTES / 8 + 4];
   auto* p = static_cast<std::uint8_t*>(data);
   // `begin` need not be a multiple of 4: the group holding it is computed whole.
   std::uint64_t i = begin - begin % 4;
@@ -238,7 +242,7 @@ void FillT(bool normal, float a, float b, std::uint64_t seed, std::uint64_t stre
     if (lo == i && hi == i + per_group) {
       store(buf, p + i * ElemBytes(K));
     } else {
-      HWY_ALIGN std::uint8_t out[4 * HWY_MAX_BYTES + 16] = {};
+      HWY_ALIGN std::uint8_t out[8 * HWY_MAX_BYTES + 16] = {};
       store(buf, out);
       std::memcpy(p + lo * ElemBytes(K), out + (lo - i) * ElemBytes(K), (hi - lo) * ElemBytes(K));
     }
