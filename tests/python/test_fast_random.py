@@ -42,9 +42,25 @@ def gpt2():
     return transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)
 
 
+def t5():
+    # Encoder-decoder, one embedding shared by both stacks and the output; its model's init sets
+    # its children's weights from the block level.
+    return transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+
+
+def bloom():
+    return transformers.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4)
+
+
+def _auto(hf_config):
+    if hf_config.is_encoder_decoder:
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModelForCausalLM
+
+
 def eager(hf_config, seed=0):
     with tier.torch.fast_random(seed) as ctx:
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = _auto(hf_config).from_config(hf_config)
     assert ctx.draws > 0
     return model
 
@@ -86,21 +102,22 @@ def test_an_explicit_generator_other_devices_and_outside_the_context_stay_torch(
 
 
 @pytest.mark.parametrize("make, rewrites", [(llama, False), (lambda: llama(tied=True), False), (neox, False),
-                                            (opt, False), (gpt2, True)],
-                         ids=["llama", "llama-tied", "gpt-neox", "opt", "gpt2"])
+                                            (opt, False), (gpt2, True), (t5, True), (bloom, False)],
+                         ids=["llama", "llama-tied", "gpt-neox", "opt", "gpt2", "t5", "bloom"])
 def test_a_model_built_under_init_has_the_eager_fast_random_weights_written_once(swap_dir, make, rewrites):
     expected = {n: p.detach().clone() for n, p in eager(make()).named_parameters()}
     torch.manual_seed(123)  # fast_random's seed is given: torch's global one does not matter
     with tier.torch.init(cfg(swap_dir), fast_random=True, seed=0) as ctx:
-        model = transformers.AutoModelForCausalLM.from_config(make())
+        model = _auto(make()).from_config(make())
     assert all(p.device.type == "meta" for p in model.parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # Each weight is drawn as its module's construction ends and written once (the constructor's
     # own draw, which transformers' init replaces, is never made): nothing written beyond the
-    # staged tensors (with tied embeddings, the output layer's own weight before the tie too).
-    # GPT-2's block init rescales its children's output projections, which are written again.
-    tied = model.config.tie_word_embeddings
-    assert ctx.store.staged_bytes == model_bytes + (96 * 64 * 4 if tied else 0)
+    # staged tensors (with tied embeddings, also the embeddings a tie replaced after they were
+    # built: the output layer's, T5's per-stack ones). GPT-2's and T5's block-level init sets
+    # children's weights, which are written again.
+    extra = ctx.store.staged_bytes - model_bytes
+    assert extra % (96 * 64 * 4) == 0 and (extra > 0) == bool(model.config.tie_word_embeddings), extra
     if rewrites:
         assert ctx.store.staged_bytes < ctx.store.written_bytes < 2 * ctx.store.staged_bytes
     else:
