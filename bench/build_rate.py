@@ -11,9 +11,9 @@ the context's entry to its exit, whose flush makes every write durable; creating
 
 The reference is the same tool writing the same bytes into fresh space on the same disk, outside
 tier's Python path: ``tier-bench io --rw write --no-prefill --size <model bytes>`` (O_DIRECT,
-incompressible bytes, queue depths 8 and 32, the faster). Reference and builds alternate
-(reference, build, reference, build, ...), and each build is divided by the mean of the
-references on either side of it.
+incompressible bytes, queue depths 8 and 32, the faster). Builds and references alternate
+(build, reference, build, reference, ...), and each build is divided by the mean of the
+references on either side of it (the first, by the one after it).
 
     TIER_BENCH=build/bin/tier-bench python3 bench/build_rate.py --swap-dir /path/on/nvme \\
         [--layers 32] [--runs 2] [--init tier] [--json]
@@ -62,20 +62,6 @@ print("RESULT " + json.dumps({
 """
 
 
-def io_write_rate(bench, directory, nbytes):
-    """Bytes per second of ``tier-bench io`` writing ``nbytes`` into fresh space in ``directory``,
-    the better of queue depths 8 and 32."""
-    best = 0.0
-    for depth in (8, 32):
-        run = subprocess.run(
-            [bench, "io", "--path", directory, "--rw", "write", "--no-prefill", "--size", str(nbytes),
-             "--queue-depth", str(depth), "--quiet", "--json"],
-            stdout=subprocess.PIPE, text=True, check=True,
-        )
-        best = max(best, json.loads(run.stdout)["bytes_per_second"])
-    return best
-
-
 def build_once(swap_dir, layers, mode):
     swap = tempfile.mkdtemp(prefix="tier-build-", dir=swap_dir)
     env = dict(os.environ)
@@ -102,6 +88,7 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     import scale  # bench/scale.py: tier-bench lookup
+    from pretrained_build import io_write_rate  # tier-bench io into fresh space
 
     bench = scale.find_tier_bench(a.tier_bench)
     os.makedirs(a.swap_dir, exist_ok=True)
@@ -112,7 +99,7 @@ def main(argv=None):
         builds.append(build_once(a.swap_dir, a.layers, a.init))
         nbytes = builds[-1]["model_bytes"]
         say(f"reference: tier-bench io writing {nbytes / 1e9:.2f} GB into fresh space ...")
-        refs.append(io_write_rate(bench, a.swap_dir, nbytes))
+        refs.append(max(io_write_rate(bench, a.swap_dir, nbytes, depth) for depth in (8, 32)))
     rows = []
     for i, b in enumerate(builds):
         # The references on either side of build i (the first has one after it only).

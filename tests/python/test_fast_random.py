@@ -203,3 +203,38 @@ def test_a_write_after_construction_reaches_the_engine_and_a_partial_one_is_refu
     engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
     assert torch.equal(engine.parameter("0.weight"), torch.ones(8, 8))
     assert torch.equal(engine.parameter("1.bias"), torch.full((2,), 3.0))
+
+
+class _LateConfig(transformers.PretrainedConfig):
+    model_type = "tier_late_attr_test"
+
+
+class _LateAttributeModel(transformers.PreTrainedModel):
+    """Its init needs an attribute set after its layers are built: the early init of a layer
+    draws, then fails, and is left to post_init, which must draw what an eager build draws."""
+
+    config_class = _LateConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 8)
+        self.scale = 0.05
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            module.weight.data.mul_(self.scale / 0.02)
+            torch.nn.init.zeros_(module.bias)
+
+
+def test_an_early_init_that_fails_is_left_to_post_init_with_its_draws_undone(swap_dir):
+    with tier.torch.fast_random(0):
+        want = {n: p.detach().clone() for n, p in _LateAttributeModel(_LateConfig()).named_parameters()}
+    with tier.torch.init(cfg(swap_dir), fast_random=True, seed=0):
+        model = _LateAttributeModel(_LateConfig())
+    engine, *_ = tier.torch.initialize(model, cfg(swap_dir))
+    for slot in engine._slots:
+        assert torch.equal(engine.parameter(slot.name), want[slot.name]), slot.name
+    assert abs(want["a.weight"].std().item() - 0.05) < 0.01

@@ -133,6 +133,21 @@ class fast_random:
                 del self._by_ptr[entry.ptr]
             entry.owner = None
 
+    def snapshot(self, params):
+        """The draw counts and deferred draws of ``params``, for rollback()."""
+        entries = (p.__dict__.get("_tier_random_entry") for p in params)
+        return [(e, e.draws, e.pending) for e in entries if e is not None]
+
+    def rollback(self, snapshot):
+        """Puts back what snapshot() saw: draws made since then count as not made (a deferred
+        one is dropped; one made into memory is not undone, the next draw overwrites it)."""
+        for entry, draws, pending in snapshot:
+            entry.draws, entry.pending = draws, pending
+            if pending is None:
+                self._pending.pop(id(entry), None)
+            else:
+                self._pending[id(entry)] = entry
+
     def _stream(self, tensor, entry):
         if entry is None:
             key = tensor.__dict__.get("_tier_random_key")

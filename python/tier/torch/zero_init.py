@@ -216,6 +216,8 @@ _FLAG_METHODS = frozenset(("requires_grad_", "retain_grad", "share_memory_"))
 
 
 def _writes(func, kwargs):
+    """Whether ``func`` writes a tensor's values: an in-place method (flag methods excepted),
+    item assignment or ``out=``."""
     name = getattr(func, "__name__", "")
     if name in _FLAG_METHODS:
         return False
@@ -269,12 +271,11 @@ class _InPlaceProbe(TorchFunctionMode):
     setter, ``out=``), before it runs."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if (name.endswith("_") and not name.startswith("__")) or name in ("__setitem__", "__set__"):
+        if _writes(func, kwargs) or name in _FLAG_METHODS or name == "__set__":
             raise _Touched(name)
-        if kwargs and kwargs.get("out") is not None:
-            raise _Touched(name)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _all_module_classes():
@@ -355,19 +356,14 @@ class init:
             return
         from transformers import initialization as hf_init
 
-        touched = [p for p in _params_init_may_touch(module)]
-        counts = [(p, p.__dict__.get("_tier_random_draws")) for p in touched]
+        before = self.fast_random.snapshot(_params_init_may_touch(module))
         custom = model.is_custom_code() if hasattr(model, "is_custom_code") else False
         try:
             with torch.no_grad(), hf_init.guard_torch_init_functions():
                 model._initialize_weights(module, custom)
         except (AttributeError, KeyError, TypeError):
             # Left to post_init as it would be without this context: the draws not counted.
-            for p, n in counts:
-                if n is None:
-                    p.__dict__.pop("_tier_random_draws", None)
-                else:
-                    p._tier_random_draws = n
+            self.fast_random.rollback(before)
             module.__dict__.pop("_is_hf_initialized", None)
 
     def __enter__(self):
