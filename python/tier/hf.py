@@ -194,6 +194,15 @@ class TierTrainer(transformers.Trainer):
         self._engine_scheduler = False
         self._stepped = False
 
+    def _move_model_to_device(self, model, device):
+        # A model built under tier.torch.init holds its parameters in the engine (meta tensors
+        # here): the engine places them when training starts; moved whole, it would fail.
+        from .torch import zero_init
+
+        if any(zero_init.staged_store(p) is not None for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
     # ------------------------------------------------------------------ setup
     def _training_steps(self):
         if self.args.max_steps > 0:

@@ -353,3 +353,22 @@ def test_save_only_model_with_load_best_model_at_end_is_refused_at_once(tmp_path
     with pytest.raises(ValueError, match="save_only_model=True along with load_best_model_at_end"):
         tier.hf.TierTrainer(model=make_model(), args=ta, train_dataset=Tokens(), eval_dataset=Tokens(n=8),
                             tier_config=ds_config(str(tmp_path / "swap")))
+
+
+def test_a_model_built_under_tier_init_trains_in_the_trainer_as_the_eager_one(tmp_path):
+    """The Trainer moves its model to the device when it is created; a model built under
+    tier.torch.init has its parameters in the engine (meta tensors) and is placed by it instead."""
+    swaps = [tmp_path / "eager-swap", tmp_path / "init-swap"]
+    for s in swaps:
+        s.mkdir()
+    eager = tier.hf.TierTrainer(model=make_model(), args=args(tmp_path, "eager", max_steps=3, save_strategy="no"),
+                                train_dataset=Tokens(), tier_config=ds_config(str(swaps[0])))
+    eager.train()
+    torch.manual_seed(0)
+    with tier.torch.init(ds_config(str(swaps[1]))):
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    staged = tier.hf.TierTrainer(model=model, args=args(tmp_path, "init", max_steps=3, save_strategy="no"),
+                                 train_dataset=Tokens(), tier_config=ds_config(str(swaps[1])))
+    staged.train()
+    assert losses_of(staged) == losses_of(eager) and len(losses_of(eager)) == 3
